@@ -1,0 +1,132 @@
+"""Validated configuration (pydantic): the model, its attention, the KV cache, the parallel layout.
+
+Everything a kernel or a TP size cannot run is rejected here, on the driver, with a message that
+says why -- before a placement group is reserved or an actor started.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
+SUPPORTED_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """A Llama-style decoder; field names follow Hugging Face's ``LlamaConfig``."""
+
+    vocab_size: int = Field(512, gt=0, description="Vocabulary size.")
+    hidden_size: int = Field(256, gt=0, description="Model width.")
+    intermediate_size: int = Field(512, gt=0, description="SwiGLU inner width.")
+    num_hidden_layers: int = Field(4, gt=0, description="Decoder layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Query heads.")
+    num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA when fewer than query heads).")
+    head_dim: Optional[int] = Field(None, description="Per-head size; hidden_size / heads when unset.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    max_position_embeddings: int = Field(8192, gt=0, description="Longest sequence the model accepts.")
+    tie_word_embeddings: bool = Field(False, description="Share the embedding and LM-head weights.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight and activation dtype.")
+    sliding_window: Optional[int] = Field(None, gt=0, description="Window in tokens for sliding_attention layers.")
+    attention_chunk_size: Optional[int] = Field(None, gt=0, description="Chunk in tokens for chunked_attention (Llama 4 iRoPE) layers.")
+    layer_types: Optional[list[LayerType]] = Field(None, description="Attention kind per layer; all full_attention when unset.")
+    logits_soft_cap: Optional[float] = Field(None, gt=0, description="Attention logits soft cap (Gemma-2 style).")
+    use_alibi: bool = Field(False, description="ALiBi position bias instead of RoPE.")
+    seed: int = Field(0, description="Seed for random weights when no checkpoint is given.")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def layer_kinds(self) -> list[str]:
+        return list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+
+    @model_validator(mode="after")
+    def _check(self):
+        h, kv = self.num_attention_heads, self.num_key_value_heads
+        if h % kv:
+            raise ValueError(f"num_attention_heads={h} must be a multiple of num_key_value_heads={kv}")
+        if self.head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"head size {self.head_size} is not supported; choose one of {SUPPORTED_HEAD_SIZES}")
+        if self.head_dim is None and self.hidden_size % h:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={h}; set head_dim")
+        kinds = self.layer_kinds()
+        if len(kinds) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(kinds)} entries for num_hidden_layers={self.num_hidden_layers}")
+        if "sliding_attention" in kinds and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if "chunked_attention" in kinds and self.attention_chunk_size is None:
+            raise ValueError("layer_types has chunked_attention layers but attention_chunk_size is not set")
+        return self
+
+
+class CacheConfig(_Strict):
+    block_size: int = Field(16, gt=0, description="Tokens per KV block; a multiple of 16 (256 for flash-attn 2).")
+    num_blocks: Optional[int] = Field(None, gt=0, description="Blocks per rank; sized from memory_fraction when unset.")
+    memory_fraction: float = Field(0.85, gt=0, le=1, description="Share of free device memory for the KV cache when num_blocks is unset.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field("auto", description="'auto' stores K/V in the model dtype; fp8 stores float8 e4m3 with per-layer scales.")
+    enable_prefix_caching: bool = Field(True, description="Reuse full KV blocks of identical prefixes across requests.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}")
+        return self
+
+
+class ParallelConfig(_Strict):
+    tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split the heads of one model replica.")
+    kernel: Literal["auto", "fa3", "fa2", "torch"] = Field("auto", description="Attention kernel; 'auto' picks the fastest the device supports.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where workers run; 'auto' uses GPUs when the cluster has them.")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per rank's bundle.")
+    use_compiled_graph: bool = Field(False, description="Drive steady-state steps through a Ray compiled graph.")
+    ray_address: Optional[str] = Field(None, description="Ray cluster to join; None starts or joins via RAY_ADDRESS.")
+
+
+class EngineConfig(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The decoder to serve.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Ranks and kernels.")
+    checkpoint: Optional[str] = Field(None, description="Folder with HF-format safetensors; random weights from model.seed when unset.")
+    max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens in one step (chunked prefill splits longer prompts).")
+    enable_cascade: bool = Field(True, description="Let the planner choose cascade attention for shared prefixes.")
+    num_sms: Optional[int] = Field(None, gt=0, description="SM count for the cascade heuristic; taken from the workers' GPU when unset.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        check_runnable(self.model, self.cache, self.parallel)
+        return self
+
+
+def check_runnable(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig) -> None:
+    """Reject, with the reason, a layout no worker could run."""
+    tp = parallel.tensor_parallel_size
+    if model.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={model.num_attention_heads}")
+    kv = model.num_key_value_heads
+    if kv >= tp and kv % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv} (or exceed it, to replicate)")
+    if kv < tp and tp % kv:
+        raise ValueError(f"num_key_value_heads={kv} must divide tensor_parallel_size={tp} to replicate KV heads")
+    if model.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={model.intermediate_size}")
+    if model.attention_chunk_size and model.attention_chunk_size % cache.block_size:
+        raise ValueError(f"attention_chunk_size={model.attention_chunk_size} must be a multiple of "
+                         f"block_size={cache.block_size}")
+    if parallel.kernel != "auto":
+        import torch
+
+        from ray_attn.backend.kernels import LayerKernelSpec, unsupported_reason
+
+        spec = LayerKernelSpec(model.head_size, getattr(torch, model.dtype), cache.kv_cache_dtype,
+                               cache.block_size, model.use_alibi)
+        reason = unsupported_reason(parallel.kernel, spec)
+        if reason:
+            raise ValueError(f"kernel={parallel.kernel!r} cannot run this model: {reason}")

@@ -1,0 +1,91 @@
+"""The attention metadata of one step: built once on the driver, read by every layer on every rank.
+
+The planner fills these dataclasses with int32 numpy arrays (no torch on the driver); the worker
+calls :meth:`FlashAttentionMetadata.to_device` once per step and every layer then reads the same
+device tensors.  Field names follow vLLM v1's ``FlashAttentionMetadata`` so that vLLM users can map
+one onto the other; the cascade fields are generalised to several prefix groups (see DESIGN.md,
+"Multi-group cascade"): with one group they mean exactly what vLLM's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class LocalAttentionMetadata:
+    """Chunked-local attention as virtual batches (see ``make_local_attention_virtual_batches``)."""
+
+    local_query_start_loc: Any  # [num_virtual + 1]
+    local_seqused_k: Any  # [num_virtual]
+    local_block_table: Any  # [num_virtual, pages_per_chunk]
+    local_max_query_len: int
+    local_max_seq_len: int
+
+
+@dataclass
+class FlashAttentionMetadata:
+    """Everything a layer needs to run one step of paged attention.
+
+    Arrays are ``np.ndarray`` (int32) on the driver and ``torch.Tensor`` on the worker.
+    """
+
+    num_actual_tokens: int  # tokens in the batch, excluding padding
+    max_query_len: int
+    query_start_loc: Any  # [B + 1] cumulative query lengths
+    max_seq_len: int
+    seq_lens: Any  # [B] kv length of each request after this step's tokens are written
+    block_table: Any  # [B, max_blocks]; entries past a request's blocks are ignored
+    slot_mapping: Any  # [num_tokens] flat cache slot per token; -1 = do not write
+
+    # Cascade attention.  Tokens are ordered so that each prefix group is contiguous.
+    use_cascade: bool = False
+    common_prefix_len: int = 0  # longest group prefix (a multiple of block_size)
+    cu_prefix_query_lens: Any = None  # [G + 1] query tokens of each group
+    prefix_kv_lens: Any = None  # [G] shared-prefix length of each group
+    prefix_block_table: Any = None  # [G, max_prefix_blocks]
+    suffix_kv_lens: Any = None  # [B] seq_len minus the request's group prefix
+    suffix_block_table: Any = None  # [B, max_suffix_blocks] the blocks after the group prefix
+    max_suffix_kv_len: int = 0
+
+    # Chunked local attention (Llama 4 iRoPE layers); None when no layer needs it.
+    local_attn_metadata: LocalAttentionMetadata | None = None
+
+    # Kernel-specific, ahead-of-time scheduling data (FlashAttention 3); filled on the worker.
+    scheduler_metadata: Any = None
+    prefix_scheduler_metadata: Any = None
+    suffix_scheduler_metadata: Any = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    def to_device(self, device, non_blocking: bool = True) -> "FlashAttentionMetadata":
+        """Copy every array field to ``device`` as an int32 torch tensor (zero-copy on CPU)."""
+        return _map_arrays(self, lambda a: _to_tensor(a, device, non_blocking))
+
+
+def _to_tensor(a: np.ndarray, device, non_blocking: bool):
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+    if torch.device(device).type == "cpu":
+        return t
+    if non_blocking:
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
+def _map_arrays(obj, fn):
+    changes = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, np.ndarray):
+            changes[f.name] = fn(v)
+        elif dataclasses.is_dataclass(v):
+            changes[f.name] = _map_arrays(v, fn)
+    return dataclasses.replace(obj, **changes)

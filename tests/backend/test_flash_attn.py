@@ -1,0 +1,228 @@
+"""FlashAttentionImpl against a float64 dense reference, over the feature grid, on every kernel
+this machine has (the torch kernel on CPU; flash-attn 2 and 3 on the GPU machine).
+
+Tolerances: float32 inputs on the torch kernel agree with float64 to ~1e-6; we allow 1e-4 for
+accumulation over a few hundred keys.  bfloat16 stores 8 mantissa bits, so outputs (convex mixes
+of unit-normal values) carry ~4e-3 rounding per element; we allow 2e-2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ray_attn.backend import AttentionLayer, FlashAttentionImpl, unsupported_reason
+from ray_attn.backend.kernels import LayerKernelSpec
+from tests.backend.batch import add_cascade, dense_reference, expected_cache_after, make_batch
+
+GPU = pytest.mark.gpu
+KERNELS = [pytest.param("torch", id="torch"),
+           pytest.param("fa2", marks=GPU, id="fa2"),
+           pytest.param("fa3", marks=GPU, id="fa3")]
+
+MIXED_Q = [1, 7, 1, 33, 1]  # decode, chunked prefill, decode, prefill, decode
+MIXED_KV = [40, 7, 300, 90, 17]
+
+
+def setup(kernel, head_size, block_size, alibi=False, kv_cache_dtype="auto"):
+    """(device, dtype, atol) for a kernel, skipping configurations the kernel cannot run."""
+    if kernel == "torch":
+        device, dtype, atol = torch.device("cpu"), torch.float32, 1e-4
+    else:
+        device, dtype, atol = torch.device("cuda"), torch.bfloat16, 2e-2
+    reason = unsupported_reason(kernel, LayerKernelSpec(head_size, dtype, kv_cache_dtype, block_size, alibi), device)
+    if reason:
+        pytest.skip(reason)
+    return device, dtype, atol
+
+
+def alibi_slopes(n):
+    return [2 ** (-8 * (i + 1) / n) for i in range(n)]
+
+
+def run(impl, batch, device, meta=None, layer=None):
+    meta = (meta or batch.meta).to_device(device)
+    out = torch.full_like(batch.query, float("nan"), device=device)
+    cache = batch.kv_cache.to(device)
+    impl.forward(layer or AttentionLayer(device=device), batch.query.to(device), batch.key.to(device),
+                 batch.value.to(device), cache, meta, out)
+    return out.cpu(), cache.cpu()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature", ["plain", "window", "alibi", "softcap"])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_paged_attention_matches_dense(kernel, head_size, gqa, block_size, feature, rng):
+    device, dtype, atol = setup(kernel, head_size, block_size, alibi=feature == "alibi")
+    Hk = 2
+    H = Hk * gqa
+    scale = head_size ** -0.5
+    window = 24 if feature == "window" else None
+    slopes = alibi_slopes(H) if feature == "alibi" else None
+    softcap = 5.0 if feature == "softcap" else None
+    impl = FlashAttentionImpl(H, head_size, scale, Hk, slopes, window, "auto", logits_soft_cap=softcap,
+                              dtype=dtype, block_size=block_size, device=device, kernel=kernel)
+    batch = make_batch(MIXED_Q, MIXED_KV, H=H, Hk=Hk, D=head_size, block_size=block_size,
+                       dtype=dtype, gen=rng, pad_tokens=3)
+    before = batch.kv_cache.clone()
+    out, cache = run(impl, batch, device)
+    ref = dense_reference(batch, before, scale=scale, window=window, alibi=slopes,
+                          softcap=softcap or 0.0)
+    n = batch.meta.num_actual_tokens
+    torch.testing.assert_close(out[:n].double(), ref, atol=atol, rtol=atol)
+    assert out[n:].isnan().all(), "padding rows must be left as they were"
+    # The cache write touched exactly this step's slots, and nothing else.
+    exp = expected_cache_after(batch, before, lambda x, _: x.to(before.dtype))
+    assert torch.equal(cache, exp)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature", ["plain", "softcap", "window"])
+@pytest.mark.parametrize("shape", ["one_group", "multi_group", "with_prefill"])
+def test_cascade_equals_plain(kernel, shape, feature, rng):
+    head_size, Hk, H = 128, 2, 8
+    block_size = 16 if kernel != "fa2" else 256
+    device, dtype, atol = setup(kernel, head_size, block_size)
+    P = 2  # shared blocks per group
+    pre = P * block_size
+    if shape == "one_group":
+        q_lens = [1] * 8
+        kv_lens = [pre + 1 + 13 * i for i in range(8)]
+        groups = [(P, list(range(8)))]
+    elif shape == "multi_group":
+        q_lens = [1] * 9
+        kv_lens = [pre + 3 + 7 * i for i in range(9)]
+        groups = [(P, [0, 1, 2]), (P + 1, [3, 4]), (1, [5, 6, 7, 8])]
+        kv_lens[3:5] = [pre + block_size + 5, pre + block_size + 9]
+    else:  # queries of several tokens after the shared prefix, in several groups
+        q_lens = [5, 1, 12, 1, 3]
+        kv_lens = [pre + 5, pre + 30, pre + 20, pre + 2, pre + 40]
+        groups = [(P, [0, 1, 2]), (P, [3, 4])]
+    # A window wide enough to cover every query's whole context: the case the planner allows.
+    window = max(kv_lens) + 1 if feature == "window" else None
+    softcap = 8.0 if feature == "softcap" else None
+    impl = FlashAttentionImpl(H, head_size, head_size ** -0.5, Hk, None, window, "auto",
+                              logits_soft_cap=softcap, dtype=dtype, block_size=block_size,
+                              device=device, kernel=kernel)
+    batch = make_batch(q_lens, kv_lens, H=H, Hk=Hk, D=head_size, block_size=block_size,
+                       dtype=dtype, gen=rng, groups=groups)
+    before = batch.kv_cache.clone()
+    plain, _ = run(impl, batch, device)
+    cascade, cache = run(impl, batch, device, meta=add_cascade(batch, groups, block_size))
+    ref = dense_reference(batch, before, scale=head_size ** -0.5, window=window,
+                          softcap=softcap or 0.0)
+    torch.testing.assert_close(cascade.double(), ref, atol=atol, rtol=atol)
+    torch.testing.assert_close(cascade, plain, atol=atol, rtol=atol)
+    assert torch.equal(cache, expected_cache_after(batch, before, lambda x, _: x.to(before.dtype)))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_local_attention_matches_chunk_masked_dense(kernel, block_size, chunk_blocks, rng):
+    from ray_attn.planner.local import make_local_attention_virtual_batches
+    from ray_attn.metadata import LocalAttentionMetadata
+    import dataclasses
+
+    head_size, Hk, H = 64, 2, 8
+    device, dtype, atol = setup(kernel, head_size, block_size)
+    chunk = chunk_blocks * block_size
+    q_lens = [1, chunk + 5, 3, 1, 2 * chunk]
+    kv_lens = [chunk + 3, chunk + 9, 3 * chunk + 7, 2 * chunk, 3 * chunk]
+    impl = FlashAttentionImpl(H, head_size, head_size ** -0.5, Hk, None, None, "auto",
+                              use_irope=True, dtype=dtype, block_size=block_size, device=device,
+                              kernel=kernel)
+    batch = make_batch(q_lens, kv_lens, H=H, Hk=Hk, D=head_size, block_size=block_size,
+                       dtype=dtype, gen=rng)
+    m = batch.meta
+    sq, cuq, sk, bt = make_local_attention_virtual_batches(chunk, m.query_start_loc, m.seq_lens,
+                                                           m.block_table, block_size)
+    local = LocalAttentionMetadata(local_query_start_loc=cuq, local_seqused_k=sk,
+                                   local_block_table=bt, local_max_query_len=int(sq.max()),
+                                   local_max_seq_len=int(sk.max()))
+    before = batch.kv_cache.clone()
+    out, _ = run(impl, batch, device, meta=dataclasses.replace(m, local_attn_metadata=local))
+    ref = dense_reference(batch, before, scale=head_size ** -0.5, chunk=chunk)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("torch", id="torch"), pytest.param("fa3", marks=GPU, id="fa3")])
+@pytest.mark.parametrize("cascade", [False, True])
+def test_fp8_kv_cache(kernel, cascade, rng):
+    head_size, Hk, H, block_size = 128, 2, 8, 16
+    device, dtype, atol = setup(kernel, head_size, block_size, kv_cache_dtype="fp8")
+    k_scale, v_scale = 0.04, 0.03  # random normals / scale stay well inside e4m3's +-448
+    layer = AttentionLayer(k_scale=k_scale, v_scale=v_scale, q_scale=0.05, device=device)
+    impl = FlashAttentionImpl(H, head_size, head_size ** -0.5, Hk, None, None, "fp8",
+                              dtype=dtype, block_size=block_size, device=device, kernel=kernel)
+    q_lens, kv_lens = [1] * 8, [2 * block_size + 1 + 5 * i for i in range(8)]
+    groups = [(2, list(range(8)))]
+    batch = make_batch(q_lens, kv_lens, H=H, Hk=Hk, D=head_size, block_size=block_size,
+                       dtype=dtype, gen=rng, groups=groups, cache_dtype=torch.float8_e4m3fn)
+    before = batch.kv_cache.clone()
+    meta = add_cascade(batch, groups, block_size) if cascade else batch.meta
+    out, cache = run(impl, batch, device, meta=meta, layer=layer)
+    assert cache.dtype == torch.float8_e4m3fn
+    stored = lambda x, i: (x.float() / (k_scale, v_scale)[i]).to(torch.float8_e4m3fn)
+    exp = expected_cache_after(batch, before, stored)
+    assert torch.equal(cache.view(torch.uint8), exp.view(torch.uint8))
+    n = batch.meta.num_actual_tokens
+    new = (stored(batch.key[:n], 0).double() * k_scale, stored(batch.value[:n], 1).double() * v_scale)
+    ref = dense_reference(batch, before, scale=head_size ** -0.5, k_scale=k_scale, v_scale=v_scale,
+                          new_kv_as_stored=new)
+    # The torch kernel dequantises exactly; FA3 also quantises q to e4m3 (~6% relative per element).
+    tol = atol if kernel == "torch" else 6e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_bfloat16_inputs_on_torch_kernel(rng):
+    impl = FlashAttentionImpl(8, 64, 0.125, 2, None, None, "auto", dtype=torch.bfloat16)
+    batch = make_batch(MIXED_Q, MIXED_KV, H=8, Hk=2, D=64, block_size=16, dtype=torch.bfloat16, gen=rng)
+    before = batch.kv_cache.clone()
+    out, _ = run(impl, batch, torch.device("cpu"))
+    ref = dense_reference(batch, before, scale=0.125)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_profiling_run_returns_output_untouched():
+    impl = FlashAttentionImpl(4, 64, 0.125, 4, None, None, "auto", dtype=torch.float32)
+    q = torch.randn(3, 4, 64)
+    out = torch.full_like(q, 7.0)
+    cache = torch.randn(2, 4, 16, 4, 64)
+    before = cache.clone()
+    assert impl.forward(AttentionLayer(), q, q, q, cache, None, out) is out
+    assert torch.equal(out, torch.full_like(q, 7.0)) and torch.equal(cache, before)
+    with pytest.raises(ValueError, match="output buffer"):
+        impl.forward(AttentionLayer(), q, q, q, cache, None, None)
+
+
+def test_merge_attn_states_equals_attention_over_the_union(rng):
+    """Split keys at a random point: merging the two halves' states gives the whole."""
+    T, H, D, K = 5, 3, 16, 40
+    q = torch.randn(T, H, D, generator=rng, dtype=torch.float64)
+    k = torch.randn(K, H, D, generator=rng, dtype=torch.float64)
+    v = torch.randn(K, H, D, generator=rng, dtype=torch.float64)
+
+    def attend(ks, vs):
+        s = torch.einsum("qhd,khd->hqk", q, ks)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vs), torch.logsumexp(s, -1)
+
+    from ray_attn.backend import merge_attn_states
+    cut = int(torch.randint(1, K - 1, (1,), generator=rng))
+    (oa, la), (ob, lb) = attend(k[:cut], v[:cut]), attend(k[cut:], v[cut:])
+    full, full_lse = attend(k, v)
+    out, out_lse = torch.empty_like(full), torch.empty_like(full_lse)
+    merge_attn_states(out, oa, la, ob, lb, out_lse)
+    torch.testing.assert_close(out, full)
+    torch.testing.assert_close(out_lse, full_lse)
+    # An empty state (lse +-inf) has no weight; two empty states give zeros, not NaN.
+    inf = torch.full_like(la, float("inf"))
+    merge_attn_states(out, torch.randn_like(oa), inf, ob, lb)
+    torch.testing.assert_close(out, ob)
+    merge_attn_states(out, oa, -inf, ob, -inf)
+    assert torch.equal(out, torch.zeros_like(out))
