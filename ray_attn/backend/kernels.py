@@ -143,6 +143,11 @@ class FlashAttn2Kernel(Kernel):
         # Upstream takes cumulative key lengths, not per-sequence lengths; with a block table it
         # reads only their differences, so a cumsum of seqused_k is exact.
         cu_seqlens_k = torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+        if return_lse and max_seqlen_q == 1:
+            # For single-token GQA queries upstream folds the query heads into the sequence axis
+            # and then reshapes the LSE without undoing the fold, scrambling it.  An upper bound
+            # of 2 is still a valid max_seqlen_q and keeps the LSE in [heads, tokens] order.
+            max_seqlen_q = 2
         res = flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale=scale, causal=causal, window_size=window_size, softcap=softcap,

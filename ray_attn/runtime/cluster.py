@@ -1,0 +1,152 @@
+"""The driver's handle on one model replica: a placement group, one actor per TP rank, one message
+per step.
+
+The step is ``ray.put`` once and the same ref goes to every rank (no RPC per layer, ever).  The
+steady-state loop can instead run through a Ray compiled graph, whose shared-memory channel also
+writes the input once for all readers; the classic actor call is the simple path and the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_attn.config import EngineConfig
+from ray_attn.runtime.messages import StepInput, StepOutput
+from ray_attn.runtime.worker import AttentionWorker
+
+log = logging.getLogger(__name__)
+PG_TIMEOUT_S = 120
+
+
+def ensure_ray(address: str | None = None, min_cpus: int = 0) -> None:
+    """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # Logical CPUs only gate scheduling; CPU ranks share the cores anyway, so ask for enough
+        # slots that a TP group fits on a small machine.
+        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
+                 log_to_driver=True)
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+class AttentionCluster:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tp = config.parallel.tensor_parallel_size
+        cpus = config.parallel.num_cpus_per_worker
+        ensure_ray(config.parallel.ray_address, min_cpus=int(self.tp * cpus) + 2)
+        want = config.parallel.device
+        self.use_gpu = want == "cuda" or (want == "auto" and cluster_has_gpus())
+        bundle = {"CPU": cpus, **({"GPU": 1} if self.use_gpu else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=PG_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(f"could not reserve {self.tp} bundles of {bundle} on one node within "
+                               f"{PG_TIMEOUT_S}s; cluster has {ray.cluster_resources()}") from None
+        self._remote_cls = ray.remote(AttentionWorker)
+        self.workers = [self._spawn(r) for r in range(self.tp)]
+        self._form_group()
+        self.infos = ray.get([w.load_model.remote() for w in self.workers])
+        self.num_blocks = min(i["num_blocks"] for i in self.infos)
+        self._compiled = None
+        self.num_puts = 0
+        if config.parallel.use_compiled_graph:
+            self.compile()
+
+    def _spawn(self, rank: int):
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+        opts = dict(num_cpus=self.config.parallel.num_cpus_per_worker, scheduling_strategy=strategy,
+                    max_concurrency=2)  # a health ping must not queue behind a long step
+        if self.use_gpu:
+            opts["num_gpus"] = 1
+        return self._remote_cls.options(**opts).remote(self.config.model_dump(), rank)
+
+    def _form_group(self) -> None:
+        host, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+
+    # -- steps --------------------------------------------------------------------------------
+    def step(self, step: StepInput) -> StepOutput:
+        if self._compiled is not None:
+            return self._compiled.execute(step).get()[0]
+        ref = ray.put(step)
+        self.num_puts += 1
+        # Wait on every rank, not only rank 0, so that a failure anywhere surfaces here.
+        return ray.get([w.execute_step.remote([ref]) for w in self.workers])[0]
+
+    def compile(self) -> None:
+        """Switch the steady-state loop to a compiled graph (one shared-memory write per step)."""
+        from ray.dag import InputNode, MultiOutputNode
+
+        if self._compiled is not None:
+            return
+        with InputNode() as inp:
+            dag = MultiOutputNode([w.execute_step.bind(inp) for w in self.workers])
+        self._compiled = dag.experimental_compile()
+
+    def uncompile(self) -> None:
+        if self._compiled is not None:
+            self._compiled.teardown()
+            self._compiled = None
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    # -- facts and lifetime -------------------------------------------------------------------
+    @property
+    def num_sms(self) -> int | None:
+        sms = [i["num_sms"] for i in self.infos if i.get("num_sms")]
+        return min(sms) if sms else None
+
+    @property
+    def kernel_name(self) -> str:
+        return self.infos[0]["kernel"]
+
+    def call_all(self, method: str, *args, timeout: float | None = None):
+        """A classic call on every rank (tests and diagnostics; never per layer)."""
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout)
+
+    def shutdown(self) -> None:
+        self.uncompile()
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)
+        self.workers = []
+
+
+class InProcessExecutor:
+    """The same interface as AttentionCluster, in the driver's process, TP=1, no Ray."""
+
+    def __init__(self, config: EngineConfig):
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError("InProcessExecutor runs tensor_parallel_size=1 only, got "
+                             f"{config.parallel.tensor_parallel_size}")
+        self.config = config
+        self.worker = AttentionWorker(config, 0)
+        self.infos = [self.worker.load_model()]
+        self.num_blocks = self.infos[0]["num_blocks"]
+        self.num_sms = self.infos[0]["num_sms"]
+        self.kernel_name = self.infos[0]["kernel"]
+        self.compiled = False
+
+    def step(self, step: StepInput) -> StepOutput:
+        return self.worker.execute_step(step)
+
+    def shutdown(self) -> None:
+        self.worker = None

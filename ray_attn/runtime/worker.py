@@ -1,0 +1,154 @@
+"""One tensor-parallel rank: a KV-cache shard, a model shard, and the whole step in one call.
+
+``AttentionWorker`` is a plain class; ``AttentionCluster`` runs it as a Ray actor (one per GPU,
+or per CPU slot), and ``InProcessExecutor`` runs it in the driver's own process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+
+from ray_attn.backend.validate import check_metadata_values
+from ray_attn.config import EngineConfig
+from ray_attn.runtime.messages import StepInput, StepOutput
+from ray_attn.runtime.sampling import sample
+
+CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class AttentionWorker:
+    def __init__(self, config: EngineConfig | dict, rank: int = 0):
+        self.config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
+        self.rank = rank
+        self.tp = self.config.parallel.tensor_parallel_size
+        want = self.config.parallel.device
+        cuda = torch.cuda.is_available() and want != "cpu"
+        if want == "cuda" and not cuda:
+            raise RuntimeError(f"rank {rank}: parallel.device='cuda' but this worker sees no GPU")
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always device 0 here.
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if not cuda:
+            # Several CPU ranks share few cores: one thread each avoids oversubscription stalls.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.tp, 1)))
+        self.model = None
+        self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
+        self.seen_refs: list[str] = []
+        self.steps = 0
+
+    # -- set-up -----------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 serves the collective group's rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_distributed(self, host: str, port: int) -> None:
+        if self.tp == 1:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.tp)
+
+    def load_model(self) -> dict:
+        from ray_attn.model import LlamaForCausalLM
+
+        cfg = self.config
+        group = None
+        if self.tp > 1:
+            import torch.distributed as dist
+            group = dist.group.WORLD
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(
+                cfg.model, tp_rank=self.rank, tp_size=self.tp, tp_group=group, device=self.device,
+                block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                kernel=cfg.parallel.kernel)
+        if cfg.checkpoint:
+            self.model.load_weights(cfg.checkpoint)
+        else:
+            self.model.init_random_weights(cfg.model.seed)
+        self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
+        self.model.allocate_kv_cache(self.num_blocks)
+        return self.device_info()
+
+    def _blocks_from_memory(self) -> int:
+        per_block = self.model.kv_cache_bytes_per_block()
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.cache.memory_fraction
+        else:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(avail * self.config.cache.memory_fraction / self.tp, CPU_CACHE_CAP_BYTES)
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise RuntimeError(f"rank {self.rank}: no memory left for even one KV block ({per_block} bytes)")
+        return blocks
+
+    def device_info(self) -> dict:
+        info = {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
+                "kernel": self.model.kernel_name if self.model else None,
+                "num_blocks": getattr(self, "num_blocks", None)}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            info.update(name=p.name, num_sms=p.multi_processor_count, total_memory=p.total_memory)
+        else:
+            info.update(name="cpu", num_sms=None,
+                        total_memory=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return info
+
+    def ping(self) -> int:
+        return self.rank
+
+    # -- the step -----------------------------------------------------------------------------
+    def execute_step(self, step) -> StepOutput | None:
+        """Run every layer for one step.  ``step`` is a StepInput, or ``[ObjectRef]`` of one: the
+        driver wraps the ref in a list so that each rank fetches the one shared object itself."""
+        t0 = time.perf_counter()
+        if isinstance(step, list):
+            import ray
+
+            self.seen_refs.append(step[0].hex())
+            step = ray.get(step[0])
+        out = self._run(step)
+        if out is not None:
+            out.timings["worker_s"] = time.perf_counter() - t0
+        return out
+
+    def _run(self, step: StepInput) -> StepOutput | None:
+        plan = step.plan
+        m = plan.attn
+        check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        dm = m.to_device(self.device)
+        ids = torch.from_numpy(plan.input_token_ids).to(self.device, torch.long, non_blocking=True)
+        pos = torch.from_numpy(plan.positions).to(self.device, torch.long, non_blocking=True)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, dm)
+            self.steps += 1
+            if self.rank != 0:
+                return None
+            idx = torch.from_numpy(plan.logits_indices).to(self.device, torch.long)
+            logits = self.model.compute_logits(hidden, idx)
+            tokens = sample(logits, step.temperatures, step.seeds, step.sample_index, self.generator)
+            return StepOutput(token_ids=tokens, step_id=step.step_id,
+                              logits=logits.float().cpu().numpy() if step.return_logits else None)
+
+    def refs_seen(self) -> list[str]:
+        return list(self.seen_refs)
+
+    def read_kv(self, layer: int, block_ids: list[int]) -> np.ndarray:
+        """A copy of some KV blocks (tests compare caches across ranks and after recovery)."""
+        return self.model.kv_caches[layer][:, block_ids].float().cpu().numpy()
