@@ -72,7 +72,10 @@ class FlashAttentionMetadata:
 def _to_tensor(a: np.ndarray, device, non_blocking: bool):
     import torch
 
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+    a = np.ascontiguousarray(a, dtype=np.int32)
+    if not a.flags.writeable:  # Ray hands over zero-copy read-only buffers; torch wants writable
+        a = a.copy()
+    t = torch.from_numpy(a)
     if torch.device(device).type == "cpu":
         return t
     if non_blocking:

@@ -83,7 +83,7 @@ class AttentionCluster:
     # -- steps --------------------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput:
         if self._compiled is not None:
-            return self._compiled.execute(step).get()[0]
+            return ray.get(self._compiled.execute(step))[0]
         ref = ray.put(step)
         self.num_puts += 1
         # Wait on every rank, not only rank 0, so that a failure anywhere surfaces here.

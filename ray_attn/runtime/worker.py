@@ -133,14 +133,14 @@ class AttentionWorker:
         m = plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
         dm = m.to_device(self.device)
-        ids = torch.from_numpy(plan.input_token_ids).to(self.device, torch.long, non_blocking=True)
-        pos = torch.from_numpy(plan.positions).to(self.device, torch.long, non_blocking=True)
+        ids = torch.from_numpy(np.array(plan.input_token_ids, np.int64)).to(self.device, non_blocking=True)
+        pos = torch.from_numpy(np.array(plan.positions, np.int64)).to(self.device, non_blocking=True)
         with torch.inference_mode():
             hidden = self.model(ids, pos, dm)
             self.steps += 1
             if self.rank != 0:
                 return None
-            idx = torch.from_numpy(plan.logits_indices).to(self.device, torch.long)
+            idx = torch.from_numpy(np.array(plan.logits_indices, np.int64)).to(self.device)
             logits = self.model.compute_logits(hidden, idx)
             tokens = sample(logits, step.temperatures, step.seeds, step.sample_index, self.generator)
             return StepOutput(token_ids=tokens, step_id=step.step_id,

@@ -1,0 +1,278 @@
+"""Continuous batching on the driver: schedule, plan, one message to the ranks, sample, repeat.
+
+Each step the scheduler fills a token budget -- running requests first (a decode token each, or
+the next chunk of a long prompt), then waiting ones -- and the planner turns that into one
+``StepPlan``.  When the KV pool cannot hold the step, the newest running request is preempted:
+its blocks are freed and it is recomputed later from its token history, so nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ray_attn.config import EngineConfig
+from ray_attn.planner import OutOfBlocksError, Planner, ScheduledRequest
+from ray_attn.runtime.messages import StepInput
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "length" | "stop" | "error"
+    error: str | None = None
+    num_preemptions: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    tokens_computed: int = 0
+    cascade_steps: int = 0
+    local_steps: int = 0
+    preemptions: int = 0
+    busy_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor=None):
+        self.config = config
+        if executor is None:
+            from ray_attn.runtime import AttentionCluster
+
+            executor = AttentionCluster(config)
+        self.executor = executor
+        m, tp = config.model, config.parallel.tensor_parallel_size
+        kinds = set(m.layer_kinds())
+        self.planner = Planner(
+            num_blocks=executor.num_blocks, block_size=config.cache.block_size,
+            # The cascade cost model counts the CTAs one GPU runs: this rank's heads.
+            num_query_heads=m.num_attention_heads // tp,
+            num_kv_heads=max(m.num_key_value_heads // tp, 1), use_alibi=m.use_alibi,
+            sliding_window=m.sliding_window if "sliding_attention" in kinds else None,
+            attention_chunk_size=m.attention_chunk_size if "chunked_attention" in kinds else None,
+            num_sms=config.num_sms or executor.num_sms or 132,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            enable_cascade=config.enable_cascade, max_model_len=m.max_position_embeddings,
+            max_num_reqs_hint=config.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._step_id = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; rejects one that could never run, leaving every other untouched."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab = self.config.model.vocab_size
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        limit = self.config.model.max_position_embeddings
+        if total > limit:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
+                             f"exceeds the model's {limit}-token context")
+        bs = self.config.cache.block_size
+        blocks = -(-total // bs)
+        if blocks > self.planner.pool.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks ({total} tokens) but the cache "
+                             f"holds only {self.planner.pool.num_blocks}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, prompt, params)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self._finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def _schedule(self, admit: bool = True) -> list[Request]:
+        """Requests for this step, with their new-token counts in ``self._num_new``."""
+        budget = self.config.max_num_batched_tokens
+        batch, self._num_new = [], {}
+        for req in self.running:
+            if budget <= 0:
+                break
+            left = len(req.all_token_ids) - self.planner.num_computed_tokens(req.request_id)
+            n = min(left, budget)
+            batch.append(req)
+            self._num_new[req.request_id] = n
+            budget -= n
+        while admit and self.waiting and budget > 0 and len(batch) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            hit = self.planner.num_cached_tokens(tokens) if self.planner.enable_prefix_caching else 0
+            n = min(len(tokens) - hit, budget)
+            self.waiting.popleft()
+            self.running.append(req)
+            batch.append(req)
+            self._num_new[req.request_id] = n
+            budget -= n
+        return batch
+
+    def _plan(self):
+        """Plan the step, preempting (by recompute) until the pool can hold it."""
+        admit = True
+        while True:
+            batch = self._schedule(admit)
+            if not batch:
+                return None
+            sched = [ScheduledRequest(r.request_id, r.all_token_ids, self._num_new[r.request_id])
+                     for r in batch]
+            try:
+                return self.planner.plan(sched)
+            except OutOfBlocksError:
+                if not self.running:
+                    raise
+                self._preempt_one()
+                admit = False  # else the victim would be re-admitted into the same step
+
+    def _preempt_one(self) -> None:
+        victim = self.running.pop()  # the newest: it has the least work to redo
+        if self.planner.has_request(victim.request_id):
+            self.planner.free(victim.request_id)
+        victim.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self._plan()
+        if plan is None:
+            return []
+        reqs = [self.requests[i] for i in plan.req_ids]
+        step_in = StepInput(
+            plan=plan,
+            temperatures=np.array([r.params.temperature for r in reqs], np.float32),
+            seeds=np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64),
+            sample_index=np.array([len(r.output_token_ids) for r in reqs], np.int32),
+            step_id=self._step_id)
+        self._step_id += 1
+        out = self.executor.step(step_in)
+        done = plan.completes_prompt(np.array([len(r.all_token_ids) for r in reqs]))
+        outputs = []
+        for req, tok, sample_it in zip(reqs, out.token_ids.tolist(), done.tolist()):
+            if not sample_it:
+                continue  # a chunk of a prompt: nothing to sample yet
+            req.output_token_ids.append(tok)
+            self.stats.tokens_generated += 1
+            if tok in req.params.stop_token_ids:
+                self._finish(req, "stop")
+            elif len(req.output_token_ids) >= req.params.max_tokens:
+                self._finish(req, "length")
+            outputs.append(RequestOutput(req.request_id, req.prompt_token_ids,
+                                         list(req.output_token_ids), [tok], req.finished,
+                                         req.finish_reason))
+        s = self.stats
+        s.steps += 1
+        s.tokens_computed += plan.attn.num_actual_tokens
+        s.cascade_steps += bool(plan.attn.use_cascade)
+        s.local_steps += plan.attn.local_attn_metadata is not None
+        s.busy_s += time.perf_counter() - t0
+        return outputs
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        req.finish_reason, req.error = reason, error
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.planner.has_request(req.request_id):
+            self.planner.free(req.request_id)
+
+    # -- batch API ----------------------------------------------------------------------------
+    def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(sp.max_tokens for sp in params), desc="generate", unit="tok")
+        while any(not self.requests[i].finished for i in ids):
+            new = self.step()
+            if bar is not None:
+                bar.update(len(new))
+        if bar is not None:
+            bar.close()
+        return [self.output(i) for i in ids]
+
+    def output(self, request_id: str) -> RequestOutput:
+        r = self.requests[request_id]
+        return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), [],
+                             r.finished, r.finish_reason, r.error)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (servers call this once the client has its result)."""
+        if self.requests.get(request_id) is not None and self.requests[request_id].finished:
+            del self.requests[request_id]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
