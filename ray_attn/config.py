@@ -29,6 +29,7 @@ class ModelConfig(_Strict):
     num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA when fewer than query heads).")
     head_dim: Optional[int] = Field(None, description="Per-head size; hidden_size / heads when unset.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    rope_scaling: Optional[dict] = Field(None, description="HF rope_scaling dict (rope_type 'default' or 'llama3'), as in Llama 3.1 checkpoints.")
     rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     max_position_embeddings: int = Field(8192, gt=0, description="Longest sequence the model accepts.")
     tie_word_embeddings: bool = Field(False, description="Share the embedding and LM-head weights.")

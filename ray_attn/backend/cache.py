@@ -36,6 +36,14 @@ def reshape_and_cache_flash(
 
     Slots of -1 are skipped (padding tokens); the caller passes only the real tokens.
     """
+    if key.is_cuda:
+        from ray_attn.backend import triton_ops
+
+        if triton_ops.available():
+            # One kernel that skips -1 slots on the GPU: no boolean mask, so no host sync.
+            triton_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                         is_fp8_kv_cache(kv_cache_dtype), float(k_scale), float(v_scale))
+            return
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     slots = slot_mapping.long()

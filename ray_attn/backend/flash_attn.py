@@ -177,7 +177,7 @@ class FlashAttentionImpl:
                 m = attn_metadata
                 args = dict(cu_seqlens_q=m.query_start_loc, max_seqlen_q=m.max_query_len,
                             seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
-                            block_table=m.block_table, scheduler_metadata=m.scheduler_metadata)
+                            block_table=m.block_table, scheduler_metadata=self._scheduler_metadata(m, q.dtype))
             self.kernel.varlen_paged(q, key_cache, value_cache, output[:n], causal=True,
                                      window_size=self.sliding_window, **args, **common)
             return output
@@ -185,6 +185,25 @@ class FlashAttentionImpl:
                           attn_metadata=attn_metadata, sliding_window=self.sliding_window,
                           **common)
         return output
+
+
+    def _scheduler_metadata(self, m: FlashAttentionMetadata, qkv_dtype):
+        """FA3's tile/split plan, built once per step and per layer shape (the seed's builder
+        does it once per step; layers with different windows need their own)."""
+        if not self.kernel.uses_scheduler_metadata:
+            return None
+        if m.scheduler_metadata is None:
+            m.scheduler_metadata = {}  # the step's metadata object is shared by every layer
+        key = (self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window,
+               self.logits_soft_cap > 0, qkv_dtype)
+        if key not in m.scheduler_metadata:
+            m.scheduler_metadata[key] = self.kernel.scheduler_metadata(
+                batch_size=m.num_reqs, max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_seq_len,
+                num_heads_q=self.num_heads, num_heads_kv=self.num_kv_heads,
+                head_size=self.head_size, cache_seqlens=m.seq_lens, qkv_dtype=qkv_dtype,
+                cu_seqlens_q=m.query_start_loc, page_size=self.block_size, causal=True,
+                window_size=self.sliding_window, has_softcap=self.logits_soft_cap > 0)
+        return m.scheduler_metadata[key]
 
 
 def cascade_attention(

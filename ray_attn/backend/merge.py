@@ -23,6 +23,18 @@ def merge_attn_states(
     A state whose LSE is +inf or -inf carries no keys (FlashAttention reports an empty row either
     way), so it gets weight zero; two empty states give a zero output.
     """
+    if output.is_cuda and output_lse is None and output.dtype != torch.float64:
+        from ray_attn.backend import triton_ops
+
+        if triton_ops.available() and output.is_contiguous():
+            triton_ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)
+            return
+    merge_attn_states_torch(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
+
+
+def merge_attn_states_torch(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                            output_lse=None) -> None:
+    """The same merge in plain torch ops (CPU, float64 and the LSE output)."""
     acc = torch.promote_types(output.dtype, torch.float32)  # float64 stays float64 (the oracle)
     p_lse = prefix_lse.to(acc)
     s_lse = suffix_lse.to(acc)

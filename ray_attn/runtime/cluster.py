@@ -13,7 +13,8 @@ import os
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group as reserve_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_attn.config import EngineConfig
@@ -42,22 +43,42 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) >= 1
 
 
+def worker_bundle(config: EngineConfig, use_gpu: bool) -> dict:
+    """The resources of one rank's placement-group bundle."""
+    return {"CPU": config.parallel.num_cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+
+
 class AttentionCluster:
-    def __init__(self, config: EngineConfig):
+    """One model replica's ranks.
+
+    By default it reserves its own STRICT_PACK placement group, a bundle per rank.  Under Ray
+    Serve, pass ``placement_group=`` the replica's own group (``bundle_offset=1`` skips the
+    replica's bundle) so that the replica and its GPUs come and go together.
+    """
+
+    def __init__(self, config: EngineConfig, placement_group=None, bundle_offset: int = 0,
+                 use_gpu: bool | None = None):
         self.config = config
         self.tp = config.parallel.tensor_parallel_size
         cpus = config.parallel.num_cpus_per_worker
         ensure_ray(config.parallel.ray_address, min_cpus=int(self.tp * cpus) + 2)
         want = config.parallel.device
-        self.use_gpu = want == "cuda" or (want == "auto" and cluster_has_gpus())
-        bundle = {"CPU": cpus, **({"GPU": 1} if self.use_gpu else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=PG_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            raise RuntimeError(f"could not reserve {self.tp} bundles of {bundle} on one node within "
-                               f"{PG_TIMEOUT_S}s; cluster has {ray.cluster_resources()}") from None
+        if use_gpu is None:
+            use_gpu = want == "cuda" or (want == "auto" and cluster_has_gpus())
+        self.use_gpu = use_gpu
+        self.bundle_offset = bundle_offset
+        self.owns_pg = placement_group is None
+        if self.owns_pg:
+            bundle = worker_bundle(config, self.use_gpu)
+            placement_group = reserve_placement_group([dict(bundle) for _ in range(self.tp)],
+                                                           strategy="STRICT_PACK")
+            try:
+                ray.get(placement_group.ready(), timeout=PG_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(placement_group)
+                raise RuntimeError(f"could not reserve {self.tp} bundles of {bundle} on one node "
+                                   f"within {PG_TIMEOUT_S}s; cluster has {ray.cluster_resources()}") from None
+        self.pg = placement_group
         self._remote_cls = ray.remote(AttentionWorker)
         self.workers = [self._spawn(r) for r in range(self.tp)]
         self._form_group()
@@ -69,7 +90,8 @@ class AttentionCluster:
             self.compile()
 
     def _spawn(self, rank: int):
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+        strategy = PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=self.bundle_offset + rank)
         opts = dict(num_cpus=self.config.parallel.num_cpus_per_worker, scheduling_strategy=strategy,
                     max_concurrency=2)  # a health ping must not queue behind a long step
         if self.use_gpu:
@@ -126,7 +148,8 @@ class AttentionCluster:
         self.uncompile()
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)
         self.workers = []
 
 

@@ -1,0 +1,175 @@
+"""Decoder building blocks; the parallel linears keep only this rank's slice of each weight.
+
+Every parameter is described by a :class:`Shard`: which full (checkpoint-shaped) tensor it is cut
+from, along which dim and where.  Loading a checkpoint and seeded random init both go through it,
+so any TP size computes the same function from the same full weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ray_attn.model.tp import TPGroup
+
+
+@dataclass
+class Shard:
+    dest: torch.Tensor  # this rank's piece (a view into the parameter)
+    full_shape: tuple[int, ...]  # the checkpoint tensor's shape
+    dim: int = 0
+    start: int = 0
+
+    def index(self) -> tuple[slice, ...]:
+        """Where ``dest`` sits inside the full tensor."""
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.dest.shape[self.dim]),)
+
+
+def new_param(*shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def replicated(p: torch.Tensor) -> Shard:
+    return Shard(p, tuple(p.shape))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, *, dtype, device):
+        super().__init__()
+        self.weight = new_param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, as HF Llama does; F.rms_norm is one
+        # fused kernel on CUDA instead of five (decode steps are bound by kernel launches).
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_size: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (default, llama3)")
+    # Llama 3.1's frequency-dependent rescaling, as in HF's _compute_llama3_parameters.
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate_half) RoPE with a float32 cos/sin table over all positions."""
+
+    def __init__(self, head_size: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 *, device):
+        super().__init__()
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * rope_inv_freq(head_size, theta, scaling)
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D/2] each, gathered once per step and shared by every layer."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T, W's rows split over ranks.  ``parts`` (full_rows, start, rows) stacks several
+    checkpoint tensors (q/k/v, gate/up) into one local weight so one matmul serves them all."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]], *, dtype, device):
+        super().__init__()
+        self.parts = parts
+        self.sizes = [rows for _, _, rows in parts]
+        self.weight = new_param(sum(self.sizes), in_features, dtype=dtype, device=device)
+
+    def shard(self, i: int) -> Shard:
+        full_rows, start, rows = self.parts[i]
+        offset = sum(self.sizes[:i])
+        return Shard(self.weight[offset:offset + rows], (full_rows, self.weight.shape[1]), 0, start)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T: W's columns split; the partial sums are all-reduced."""
+
+    def __init__(self, full_in: int, out_features: int, start: int, cols: int, tp: TPGroup, *,
+                 dtype, device):
+        super().__init__()
+        self.full_in, self.start, self.tp = full_in, start, tp
+        self.weight = new_param(out_features, cols, dtype=dtype, device=device)
+
+    def shard(self) -> Shard:
+        return Shard(self.weight, (self.weight.shape[0], self.full_in), 1, self.start)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_size: int, tp: TPGroup, *,
+                 dtype, device) -> tuple[ColumnParallelLinear, int, int]:
+    """The fused q/k/v projection of this rank, and its (query heads, kv heads).
+
+    With fewer KV heads than ranks each KV head is replicated on ``tp // num_kv_heads`` ranks.
+    """
+    if num_heads % tp.size:
+        raise ValueError(f"tp_size={tp.size} must divide num_attention_heads={num_heads}")
+    if num_kv_heads >= tp.size:
+        if num_kv_heads % tp.size:
+            raise ValueError(f"tp_size={tp.size} must divide num_key_value_heads={num_kv_heads}")
+        hk, kv_first = num_kv_heads // tp.size, tp.rank * (num_kv_heads // tp.size)
+    else:
+        if tp.size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} must divide tp_size={tp.size}")
+        hk, kv_first = 1, tp.rank // (tp.size // num_kv_heads)
+    h = num_heads // tp.size
+    D = head_size
+    kv = (num_kv_heads * D, kv_first * D, hk * D)
+    parts = [(num_heads * D, tp.rank * h * D, h * D), kv, kv]
+    return ColumnParallelLinear(hidden, parts, dtype=dtype, device=device), h, hk
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate/up fused and column-parallel, down row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, *, dtype, device):
+        super().__init__()
+        if intermediate % tp.size:
+            raise ValueError(f"tp_size={tp.size} must divide intermediate_size={intermediate}")
+        n = intermediate // tp.size
+        part = (intermediate, tp.rank * n, n)
+        self.gate_up = ColumnParallelLinear(hidden, [part, part], dtype=dtype, device=device)
+        self.down = RowParallelLinear(intermediate, hidden, tp.rank * n, n, tp, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi paper's slopes, with its interpolation for head counts that are not a power of 2."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** i for i in range(1, closest + 1)]
+    if closest != num_heads:
+        extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** i for i in range(1, 2 * (num_heads - closest), 2)]
+    return slopes

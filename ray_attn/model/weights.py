@@ -1,0 +1,126 @@
+"""HF-format safetensors in and out, and the seeded random weights the tests and demo run on.
+
+A checkpoint is read tensor by tensor through ``safe_open(...).get_slice``, so a rank reads only
+its own slice of each sharded weight from disk, never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ray_attn.config import ModelConfig
+from ray_attn.model.layers import Shard
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Checkpoint tensors HF writes but no computation reads (old Llama checkpoints carry inv_freq).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def random_full_tensor(name: str, shape, seed: int, *, std: float | None = None, tied: bool = False,
+                       device="cpu") -> torch.Tensor:
+    """The full float32 tensor ``name`` of the seeded random model.
+
+    Seeded per name, so it does not depend on the order tensors are made in, nor on the TP size.
+    The numbers depend on the device's generator: CPU and CUDA give different (equally valid) models.
+    Default scales: 1/sqrt(fan_in) for every matrix (~0.016 at Llama-3-8B's width, close to
+    Llama's 0.02, but scaled so small test models keep peaked attention and logits of order 1),
+    and std 1 for an untied embedding, so that each position's own token stays visible in the
+    residual stream; with a flat 0.02 a tiny model's attention is near-uniform and greedy decoding
+    repeats one token whatever the prompt.  ``std`` overrides the scale of every matrix.
+    """
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    t = torch.randn(tuple(shape), generator=g, dtype=torch.float32, device=device)
+    if name.endswith("norm.weight"):
+        return t.mul_(0.05).add_(1.0)  # near 1, but not exactly, so a skipped or misplaced norm shows
+    if std is None:
+        std = 1.0 if name == "model.embed_tokens.weight" and not tied else shape[-1] ** -0.5
+    return t.mul_(std)
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF names and full shapes of every tensor in a checkpoint of ``config``."""
+    from ray_attn.model.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config, device="meta", kernel="torch")
+    return {name: s.full_shape for name, s in model.weight_shards().items()}
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    c = config.model_dump(exclude={"seed", "dtype"}, exclude_none=True)
+    c.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+             head_dim=config.head_size, attention_bias=False, mlp_bias=False,
+             dtype=config.dtype, torch_dtype=config.dtype,  # transformers 5 reads dtype, 4 torch_dtype
+             rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
+                              **(config.rope_scaling or {})})
+    return c
+
+
+def save_random_checkpoint(config: ModelConfig, folder: str, seed: int, *, std: float | None = None,
+                           num_shards: int = 1) -> None:
+    """config.json plus the seeded random weights as HF-named safetensors (sharded with an index
+    file when ``num_shards > 1``); ``init_random_weights(seed)`` on CPU gives the same model."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config_dict(config), f, indent=2)
+    dtype = getattr(torch, config.dtype)
+    names = list(checkpoint_shapes(config).items())
+    per = -(-len(names) // num_shards)
+    weight_map = {}
+    for i in range(num_shards):
+        fname = SINGLE_FILE if num_shards == 1 else f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: random_full_tensor(n, s, seed, std=std, tied=config.tie_word_embeddings).to(dtype) for n, s in names[i * per:(i + 1) * per]}
+        save_file(part, os.path.join(folder, fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    if num_shards > 1:
+        with open(os.path.join(folder, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+def _weight_map(folder: str) -> dict[str, str]:
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+    if not files:
+        raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or other .safetensors file in {folder!r}")
+    wm = {}
+    for fname in files:
+        with safe_open(os.path.join(folder, fname), framework="pt") as f:
+            wm.update(dict.fromkeys(f.keys(), fname))
+    return wm
+
+
+def load_checkpoint(shards: dict[str, Shard], folder: str, *, tied: bool = False) -> None:
+    """Copy each shard's slice of its checkpoint tensor in; every check runs before any copy."""
+    wm = _weight_map(folder)
+    missing = [n for n in shards if n not in wm]
+    if missing:
+        raise ValueError(f"checkpoint {folder!r} lacks {len(missing)} tensor(s) the model needs: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    benign = lambda n: n.endswith(IGNORED_SUFFIXES) or (tied and n == "lm_head.weight")
+    extra = [n for n in wm if n not in shards and not benign(n)]
+    if extra:
+        raise ValueError(f"checkpoint {folder!r} has {len(extra)} tensor(s) this Llama model does not "
+                         f"use (a different architecture?): {', '.join(extra[:8])}")
+    by_file: dict[str, list[str]] = {}
+    for n in shards:
+        by_file.setdefault(wm[n], []).append(n)
+    for fname in by_file:  # shapes first, so a bad checkpoint leaves the model untouched
+        with safe_open(os.path.join(folder, fname), framework="pt") as f:
+            for n in by_file[fname]:
+                got = tuple(f.get_slice(n).get_shape())
+                if got != tuple(shards[n].full_shape):
+                    raise ValueError(f"checkpoint tensor {n!r} has shape {got}, but the model config "
+                                     f"expects {tuple(shards[n].full_shape)}")
+    for fname, names in by_file.items():
+        with safe_open(os.path.join(folder, fname), framework="pt") as f:
+            for n in names:
+                shards[n].dest.copy_(f.get_slice(n)[shards[n].index()])

@@ -1,0 +1,175 @@
+"""Decode tokens/s of the whole engine on a Llama-3-8B-shaped model with random weights, against
+HF transformers ``generate`` (sdpa) on the same model shape and the memory roofline -- all in one run.
+
+Roofline per decode step = (weight bytes + KV bytes read) / device-copy bandwidth measured here.
+Also a shared-prompt workload (prompts x samples) with cascade on and off.
+
+    python scripts/bench_e2e.py              # GPU: Llama-3-8B shape; CPU: a tiny shape
+    python scripts/bench_e2e.py --skip-hf    # without the transformers baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                 max_position_embeddings=16384, dtype="bfloat16")
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            dtype="float32")
+
+
+def weight_bytes(m: dict) -> int:
+    h, i, L, V = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"], m["vocab_size"]
+    hd = h // m["num_attention_heads"]
+    attn = h * hd * (m["num_attention_heads"] * 2 + m["num_key_value_heads"] * 2)
+    per_layer = attn + 3 * h * i + 2 * h
+    el = 2 if m["dtype"] != "float32" else 4
+    return (L * per_layer + 2 * V * h + h) * el
+
+
+def kv_bytes_per_token(m: dict) -> int:
+    hd = m["hidden_size"] // m["num_attention_heads"]
+    el = 2 if m["dtype"] != "float32" else 4
+    return 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * hd * el
+
+
+def ours(engine: LLMEngine, batch: int, ctx: int, steps: int, vocab: int, prompts=None, params=None):
+    """Median-free simple rate: prefill everything, then time ``steps`` pure decode steps."""
+    rng = np.random.default_rng(batch * 7919 + ctx)
+    if prompts is None:
+        prompts = [rng.integers(0, vocab, ctx).tolist() for _ in range(batch)]
+        params = [SamplingParams(max_tokens=steps + 4)] * batch
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while any(not engine.requests[i].output_token_ids for i in ids):
+        engine.step()
+    c0 = engine.stats.cascade_steps
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(steps):
+        n += len(engine.step())
+    dt = time.perf_counter() - t0
+    cascade = engine.stats.cascade_steps - c0
+    for i in ids:
+        engine.abort_request(i)
+        engine.release(i)
+    return n / dt, dt / steps, cascade
+
+
+def hf_step_time(model, batch: int, ctx: int, vocab: int, n1=2, n2=10) -> float:
+    """Seconds per decode step of HF generate: the difference of two generate lengths."""
+    ids = torch.randint(0, vocab, (batch, ctx), device=model.device)
+    times = []
+    for n in (n1, n2):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        times.append(time.perf_counter() - t0)
+    return (times[1] - times[0]) / (n2 - n1)
+
+
+def hf_model(m: dict, dev):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in m.items() if k != "dtype"}, attn_implementation="sdpa")
+    dtype = getattr(torch, m["dtype"])
+    with torch.device(dev):
+        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype)
+    return model.eval()
+
+
+def main(argv=None):
+    a = argparse.ArgumentParser()
+    a.add_argument("--skip-hf", action="store_true")
+    a.add_argument("--steps", type=int, default=16)
+    a.add_argument("--compiled", action="store_true", default=True)
+    args = a.parse_args(argv)
+    dev = bl.device()
+    gpu = dev.type == "cuda"
+    m = LLAMA3_8B if gpu else TINY
+    grid = ([(1, 1024), (1, 8192), (32, 1024), (32, 4096), (64, 1024), (64, 4096), (64, 8192),
+             (128, 1024), (128, 4096), (256, 1024), (256, 2048)] if gpu else [(1, 128), (8, 128), (8, 512)])
+    hf_grid = [(1, 1024), (32, 1024), (64, 1024), (32, 4096)] if gpu else [(1, 128), (8, 128)]
+    copy_bw = bl.copy_bandwidth(1 << 30 if gpu else 1 << 24, dev)
+    rows = []
+    hf = {}
+    if not args.skip_hf:
+        model = hf_model(m, dev)
+        with torch.inference_mode():
+            for b, c in tqdm(hf_grid, desc="HF generate"):
+                hf[(b, c)] = hf_step_time(model, b, c, m["vocab_size"])
+        del model
+        gc.collect()
+        torch.cuda.empty_cache() if gpu else None
+    cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(block_size=16, num_blocks=None if gpu else 2048),
+                       parallel=ParallelConfig(device="cuda" if gpu else "cpu",
+                                               use_compiled_graph=args.compiled),
+                       max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 1024)
+    engine = LLMEngine(cfg)
+    info = engine.executor.infos[0]
+    for b, c in tqdm(grid, desc="ray_attn engine"):
+        tps, step_s, _ = ours(engine, b, c, args.steps, m["vocab_size"])
+        roof_s = (weight_bytes(m) + b * c * kv_bytes_per_token(m)) / copy_bw
+        row = dict(batch=b, ctx=c, ours_tok_s=tps, ours_step_ms=step_s * 1e3, roofline_step_ms=roof_s * 1e3,
+                   frac_of_roofline=roof_s / step_s)
+        if (b, c) in hf:
+            row.update(hf_step_ms=hf[(b, c)] * 1e3, hf_tok_s=b / hf[(b, c)], speedup_vs_hf=hf[(b, c)] / step_s)
+        rows.append(row)
+    shared = []
+    groups, samples, plen = (16, 8, 4096) if gpu else (4, 4, 256)
+    rng = np.random.default_rng(5)
+    prompts, params = [], []
+    for g in range(groups):
+        base = rng.integers(0, m["vocab_size"], plen).tolist()
+        for s in range(samples):
+            prompts.append(base + [int(rng.integers(0, m["vocab_size"]))])
+            params.append(SamplingParams(max_tokens=args.steps + 4, temperature=0.8, seed=g * 100 + s))
+    for cascade in (True, False):
+        engine.planner.enable_cascade = cascade
+        tps, step_s, nc = ours(engine, len(prompts), plen, args.steps, m["vocab_size"], prompts, params)
+        shared.append(dict(workload=f"{groups} prompts x {samples} samples, {plen}-token prompt",
+                           cascade_enabled=cascade, tok_s=tps, step_ms=step_s * 1e3, cascade_steps=nc))
+    engine.planner.enable_cascade = True
+    engine.shutdown()
+    path = bl.save("bench_e2e", rows, shared_prompt=shared, copy_GBps=copy_bw / 1e9,
+                   model=m, weight_GB=weight_bytes(m) / 1e9, kernel=info["kernel"])
+    bl.print_table(rows, ["batch", "ctx", "ours_tok_s", "ours_step_ms", "roofline_step_ms",
+                          "frac_of_roofline", "hf_tok_s", "hf_step_ms", "speedup_vs_hf"],
+                   f"decode, {'Llama-3-8B shape' if gpu else 'tiny model'}, kernel {info['kernel']}")
+    bl.print_table(shared, ["workload", "cascade_enabled", "tok_s", "step_ms", "cascade_steps"],
+                   "shared-prompt workload")
+    series = {}
+    for c in sorted({r["ctx"] for r in rows}):
+        pts = [r for r in rows if r["ctx"] == c]
+        series[f"ray_attn ctx {c}"] = ([r["batch"] for r in pts], [r["ours_tok_s"] for r in pts])
+        series[f"roofline ctx {c}"] = ([r["batch"] for r in pts],
+                                       [r["batch"] / r["roofline_step_ms"] * 1e3 for r in pts])
+    hf_pts = [r for r in rows if "hf_tok_s" in r]
+    if hf_pts:
+        series["HF transformers"] = ([r["batch"] for r in hf_pts], [r["hf_tok_s"] for r in hf_pts])
+    bl.plot(path.with_suffix(".png"), series, "batch", "decode tokens/s",
+            f"End-to-end decode ({bl.machine().get('gpu') or 'CPU'})")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

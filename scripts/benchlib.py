@@ -1,0 +1,153 @@
+"""Shared helpers of the benchmark scripts: timing, bandwidth baselines, results and plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def timeit(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call.  On CUDA, back-to-back calls between two events, so that host
+    launch overhead overlaps with GPU work as it does in a real decode loop."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / iters)
+        return statistics.median(samples)
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes: int, dev: torch.device) -> float:
+    """Bytes per second of a device-to-device copy, counting what it reads plus what it writes."""
+    n = max(nbytes // 2, 1 << 20)
+    src = torch.empty(n, dtype=torch.bfloat16, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    t = timeit(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() * src.element_size() / t
+
+
+def machine() -> dict:
+    info = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, gpu_memory_gb=round(p.total_memory / 2**30, 1))
+    else:
+        info.update(gpu=None)
+    return info
+
+
+def save(name: str, rows: list[dict], **meta) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **meta, "rows": rows}, indent=1, default=float))
+    return path
+
+
+def print_table(rows: list[dict], cols: list[str], title: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*[_fmt(r.get(c)) for c in cols])
+    Console(width=200).print(t)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    return "" if v is None else str(v)
+
+
+def paged_decode_inputs(batch: int, ctx, block_size: int, num_kv_heads: int, head_size: int,
+                        dtype, dev, q_per_seq: int = 1, num_q_heads: int = 32, cache_dtype=None,
+                        shared_blocks: int = 0, groups: int = 1):
+    """A paged cache holding ``batch`` sequences of ``ctx`` tokens (int or per-sequence list) and
+    the metadata for ``q_per_seq`` new tokens each.  With ``shared_blocks``, the sequences of each
+    of ``groups`` groups share their first blocks, as prompts with common prefixes do."""
+    from ray_attn.metadata import FlashAttentionMetadata
+
+    ctx = np.full(batch, ctx, np.int64) if np.isscalar(ctx) else np.asarray(ctx, np.int64)
+    nblk = -(-ctx // block_size)
+    per_group = -(-batch // groups)
+    own = nblk - shared_blocks
+    total = int(own.sum()) + groups * shared_blocks + 1
+    table = np.zeros((batch, int(nblk.max())), np.int32)
+    nxt = groups * shared_blocks
+    for b in range(batch):
+        g = b // per_group
+        table[b, :shared_blocks] = np.arange(g * shared_blocks, (g + 1) * shared_blocks)
+        table[b, shared_blocks:nblk[b]] = np.arange(nxt, nxt + own[b])
+        nxt += own[b]
+    q_lens = np.full(batch, q_per_seq, np.int64)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(c - q_per_seq, c) for c in ctx])
+    rows = np.repeat(np.arange(batch), q_per_seq)
+    slots = (table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size).astype(np.int32)
+    meta = FlashAttentionMetadata(
+        num_actual_tokens=int(q_lens.sum()), max_query_len=q_per_seq, query_start_loc=qsl,
+        max_seq_len=int(ctx.max()), seq_lens=ctx.astype(np.int32), block_table=table,
+        slot_mapping=slots)
+    T = int(q_lens.sum())
+    cache = torch.empty(2, total, block_size, num_kv_heads, head_size, dtype=dtype, device=dev).normal_()
+    if cache_dtype is not None:
+        cache = cache.to(cache_dtype)
+    q = torch.randn(T, num_q_heads, head_size, dtype=dtype, device=dev)
+    k = torch.randn(T, num_kv_heads, head_size, dtype=dtype, device=dev)
+    v = torch.randn_like(k)
+    return meta, cache, q, k, v
+
+
+def plot(path_png, series: dict, xlabel: str, ylabel: str, title: str, logx=True, hline=None,
+         hline_label=None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if hline is not None:
+        ax.axhline(hline, color="grey", ls="--", label=hline_label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)

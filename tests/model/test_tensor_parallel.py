@@ -1,0 +1,78 @@
+"""TP=2 and TP=4 compute the same logits as TP=1: gloo process groups on loopback, one process per rank.
+
+Every rank must also return the full logits itself (the LM head is replicated).  Tolerance 1e-4:
+only the all-reduce's summation order differs from TP=1 (observed ~1e-6).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_attn.config import ModelConfig
+from ray_attn.model import LlamaForCausalLM
+from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
+
+SEED = 7
+CASES = {
+    # KV heads split (TP=2), then replicated (TP=4: 2 KV heads over 4 ranks); every layer kind.
+    "gqa_mixed": dict(num_key_value_heads=2, sliding_window=8, attention_chunk_size=32,
+                      layer_types=["chunked_attention", "sliding_attention", "full_attention"],
+                      logits_soft_cap=5.0),
+    # One KV head on every rank; ALiBi slopes sliced to each rank's query heads.
+    "mqa_alibi": dict(num_key_value_heads=1, use_alibi=True),
+}
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                       num_attention_heads=4, head_dim=32, max_position_embeddings=256, **CASES[name])
+
+
+def logits(name, **tp):
+    cfg = config(name)
+    model = LlamaForCausalLM(cfg, block_size=BLOCK_SIZE, **tp)
+    model.init_random_weights(SEED)
+    chunk = cfg.attention_chunk_size
+    return torch.cat(run_schedule(model, random_tokens(cfg.vocab_size), SCHEDULE, chunk=chunk))
+
+
+def _rank(rank, world, port, folder):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name in CASES:
+            torch.save(logits(name, tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD),
+                       f"{folder}/{name}_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_single_rank(tp, tmp_path):
+    mp.spawn(_rank, args=(tp, free_port(), str(tmp_path)), nprocs=tp, join=True)
+    for name in CASES:
+        want = logits(name)
+        assert want.std() > 0.1
+        for rank in range(tp):
+            got = torch.load(tmp_path / f"{name}_{rank}.pt")
+            assert got.shape == want.shape
+            diff = (got - want).abs().max().item()
+            assert diff < 1e-4, f"{name} rank {rank}/{tp}: max |diff| {diff}"
+
+
+def test_tp_size_must_fit_heads():
+    with pytest.raises(ValueError, match="must divide num_attention_heads"):
+        LlamaForCausalLM(config("mqa_alibi"), tp_rank=0, tp_size=3, tp_group=object())
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        LlamaForCausalLM(config("mqa_alibi"), tp_rank=0, tp_size=2)
