@@ -18,7 +18,14 @@ import numpy as np
 
 from ray_attn.config import EngineConfig
 from ray_attn.planner import OutOfBlocksError, Planner, ScheduledRequest
+from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.messages import StepInput
+
+MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
+
+
+class EngineDeadError(RuntimeError):
+    """The ranks kept failing; the engine ended its requests and accepts no more."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class EngineStats:
     cascade_steps: int = 0
     local_steps: int = 0
     preemptions: int = 0
+    recoveries: int = 0
+    last_recovery_s: float | None = None
     busy_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -109,11 +118,15 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._step_id = 0
+        self._failures: list[float] = []
+        self.dead: str | None = None
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; rejects one that could never run, leaving every other untouched."""
+        if self.dead:
+            raise EngineDeadError(f"engine stopped after repeated worker failures: {self.dead}")
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         vocab = self.config.model.vocab_size
@@ -212,7 +225,10 @@ class LLMEngine:
             sample_index=np.array([len(r.output_token_ids) for r in reqs], np.int32),
             step_id=self._step_id)
         self._step_id += 1
-        out = self.executor.step(step_in)
+        try:
+            out = self.executor.step(step_in)
+        except WorkerFailure as e:
+            return self._on_worker_failure(e)
         done = plan.completes_prompt(np.array([len(r.all_token_ids) for r in reqs]))
         outputs = []
         for req, tok, sample_it in zip(reqs, out.token_ids.tolist(), done.tolist()):
@@ -234,6 +250,31 @@ class LLMEngine:
         s.local_steps += plan.attn.local_attn_metadata is not None
         s.busy_s += time.perf_counter() - t0
         return outputs
+
+    def _on_worker_failure(self, failure: WorkerFailure) -> list[RequestOutput]:
+        """Restart the ranks and recompute every running request from its token history; after
+        MAX_FAILURES_PER_MINUTE failures, end the requests with the error instead."""
+        now = time.monotonic()
+        self._failures = [t for t in self._failures if now - t < 60] + [now]
+        victims = list(self.running)
+        # The KV cache died with the ranks: nothing held in blocks can be trusted any more.
+        for req in victims:
+            if self.planner.has_request(req.request_id):
+                self.planner.free(req.request_id)
+        self.planner.reset_prefix_cache()
+        self.running = []
+        if len(self._failures) >= MAX_FAILURES_PER_MINUTE:
+            self.dead = str(failure)
+            msg = (f"{len(self._failures)} worker failures within a minute; last: {failure}")
+            outs = []
+            for req in victims + list(self.waiting):
+                self._finish(req, "error", msg)
+                outs.append(self.output(req.request_id))
+            return outs
+        self.waiting.extendleft(reversed(victims))  # first in line again, in their old order
+        self.stats.last_recovery_s = self.executor.recover()
+        self.stats.recoveries += 1
+        return []
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error

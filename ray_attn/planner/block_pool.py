@@ -5,34 +5,84 @@ them all.  A block is in exactly one of three states:
 
 * free      - ref count 0 and no cached content;
 * used      - ref count > 0 (held by one request, or by several when it is a shared prefix block);
-* cached    - ref count 0 but its full-block content is still indexed: a later request with the same
-              prefix can take it back; it is evicted, least recently freed first, when the free list
-              runs dry.
+* cached    - ref count 0 but its content is still indexed: a later request with the same prefix can
+              take it back; it is evicted, least recently freed first, when the free list runs dry.
 
-The prefix cache indexes *full* blocks by ``key = (parent_hash, block_token_ids)`` where
-``parent_hash`` is the hash of the previous block's key (``ROOT_HASH`` for block 0), as vLLM's
-automatic prefix caching does.  The dict compares keys by equality, so a hit at one level is exact;
-across levels the chain relies on Python's 64-bit tuple hash (a collision needs two different
-prefixes whose 64-bit chain hashes agree).
+The prefix cache indexes *full* blocks by a chain hash, ``h_j = M * h_{j-1} + c_j (mod 2**64)``,
+where ``c_j`` hashes the block's token ids and ``h_{-1} = ROOT_HASH``: equal hashes mean equal
+prefixes up to a 64-bit collision, the same guarantee as vLLM's default (builtin-hash) prefix cache.
+Being linear in the ``c_j``, the chain has a closed form, so a whole prompt (or every block a step
+fills) is hashed with a few numpy calls instead of a Python loop per block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Sequence
 
 import numpy as np
 
 from .errors import DoubleFreeError, OutOfBlocksError, PlannerConfigError
 
-ROOT_HASH = 0x5EED_CA5C
+ROOT_HASH = 0x5EED_CA5C_0DDB_A11
+_M = 0x9E37_79B9_7F4A_7C15  # odd, so invertible mod 2**64
+_M_INV = pow(_M, -1, 1 << 64)
+_MIX1, _MIX2 = np.uint64(0xBF58_476D_1CE4_E5B9), np.uint64(0x94D0_49BB_1331_11EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_POW: dict[int, np.ndarray] = {}
 
 
-def block_key(parent_hash: int, tokens) -> tuple:
-    """The prefix-cache key of one full block."""
-    if isinstance(tokens, np.ndarray):
-        tokens = tokens.tolist()
-    return (parent_hash, tuple(tokens))
+def _powers(base: int, n: int) -> np.ndarray:
+    """``base**k mod 2**64`` for k in 0..n-1 (cached, grown by doubling)."""
+    have = _POW.get(base)
+    if have is None or len(have) < n:
+        m = max(n, 2 * (0 if have is None else len(have)), 64)
+        out, x = [], 1
+        for _ in range(m):
+            out.append(x)
+            x = x * base & ((1 << 64) - 1)
+        _POW[base] = have = np.array(out, dtype=np.uint64)
+    return have[:n]
+
+
+def content_hashes(tokens: np.ndarray) -> np.ndarray:
+    """One uint64 per row of ``tokens`` [n, block_size]: splitmix64 of each token, then a weighted
+    sum with per-position odd weights (all mod 2**64)."""
+    x = np.asarray(tokens).astype(np.uint64)
+    x ^= x >> _S30
+    x *= _MIX1
+    x ^= x >> _S27
+    x *= _MIX2
+    x ^= x >> _S31
+    return (x * _powers(_M_INV * 2 + 1, x.shape[1] + 1)[1:]).sum(axis=1, dtype=np.uint64)
+
+
+def chain_hashes(content: np.ndarray, counts: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """Chain hashes of consecutive segments of blocks: segment r has ``counts[r]`` blocks (their
+    ``content`` hashes in order) hanging off ``parents[r]``.  Uses
+    ``h_k = M**k * (parent + sum_{i<=k} c_i * M**-i)`` (k counted from 1 in each segment)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    n = len(content)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    starts = np.cumsum(counts) - counts
+    k = np.arange(n) - np.repeat(starts, counts) + 1
+    top = int(counts.max()) + 1
+    cs = np.cumsum(content * _powers(_M_INV, top)[k], dtype=np.uint64)
+    before = np.zeros(len(counts), dtype=np.uint64)
+    nz = starts > 0
+    before[nz] = cs[starts[nz] - 1]
+    s = cs - np.repeat(before, counts)
+    return _powers(_M, top)[k] * (np.repeat(np.asarray(parents, dtype=np.uint64), counts) + s)
+
+
+def prompt_hashes(token_ids, num_blocks: int, block_size: int) -> np.ndarray:
+    """Chain hashes of the first ``num_blocks`` full blocks of one token sequence."""
+    if num_blocks <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    tok = np.asarray(token_ids[: num_blocks * block_size], dtype=np.int64).reshape(num_blocks, block_size)
+    return chain_hashes(content_hashes(tok), [num_blocks], [ROOT_HASH])
 
 
 class BlockPool:
@@ -50,9 +100,10 @@ class BlockPool:
         # A stack popped from the end, so the lowest ids go out first (deterministic tests).
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self._block_of: dict[tuple, int] = {}  # key -> block id
-        self._key_of: dict[int, tuple] = {}  # block id -> key (used or cached)
+        self._block_of: dict[int, int] = {}  # chain hash -> block id
+        self._key_of: dict[int, int] = {}  # block id -> chain hash (used or cached)
         self.num_evictions = 0
+        self.num_shared_blocks = 0  # blocks with two or more holders (cascade is possible)
 
     # ----------------------------------------------------------------------------- counts
     @property
@@ -92,11 +143,14 @@ class BlockPool:
         ids = self._free[len(self._free) - take :]
         del self._free[len(self._free) - take :]
         ids.reverse()
-        for _ in range(n - take):  # evict least recently freed cached blocks
-            b, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(b)]
-            self.num_evictions += 1
-            ids.append(b)
+        if n > take:  # evict the least recently freed cached blocks
+            evicted = list(islice(self._evictable, n - take))
+            for b in evicted:
+                del self._evictable[b]
+            for h in map(self._key_of.pop, evicted):
+                del self._block_of[h]
+            self.num_evictions += len(evicted)
+            ids += evicted
         out = np.asarray(ids, dtype=np.int32)
         self.ref_cnt[out] = 1
         return out
@@ -110,6 +164,8 @@ class BlockPool:
                     raise DoubleFreeError(f"block {b} is free and holds no cached content")
                 del self._evictable[b]
             self.ref_cnt[b] += 1
+            if self.ref_cnt[b] == 2:
+                self.num_shared_blocks += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block.  Blocks that reach zero go to the cache (when they
@@ -123,6 +179,7 @@ class BlockPool:
         if (self.ref_cnt[ids] <= 0).any():
             bad = ids[self.ref_cnt[ids] <= 0].tolist()
             raise DoubleFreeError(f"blocks {bad} are already free")
+        self.num_shared_blocks -= int((self.ref_cnt[ids] == 2).sum())
         self.ref_cnt[ids] -= 1
         for b in ids[::-1][self.ref_cnt[ids[::-1]] == 0].tolist():
             if b in self._key_of:
@@ -131,32 +188,38 @@ class BlockPool:
                 self._free.append(b)
 
     # ----------------------------------------------------------------------------- prefix cache
-    def lookup(self, token_ids, max_blocks: int) -> tuple[list[int], list[int]]:
+    def lookup(self, token_ids, max_blocks: int) -> tuple[list[int], int]:
         """Read-only: the cached blocks holding the leading full blocks of ``token_ids`` (at most
-        ``max_blocks``), and their chain hashes.  Stops at the first miss."""
-        ids: list[int] = []
-        hashes: list[int] = []
-        if not self.enable_prefix_caching or max_blocks <= 0:
-            return ids, hashes
-        bs = self.block_size
-        parent = ROOT_HASH
-        for j in range(int(max_blocks)):
-            key = block_key(parent, token_ids[j * bs : (j + 1) * bs])
-            b = self._block_of.get(key)
-            if b is None:
-                break
-            ids.append(b)
-            parent = hash(key)
-            hashes.append(parent)
-        return ids, hashes
+        ``max_blocks``), and the chain hash of the last one (``ROOT_HASH`` when none)."""
+        if not self.enable_prefix_caching or max_blocks <= 0 or not self._block_of:
+            return [], ROOT_HASH
+        hashes = prompt_hashes(token_ids, int(max_blocks), self.block_size).tolist()
+        ids = list(map(self._block_of.get, hashes))
+        n = ids.index(None) if None in ids else len(ids)
+        return ids[:n], (hashes[n - 1] if n else ROOT_HASH)
 
-    def cache(self, block_id: int, key: tuple) -> int:
-        """Index a full, used block under ``key``; returns the chain hash for the next block.  When
-        another block already holds that content the index keeps the older one."""
-        if self.enable_prefix_caching and key not in self._block_of and block_id not in self._key_of:
-            self._block_of[key] = block_id
-            self._key_of[block_id] = key
-        return hash(key)
+    def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """Index full blocks under their chain hashes.  When a hash is already indexed by another
+        block (another request computed the same prefix) the older block keeps it; returns those
+        duplicates as ``(position in block_ids, indexed block)`` so the caller may switch to it."""
+        dups = []
+        if not self.enable_prefix_caching:
+            return dups
+        block_of, key_of = self._block_of, self._key_of
+        known = list(map(block_of.get, hashes))
+        if known.count(None) == len(known) and len(set(hashes)) == len(hashes):
+            block_of.update(zip(hashes, block_ids))  # the common case, all new: two C-level updates
+            key_of.update(zip(block_ids, hashes))
+            return dups
+        for i, (b, h) in enumerate(zip(block_ids, hashes)):
+            c = block_of.get(h)
+            if c is None:
+                if b not in key_of:
+                    block_of[h] = b
+                    key_of[b] = h
+            elif c != b:
+                dups.append((i, c))
+        return dups
 
     def touch_lru(self, block_ids: Sequence[int]) -> None:
         """Mark evictable blocks as recently used (a lookup that will be claimed soon)."""
@@ -186,3 +249,4 @@ class BlockPool:
         assert cached <= set(self._key_of), "an evictable block without cached content"
         assert not (free & set(self._key_of)), "a free block still indexed"
         assert all(self._block_of[k] == b for b, k in self._key_of.items())
+        assert self.num_shared_blocks == int((self.ref_cnt >= 2).sum())

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 PG_TIMEOUT_S = 120
 
 
+class WorkerFailure(RuntimeError):
+    """A rank died or its step failed; the cluster can ``recover()`` and the engine recompute."""
+
+    def __init__(self, rank: int, cause: BaseException):
+        self.rank, self.cause = rank, cause
+        super().__init__(f"rank {rank} failed: {type(cause).__name__}: {cause}")
+
+
 def ensure_ray(address: str | None = None, min_cpus: int = 0) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster."""
     if ray.is_initialized():
@@ -56,6 +64,8 @@ class AttentionCluster:
     replica's bundle) so that the replica and its GPUs come and go together.
     """
 
+    step_timeout_s = 300.0  # a step longer than this is treated as a hung rank
+
     def __init__(self, config: EngineConfig, placement_group=None, bundle_offset: int = 0,
                  use_gpu: bool | None = None):
         self.config = config
@@ -86,6 +96,8 @@ class AttentionCluster:
         self.num_blocks = min(i["num_blocks"] for i in self.infos)
         self._compiled = None
         self.num_puts = 0
+        self.restarts = 0
+        self.last_recovery_s = None
         if config.parallel.use_compiled_graph:
             self.compile()
 
@@ -105,11 +117,62 @@ class AttentionCluster:
     # -- steps --------------------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput:
         if self._compiled is not None:
-            return ray.get(self._compiled.execute(step))[0]
+            try:
+                return ray.get(self._compiled.execute(step), timeout=self.step_timeout_s)[0]
+            except Exception as e:  # a dead actor surfaces as one of several Ray error types
+                raise WorkerFailure(-1, e) from e
         ref = ray.put(step)
         self.num_puts += 1
-        # Wait on every rank, not only rank 0, so that a failure anywhere surfaces here.
-        return ray.get([w.execute_step.remote([ref]) for w in self.workers])[0]
+        refs = [w.execute_step.remote([ref]) for w in self.workers]
+        return self._gather(refs)[0]
+
+    def _gather(self, refs: list) -> list:
+        """Results of every rank, failing fast: a dead rank raises as soon as Ray knows, rather
+        than after the survivors time out in a collective that will never complete."""
+        index = {r: i for i, r in enumerate(refs)}
+        pending, results = list(refs), [None] * len(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.step_timeout_s)
+            if not ready:
+                raise WorkerFailure(-1, TimeoutError(f"no rank answered within {self.step_timeout_s}s"))
+            for r in ready:
+                try:
+                    results[index[r]] = ray.get(r)
+                except Exception as e:
+                    raise WorkerFailure(index[r], e) from e
+        return results
+
+    def recover(self) -> float:
+        """Replace every rank in its own bundle and re-form the collective group.
+
+        All ranks are restarted, not only the dead one: the survivors may be blocked in a
+        collective with it, and their KV shards are useless without its heads anyway.  The engine
+        rebuilds the KV cache by recomputing its requests.  Returns the seconds it took."""
+        t0 = time.perf_counter()
+        was_compiled = self._compiled is not None
+        if was_compiled:
+            try:
+                self._compiled.teardown()
+            except Exception:  # a graph with a dead actor may not tear down cleanly
+                pass
+            self._compiled = None
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = [self._spawn(r) for r in range(self.tp)]
+        self._form_group()
+        self.infos = ray.get([w.load_model.remote() for w in self.workers])
+        if was_compiled:
+            self.compile()
+        self.restarts += 1
+        self.last_recovery_s = time.perf_counter() - t0
+        log.warning("recovered %d ranks in %.1fs", self.tp, self.last_recovery_s)
+        return self.last_recovery_s
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise WorkerFailure if any rank does not answer a ping (used by Serve's health check)."""
+        if self._compiled is not None:
+            return  # compiled-graph actors run a loop; a dead one surfaces on the next step
+        self._gather([w.ping.remote() for w in self.workers])
 
     def compile(self) -> None:
         """Switch the steady-state loop to a compiled graph (one shared-memory write per step)."""

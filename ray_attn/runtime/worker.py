@@ -6,6 +6,7 @@ or per CPU slot), and ``InProcessExecutor`` runs it in the driver's own process.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
@@ -61,8 +62,9 @@ class AttentionWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # A bounded timeout, so that a rank whose peer died errors out instead of hanging forever.
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.tp)
+                                world_size=self.tp, timeout=datetime.timedelta(seconds=120))
 
     def load_model(self) -> dict:
         from ray_attn.model import LlamaForCausalLM

@@ -1,0 +1,183 @@
+"""Admission and allocation: validating a step's requests and giving them blocks.
+
+``Admission`` holds the Planner's steps that touch the block pool: ``_prepare`` validates a call
+and works out what it needs without changing anything, ``_commit_alloc`` admits new requests and
+allocates, ``_hash_rows`` indexes filled blocks for the prefix cache.  Split from builder.py to keep
+modules short; it uses the Planner's ``table``, ``pool`` and length limits.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from operator import attrgetter, getitem
+
+import numpy as np
+
+from .block_pool import chain_hashes, content_hashes
+from .errors import InvalidRequestError, OutOfBlocksError
+
+_get_id = attrgetter("req_id")
+_get_toks = attrgetter("token_ids")
+_get_new = attrgetter("num_new_tokens")
+
+
+class _Batch:
+    """One call's validated input, before any state changes (general path)."""
+
+    __slots__ = ("ids", "toks", "slots", "computed", "num_new", "need", "new_rows", "hits",
+                 "hit_hashes", "hit_tokens", "input_ids")
+
+
+class Admission:
+    """Mixin of ``Planner``: validation, admission, allocation, prefix-cache indexing."""
+
+    def _max_hit_blocks(self, num_tokens: int, num_new_tokens: int | None) -> int:
+        # vLLM recomputes at least the last token (its logits are needed); an explicit
+        # num_new_tokens also caps the hit so that the scheduled tokens stay inside token_ids.
+        cap = num_tokens - 1 if num_new_tokens is None else min(num_tokens - 1, num_tokens - num_new_tokens)
+        return max(cap, 0) // self.block_size
+
+    def _prepare(self, scheduled, check_capacity=True, gather=False, columns=None) -> _Batch:
+        """Validate one call's input and work out what it needs; changes nothing.  With ``gather``
+        it also collects the step's input token ids (in scheduled order)."""
+        if columns is None:
+            columns = (list(map(_get_id, scheduled)), list(map(_get_toks, scheduled)),
+                       list(map(_get_new, scheduled)), None)
+        ids, toks, raw_new, slots = columns
+        B = len(ids)
+        b = _Batch()
+        b.ids, b.toks = ids, toks
+        if slots is None:
+            slots, b.new_rows = self.table.lookup(ids)
+        else:
+            slots, b.new_rows = slots.copy(), []
+        b.slots = slots
+        computed = self.table.num_computed[slots]  # new rows read slot -1: overwritten below
+        nblocks = self.table.num_blocks[slots]
+        b.hits, b.hit_hashes, b.hit_tokens = [], [], 0
+        try:
+            lens = np.fromiter(map(len, toks), np.int64, B)
+        except TypeError as e:
+            raise InvalidRequestError(f"token_ids must be sequences of ints: {e}") from None
+        auto = None in raw_new
+        try:
+            num_new = np.array([0 if x is None else x for x in raw_new] if auto else raw_new, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"num_new_tokens must be ints or None: {e}") from None
+        if num_new.shape != (B,):
+            raise InvalidRequestError(f"num_new_tokens must be ints or None, got {raw_new[:8]!r}")
+        for i in b.new_rows:
+            nn = None if raw_new[i] is None else int(num_new[i])
+            if nn is not None and not 1 <= nn <= lens[i]:
+                self._bad_len(ids[i], nn, 0, int(lens[i]))
+            hit, last_hash = self.pool.lookup(toks[i], self._max_hit_blocks(int(lens[i]), nn))
+            b.hits.append(hit)
+            b.hit_hashes.append(last_hash)
+            computed[i] = len(hit) * self.block_size
+            nblocks[i] = len(hit)
+            b.hit_tokens += len(hit) * self.block_size
+        if auto:
+            num_new = np.where(np.array([x is None for x in raw_new]), lens - computed, num_new)
+        seq = computed + num_new
+        bad = (num_new < 1) | (seq > lens)
+        if self.max_model_len is not None:
+            bad |= seq > self.max_model_len
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            self._bad_len(ids[i], int(num_new[i]), int(computed[i]), int(lens[i]))
+        b.computed = computed
+        b.num_new = num_new.astype(np.int32)
+        b.need = np.maximum(-(-seq // self.block_size) - nblocks, 0)
+        b.input_ids = None
+        if gather:
+            spans = map(getitem, toks, map(slice, computed.tolist(), seq.tolist()))
+            try:
+                b.input_ids = np.fromiter(chain.from_iterable(spans), np.int64, int(num_new.sum()))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise InvalidRequestError(f"token ids must be ints: {e}") from None
+        if check_capacity:
+            total = int(b.need.sum())
+            available = self.pool.num_free_blocks
+            if b.new_rows and total:
+                # hits on evictable blocks take them out of the allocatable set
+                claimed = {x for hit in b.hits for x in hit if self.pool.is_evictable(x)}
+                available -= len(claimed)
+            if total > available:
+                raise OutOfBlocksError(total, available, f"{B} requests scheduled")
+        return b
+
+    def _bad_len(self, req_id, num_new, computed, num_tokens):
+        limit = f", max_model_len {self.max_model_len}" if self.max_model_len is not None else ""
+        raise InvalidRequestError(
+            f"request {req_id!r}: num_new_tokens {num_new} with {computed} computed does not fit "
+            f"its {num_tokens} tokens (need 1 <= num_new_tokens <= {num_tokens - computed}{limit})"
+        )
+
+    # ------------------------------------------------------------------------------------ state
+    def _commit_alloc(self, b: _Batch) -> None:
+        """Admit new requests (taking their prefix hits) and allocate the missing blocks."""
+        T = self.table
+        if b.new_rows:
+            new = np.array(b.new_rows)
+            b.slots[new] = slots = list(map(T.add, [b.ids[i] for i in b.new_rows]))
+            for i in b.new_rows:
+                self._freed.pop(b.ids[i], None)
+                T.tokens[b.slots[i]] = b.toks[i]
+            n_hit = np.fromiter(map(len, b.hits), np.int64, len(new))
+            T.num_blocks[slots] = T.num_hashed[slots] = n_hit
+            T.num_computed[slots] = n_hit * self.block_size
+            T.last_hash[slots] = np.array(b.hit_hashes, dtype=np.uint64)
+            if n_hit.any():
+                hits = [h for h in b.hits if h]
+                self.pool.acquire(list(chain.from_iterable(hits)))  # before allocating: no hit evicted
+                T.ensure_width(int(n_hit.max()))
+                for slot, hit in zip(slots, b.hits):
+                    if hit:
+                        T.block_table[slot, : len(hit)] = hit
+            self.prefix_cache_queries += int(np.fromiter(map(len, [b.toks[i] for i in b.new_rows]),
+                                                         np.int64, len(new)).sum())
+            self.prefix_cache_hits += int(n_hit.sum()) * self.block_size
+        rows = np.flatnonzero(b.need)
+        if rows.size:
+            need = b.need[rows]
+            slots = b.slots[rows]
+            blocks = self.pool.allocate(int(need.sum()))
+            start = T.num_blocks[slots]
+            T.ensure_width(int((start + need).max()))
+            cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(len(blocks))
+            T.block_table[np.repeat(slots, need), cols] = blocks
+            T.num_blocks[slots] += need.astype(np.int32)
+
+    def _hash_rows(self, rows, slots, toks, full, dedupe: bool = True) -> None:
+        """Index the full blocks of batch ``rows`` up to ``full[row]`` blocks (vectorised: one
+        token gather, one content hash, one chain hash for all of them).
+
+        With ``dedupe``, a block whose content another block already holds (two requests prefilled
+        the same prompt in one step: prefix hits are only taken from earlier steps) is swapped for
+        that block and freed.  Same KV, one copy: memory comes back and the requests now share the
+        block ids that cascade groups are detected from.  The current step still writes the old
+        block (its plan is built), and later steps read the shared one."""
+        T, bs = self.table, self.block_size
+        s = slots[rows]
+        start = T.num_hashed[s].astype(np.int64)
+        end = full[rows].astype(np.int64)
+        nb = end - start
+        rt = [toks[i] for i in rows.tolist()]
+        for slot, t in zip(s.tolist(), rt):  # keep the latest reference for lazy hashing
+            T.tokens[slot] = t
+        spans = map(getitem, rt, map(slice, (start * bs).tolist(), (end * bs).tolist()))
+        n = int(nb.sum())
+        tok = np.fromiter(chain.from_iterable(spans), np.int64, n * bs).reshape(n, bs)
+        h = chain_hashes(content_hashes(tok), nb, T.last_hash[s])
+        cols = np.arange(n) - np.repeat(np.cumsum(nb) - nb, nb) + np.repeat(start, nb)
+        rs = np.repeat(s, nb)
+        blocks = T.block_table[rs, cols]
+        dups = self.pool.cache_blocks(blocks.tolist(), h.tolist())
+        if dups and dedupe:
+            idx = np.array([i for i, _ in dups])
+            canon = [c for _, c in dups]
+            self.pool.acquire(canon)
+            self.pool.release(blocks[idx])
+            T.block_table[rs[idx], cols[idx]] = canon
+        T.last_hash[s] = h[np.cumsum(nb) - 1]
+        T.num_hashed[s] = end
