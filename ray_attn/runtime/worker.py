@@ -148,6 +148,31 @@ class AttentionWorker:
             return StepOutput(token_ids=tokens, step_id=step.step_id,
                               logits=logits.float().cpu().numpy() if step.return_logits else None)
 
+    def profile_step(self, step: StepInput) -> dict:
+        """Run one step under the torch profiler; device time by kind of kernel, in microseconds.
+
+        Used by the TP benchmark to split a step into all-reduce, attention and the rest."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            self._run(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        totals = {"all_reduce": 0.0, "attention": 0.0, "other": 0.0}
+        for ev in prof.key_averages():
+            t = ev.device_time_total if self.device.type == "cuda" else ev.self_cpu_time_total
+            name = ev.key.lower()
+            if self.device.type == "cuda" and "CUDA" not in str(getattr(ev, "device_type", "")):
+                continue  # CPU ops: their kernels are counted as kernel events
+            if "allreduce" in name or "all_reduce" in name or "nccl" in name:
+                totals["all_reduce"] += t
+            elif "flash" in name or "attn" in name or "fwd" in name:
+                totals["attention"] += t
+            elif self.device.type == "cuda":
+                totals["other"] += t
+        return totals
+
     def refs_seen(self) -> list[str]:
         return list(self.seen_refs)
 
