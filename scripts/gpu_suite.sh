@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What we run on the lent GPU machine, in as few calls as possible (see shared/device/README.md):
+#   run(carry=[".device"], command="source .device/env.sh && bash scripts/gpu_suite.sh kernels")
+# Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks) | e2e | tp | all.
+# Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+stage=${1:-all}
+log=${OUT:-benchmarks/results}/gpu_suite_${stage}.log
+mkdir -p benchmarks/results "$(dirname "$log")"
+exec > >(tee "$log") 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+step() { echo "=== $* ($(date +%T))"; "$@"; }
+bench() {  # run a benchmark script, then hand its JSON and PNG back through $OUT
+  local name; name=$(basename "$1" .py)
+  step python3 "$@"
+  [[ -n ${OUT:-} ]] && cp "benchmarks/results/$name.json" "benchmarks/results/$name.png" "$OUT"/ 2>/dev/null
+  return 0
+}
+if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
+  step python3 -m pytest -m gpu tests/backend tests/model -q -p no:cacheprovider || exit 1
+fi
+if [[ $stage == kernels || $stage == all ]]; then
+  bench scripts/bench_attention.py
+  bench scripts/bench_cascade.py
+  bench scripts/bench_step_overhead.py --batch 64 --steps 200
+fi
+if [[ $stage == e2e || $stage == all ]]; then
+  bench scripts/bench_e2e.py
+fi
+if [[ $stage == tp || $stage == e2e || $stage == all ]]; then
+  bench scripts/bench_tp.py
+fi
+echo "=== done ($(date +%T))"
