@@ -183,7 +183,9 @@ class FlashAttn3Kernel(Kernel):
         shape = (cu_seqlens_q.shape[0] - 1, k_cache.shape[-2])
         q_descale, k_descale, v_descale = (None if d is None else d.expand(shape)
                                            for d in (q_descale, k_descale, v_descale))
-        if FlashAttn3Kernel._raw_ok is not False:
+        # The raw op crashed (segfault) on the LSE-returning cascade passes on the H200 build, so
+        # it serves only the plain path, which is the hot one; cascade goes through the public API.
+        if FlashAttn3Kernel._raw_ok is not False and not return_lse:
             try:
                 lse = self._raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 block_table, scale, causal, window_size, softcap, q_descale,

@@ -102,9 +102,10 @@ class Planner(Admission):
         if token_buckets is not None:
             self.token_buckets = np.array(sorted(_positive("token bucket", b) for b in token_buckets))
         self.use_alibi = bool(use_alibi)
-        self.enable_cascade = bool(enable_cascade)
-        self.multi_group_cascade = bool(multi_group_cascade)
-        self.num_sms = _positive("num_sms", num_sms)
+        self._cascade_cache: tuple = ()
+        self._enable_cascade = bool(enable_cascade)
+        self._multi_group_cascade = bool(multi_group_cascade)
+        self._num_sms = _positive("num_sms", num_sms)
         self._update_cascade_config()
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
@@ -115,8 +116,8 @@ class Planner(Admission):
         # The last plan's ids and slots, in input order and in plan order: when the engine schedules
         # the same ids again (steady decode) the dict lookups are skipped.
         self._prev: tuple | None = None
-        # ((slots of a batch, its reusable CascadeChoice, its permutation or None), ...)
-        self._cascade_cache: tuple = ()
+        # ((slots of a batch, its reusable CascadeChoice, its permutation, its prefix part), ...)
+        self._cascade_cache = ()
         self.prefix_cache_queries = 0  # prompt tokens of new requests looked up
         self.prefix_cache_hits = 0  # of which found in the cache
 
@@ -127,6 +128,7 @@ class Planner(Admission):
         return np.divmod(positions, self.block_size)
 
     def _update_cascade_config(self) -> None:
+        self._cascade_cache = ()
         self.cascade_config = CascadeConfig(
             self.block_size, self.num_query_heads, self.num_kv_heads, self.use_alibi,
             self.sliding_window, self.attention_chunk_size, self.num_sms, self.enable_cascade,
@@ -146,11 +148,38 @@ class Planner(Admission):
     def enable_prefix_caching(self) -> bool:
         return self.pool.enable_prefix_caching
 
+    # The cascade knobs may change between steps (e.g. a benchmark toggling cascade): each setter
+    # refreshes the config the decision reads and drops the verdict kept for the running batch.
+    @property
+    def num_sms(self) -> int:
+        return self._num_sms
+
+    @num_sms.setter
+    def num_sms(self, value: int) -> None:
+        self._num_sms = _positive("num_sms", value)
+        self._update_cascade_config()
+
     def set_num_sms(self, num_sms: int) -> None:
         """The SM count of the workers' GPUs (the cascade cost model's wave size)."""
-        self.num_sms = _positive("num_sms", num_sms)
+        self.num_sms = num_sms
+
+    @property
+    def enable_cascade(self) -> bool:
+        return self._enable_cascade
+
+    @enable_cascade.setter
+    def enable_cascade(self, value: bool) -> None:
+        self._enable_cascade = bool(value)
         self._update_cascade_config()
-        self._cascade_cache = ()
+
+    @property
+    def multi_group_cascade(self) -> bool:
+        return self._multi_group_cascade
+
+    @multi_group_cascade.setter
+    def multi_group_cascade(self, value: bool) -> None:
+        self._multi_group_cascade = bool(value)
+        self._update_cascade_config()
 
     def has_request(self, req_id: Hashable) -> bool:
         return req_id in self.table.slot_of

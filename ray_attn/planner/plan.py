@@ -17,6 +17,10 @@ class ScheduledRequest:
     ``token_ids`` holds every token so far (prompt + generated); the tokens computed this step are
     ``token_ids[num_computed : num_computed + num_new_tokens]`` where ``num_computed`` is what the
     planner already holds in cache.  ``num_new_tokens=None`` means "all the rest".
+
+    ``token_ids`` only ever grows: tokens already computed must not change (the planner keeps a
+    reference to hash the request's full blocks when it is freed).  ``req_id`` must not change on
+    an object the engine schedules again.
     """
 
     req_id: Hashable
