@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # What we run on the lent GPU machine, in as few calls as possible (see shared/device/README.md):
 #   run(carry=[".device"], command="source .device/env.sh && bash scripts/gpu_suite.sh kernels")
-# Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks) | e2e | tp | all.
+# Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks) | benches (the
+# same without the tests) | e2e (end-to-end, then tp) | tp | all.
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 stage=${1:-all}
-log=${OUT:-benchmarks/results}/gpu_suite_${stage}.log
-mkdir -p benchmarks/results "$(dirname "$log")"
+log=benchmarks/results/gpu_suite_${stage}.log
+mkdir -p benchmarks/results
 exec > >(tee "$log") 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step() { echo "=== $* ($(date +%T))"; "$@"; }
@@ -21,7 +22,7 @@ bench() {  # run a benchmark script, then hand its JSON and PNG back through $OU
 if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
   step python3 -m pytest -m gpu tests/backend tests/model -q -p no:cacheprovider || exit 1
 fi
-if [[ $stage == kernels || $stage == all ]]; then
+if [[ $stage == kernels || $stage == benches || $stage == all ]]; then
   bench scripts/bench_attention.py
   bench scripts/bench_cascade.py
   bench scripts/bench_step_overhead.py --batch 64 --steps 200

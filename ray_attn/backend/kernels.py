@@ -170,7 +170,9 @@ class FlashAttn3Kernel(Kernel):
 
     name = "fa3"
     quantizes_query = True
-    uses_scheduler_metadata = True
+    # AOT scheduler metadata (``scheduler_metadata()`` below) crashed this FA3 build (segfault) on
+    # decode-only batches in our GPU tests; until that is understood the kernel plans per call.
+    uses_scheduler_metadata = False
     _raw_ok: bool | None = None
 
     def varlen_paged(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
@@ -183,12 +185,13 @@ class FlashAttn3Kernel(Kernel):
         shape = (cu_seqlens_q.shape[0] - 1, k_cache.shape[-2])
         q_descale, k_descale, v_descale = (None if d is None else d.expand(shape)
                                            for d in (q_descale, k_descale, v_descale))
-        # The raw op crashed (segfault) on the LSE-returning cascade passes on the H200 build, so
-        # it serves only the plain path, which is the hot one; cascade goes through the public API.
+        # max_seqlen_k must be the one the AOT scheduler metadata was built with (the public API
+        # derives it from the page-table width instead, and a mismatch crashes the kernel).
+        # Cascade passes (which want the LSE) go through the public API without AOT metadata.
         if FlashAttn3Kernel._raw_ok is not False and not return_lse:
             try:
                 lse = self._raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k,
-                                block_table, scale, causal, window_size, softcap, q_descale,
+                                max_seqlen_k, block_table, scale, causal, window_size, softcap, q_descale,
                                 k_descale, v_descale, scheduler_metadata)
                 FlashAttn3Kernel._raw_ok = True
                 return lse if return_lse else None
@@ -209,13 +212,14 @@ class FlashAttn3Kernel(Kernel):
         return lse
 
     @staticmethod
-    def _raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, block_table, scale,
+    def _raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+             block_table, scale,
              causal, window_size, softcap, q_descale, k_descale, v_descale, scheduler_metadata):
         from flash_attn_interface import flash_attn_3_gpu
 
         o, lse, *_ = flash_attn_3_gpu.fwd(
             q, k_cache, v_cache, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k,
-            max_seqlen_q, None, block_table, None, None, None, None, None, q_descale, k_descale,
+            max_seqlen_q, max_seqlen_k, block_table, None, None, None, None, None, q_descale, k_descale,
             v_descale, scale, causal, window_size[0], window_size[1], 0, softcap, True,
             scheduler_metadata, 0, None, 0)
         if o.data_ptr() != out.data_ptr():
