@@ -27,6 +27,9 @@ if [[ $stage == kernels || $stage == benches || $stage == all ]]; then
   bench scripts/bench_cascade.py
   bench scripts/bench_step_overhead.py --batch 64 --steps 200
 fi
+if [[ $stage == cascade ]]; then
+  bench scripts/bench_cascade.py
+fi
 if [[ $stage == e2e || $stage == all ]]; then
   bench scripts/bench_e2e.py
 fi

@@ -185,10 +185,7 @@ class FlashAttn3Kernel(Kernel):
         shape = (cu_seqlens_q.shape[0] - 1, k_cache.shape[-2])
         q_descale, k_descale, v_descale = (None if d is None else d.expand(shape)
                                            for d in (q_descale, k_descale, v_descale))
-        # max_seqlen_k must be the one the AOT scheduler metadata was built with (the public API
-        # derives it from the page-table width instead, and a mismatch crashes the kernel).
-        # Cascade passes (which want the LSE) go through the public API without AOT metadata.
-        if FlashAttn3Kernel._raw_ok is not False and not return_lse:
+        if FlashAttn3Kernel._raw_ok is not False:
             try:
                 lse = self._raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, block_table, scale, causal, window_size, softcap, q_descale,
