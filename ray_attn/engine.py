@@ -24,6 +24,22 @@ from ray_attn.runtime.messages import StepInput
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
 
 
+# On the H200 a FlashAttention cascade layer costs about what reading 1 GiB of KV costs
+# (benchmarks/NOTES.md); below that saving, plain attention is faster.
+CASCADE_BREAK_EVEN_BYTES = 1 << 30
+
+
+def cascade_threshold(config: EngineConfig, kernel: str) -> int | None:
+    """KV tokens a cascade must save per layer on this rank, for the measured policy on GPU
+    kernels; None (vLLM's cost model) for the torch kernel, where no measurement applies."""
+    if kernel not in ("fa3", "fa2"):
+        return None
+    m, tp = config.model, config.parallel.tensor_parallel_size
+    kv_heads = max(m.num_key_value_heads // tp, 1)
+    elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
+    return CASCADE_BREAK_EVEN_BYTES // (2 * kv_heads * m.head_size * elem)
+
+
 class EngineDeadError(RuntimeError):
     """The ranks kept failing; the engine ended its requests and accepts no more."""
 
@@ -111,7 +127,8 @@ class LLMEngine:
             num_sms=config.num_sms or executor.num_sms or 132,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_cascade=config.enable_cascade, max_model_len=m.max_position_embeddings,
-            max_num_reqs_hint=config.max_num_seqs)
+            max_num_reqs_hint=config.max_num_seqs,
+            cascade_min_saved_kv_tokens=cascade_threshold(config, executor.kernel_name))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

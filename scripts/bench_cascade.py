@@ -26,7 +26,7 @@ import benchlib as bl  # noqa: E402
 
 from ray_attn.backend import AttentionLayer, FlashAttentionImpl  # noqa: E402
 from ray_attn.backend.merge import merge_attn_states, merge_attn_states_torch  # noqa: E402
-from ray_attn.planner import multi_group_cascade_verdict  # noqa: E402
+from ray_attn.planner import measured_cascade_verdict, multi_group_cascade_verdict  # noqa: E402
 
 H, HK, D = 32, 8, 128
 SUFFIX = 65  # each request's own tokens after the shared prefix (64 generated + this step's)
@@ -52,11 +52,42 @@ def cascade_meta(meta, shared_blocks: int, groups: int, block_size: int):
         max_suffix_kv_len=int(suffix_lens.max())), counts, toks
 
 
+def score(rows: list[dict]) -> tuple:
+    """How often each policy picks the faster path, and its worst slowdown where it picks cascade:
+    vLLM's cost model (recorded per row) and the measured byte threshold (recomputed here, a pure
+    function of the row's shape, so it can be re-scored from a saved JSON)."""
+    from ray_attn.engine import CASCADE_BREAK_EVEN_BYTES
+
+    threshold = CASCADE_BREAK_EVEN_BYTES // (2 * HK * D * 2)
+    for r in rows:
+        per = -(-r["batch"] // r["groups"])
+        sizes = np.bincount(np.arange(r["batch"]) // per)
+        pick, _ = measured_cascade_verdict(np.full(len(sizes), r["prefix"]), sizes, threshold)
+        r["measured_policy"] = bool(pick)
+        r["measured_right"] = bool(pick == (r["speedup"] > 1))
+    def stats(pick_key, right_key):
+        slow = [r["cascade_us"] / r["plain_us"] for r in rows if r[pick_key]]
+        return float(np.mean([r[right_key] for r in rows])), (max(slow) if slow else None)
+    return (*stats("heuristic", "right"), *stats("measured_policy", "measured_right"))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
+    p.add_argument("--rescore", metavar="JSON", help="re-score the policies on a saved run (no timing)")
     p.add_argument("--small", action="store_true")
     p.add_argument("--num-sms", type=int, default=None, help="SMs for the heuristic (default: this GPU's, else 132)")
     args = p.parse_args(argv)
+    if args.rescore:
+        import json
+
+        saved = json.loads(Path(args.rescore).read_text())
+        right, worst, m_right, m_worst = score(saved["rows"])
+        saved.update(heuristic_right=right, worst_slowdown_when_picked=worst,
+                     measured_policy_right=m_right, measured_worst_slowdown_when_picked=m_worst)
+        Path(args.rescore).write_text(json.dumps(saved, indent=1, default=float))
+        print(f"vLLM heuristic right {right:.0%} (worst {worst:.2f}x when picked); "
+              f"measured policy right {m_right:.0%} (worst {m_worst:.2f}x when picked)")
+        return
     dev = bl.device()
     small = args.small or dev.type == "cpu"
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -83,14 +114,12 @@ def main(argv=None):
         pick, why = multi_group_cascade_verdict(
             np.full(len(counts), P), counts, toks, np.ones(B, np.int64), H, HK, False, False, num_sms)
         faster = t_casc < t_plain
-        rows.append(dict(prefix=P, batch=B, groups=len(counts), plain_us=t_plain * 1e6,
+        rows.append(dict(prefix=P, batch=B, groups=G, plain_us=t_plain * 1e6,
                          cascade_us=t_casc * 1e6, speedup=t_plain / t_casc, heuristic=pick,
                          right=bool(pick == faster), slowdown_if_picked=(t_casc / t_plain) if pick else None,
                          reason=why))
         del cache
-    right = np.mean([r["right"] for r in rows])
-    picked = [r["slowdown_if_picked"] for r in rows if r["slowdown_if_picked"] is not None]
-    worst = max(picked) if picked else None
+    right, worst, m_right, m_worst = score(rows)
     merge_rows = []
     for T in ([8, 64] if small else [8, 128, 1024, 8192]):
         a, b = torch.randn(2, T, H, D, dtype=dtype, device=dev)
@@ -101,12 +130,14 @@ def main(argv=None):
         merge_rows.append(dict(tokens=T, torch_us=t_torch * 1e6, dispatched_us=t_fused * 1e6,
                                fused=dev.type == "cuda"))
     path = bl.save("bench_cascade", rows, merge=merge_rows, heuristic_right=right,
-                   worst_slowdown_when_picked=worst, num_sms=num_sms, kernel=kernel)
+                   worst_slowdown_when_picked=worst, measured_policy_right=m_right,
+                   measured_worst_slowdown_when_picked=m_worst, num_sms=num_sms, kernel=kernel)
     bl.print_table(rows, ["prefix", "batch", "groups", "plain_us", "cascade_us", "speedup",
                           "heuristic", "right"], f"cascade vs plain ({kernel})")
     bl.print_table(merge_rows, ["tokens", "torch_us", "dispatched_us", "fused"], "merge_attn_states")
-    print(f"heuristic picks the faster path in {right:.0%} of {len(rows)} points; "
-          f"worst slowdown where it picks cascade: {worst}")
+    print(f"vLLM heuristic picks the faster path in {right:.0%} of {len(rows)} points "
+          f"(worst slowdown where it picks cascade: {worst}); the measured policy in {m_right:.0%} "
+          f"(worst: {m_worst})")
     series = {}
     for G in sorted({r["groups"] for r in rows}):
         for B in batches:

@@ -55,7 +55,8 @@ def ours(engine: LLMEngine, batch: int, ctx: int, steps: int, vocab: int, prompt
     rng = np.random.default_rng(batch * 7919 + ctx)
     if prompts is None:
         prompts = [rng.integers(0, vocab, ctx).tolist() for _ in range(batch)]
-        params = [SamplingParams(max_tokens=steps + 4)] * batch
+        # Long enough that the first requests are still decoding when the last finish prefill.
+        params = [SamplingParams(max_tokens=min(2048, engine.config.model.max_position_embeddings - ctx - 1))] * batch
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while any(not engine.requests[i].output_token_ids for i in ids):
         engine.step()

@@ -55,8 +55,12 @@ def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
         engine.step()
     from ray_attn.planner import ScheduledRequest
 
-    reqs = [engine.requests[i] for i in ids]
-    plan = engine.planner.plan([ScheduledRequest(r.request_id, r.all_token_ids, 1) for r in reqs])
+    # Only what the cache holds at once: at TP=1, 256 x 4k tokens of Llama-3-8B KV (134 GB) do
+    # not fit next to the weights, and the engine then decodes fewer requests per step.
+    p = engine.planner
+    reqs = [r for r in engine.running
+            if p.has_request(r.request_id) and p.num_computed_tokens(r.request_id) == len(r.all_token_ids) - 1]
+    plan = p.plan([ScheduledRequest(r.request_id, r.all_token_ids, 1) for r in reqs])
     B = plan.num_reqs
     step = StepInput(plan, np.zeros(B, np.float32), -np.ones(B, np.int64), np.zeros(B, np.int32))
     was = engine.executor.compiled
@@ -67,7 +71,7 @@ def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
     for i in ids:
         engine.abort_request(i)
         engine.release(i)
-    return split
+    return split, len(reqs)
 
 
 def main(argv=None):
@@ -107,9 +111,11 @@ def main(argv=None):
         eng = engine_for(m, tp, gpu)
         for b in batches:
             tps_, step_s, _ = ours(eng, b, ctx, args.steps, m["vocab_size"])
-            split = profile_decode(eng, b, ctx, m["vocab_size"])
+            p0 = eng.stats.preemptions
+            split, resident = profile_decode(eng, b, ctx, m["vocab_size"])
             total = sum(split.values()) or 1.0
             scaling.append(dict(tp=tp, batch=b, ctx=ctx, tok_s=tps_, step_ms=step_s * 1e3,
+                                resident_reqs=resident, preemptions=eng.stats.preemptions - p0,
                                 allreduce_share=split["all_reduce"] / total,
                                 attention_share=split["attention"] / total))
         eng.shutdown()
@@ -119,7 +125,8 @@ def main(argv=None):
         r["efficiency"] = r["speedup"] / r["tp"]
     path = bl.save("bench_tp", scaling, correctness=correctness, model=m, gpus=ngpu)
     bl.print_table(scaling, ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency",
-                             "allreduce_share", "attention_share"], "decode scaling")
+                             "resident_reqs", "preemptions", "allreduce_share", "attention_share"],
+                   "decode scaling")
     series = {f"batch {b}": ([r["tp"] for r in scaling if r["batch"] == b],
                              [r["tok_s"] for r in scaling if r["batch"] == b]) for b in batches}
     bl.plot(path.with_suffix(".png"), series, "tensor-parallel size", "decode tokens/s",

@@ -33,7 +33,7 @@ fi
 if [[ $stage == e2e || $stage == all ]]; then
   bench scripts/bench_e2e.py
 fi
-if [[ $stage == tp || $stage == e2e || $stage == all ]]; then
+if [[ $stage == tp || $stage == all ]]; then
   bench scripts/bench_tp.py
 fi
 echo "=== done ($(date +%T))"

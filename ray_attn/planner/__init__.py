@@ -6,6 +6,7 @@ from .cascade import (
     cascade_verdict,
     common_prefix_blocks,
     find_prefix_groups,
+    measured_cascade_verdict,
     multi_group_cascade_verdict,
     use_cascade_attention,
 )
@@ -22,7 +23,7 @@ from .plan import ScheduledRequest, StepPlan
 
 __all__ = [
     "BlockPool", "DEFAULT_NUM_SMS", "Planner", "ScheduledRequest", "StepPlan",
-    "cascade_verdict", "common_prefix_blocks", "find_prefix_groups", "multi_group_cascade_verdict",
+    "cascade_verdict", "common_prefix_blocks", "find_prefix_groups", "multi_group_cascade_verdict", "measured_cascade_verdict",
     "use_cascade_attention", "make_local_attention_virtual_batches",
     "PlannerError", "PlannerConfigError", "InvalidRequestError", "UnknownRequestError",
     "DoubleFreeError", "OutOfBlocksError",

@@ -77,6 +77,7 @@ class Planner(Admission):
         enable_prefix_caching: bool = True,
         enable_cascade: bool = True,
         multi_group_cascade: bool = True,
+        cascade_min_saved_kv_tokens: int | None = None,
         max_model_len: int | None = None,
         token_buckets: Sequence[int] | None = None,
         max_num_reqs_hint: int = 256,
@@ -105,6 +106,8 @@ class Planner(Admission):
         self._cascade_cache: tuple = ()
         self._enable_cascade = bool(enable_cascade)
         self._multi_group_cascade = bool(multi_group_cascade)
+        # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
+        self.cascade_min_saved_kv_tokens = cascade_min_saved_kv_tokens
         self._num_sms = _positive("num_sms", num_sms)
         self._update_cascade_config()
         bs = self.block_size
@@ -132,7 +135,7 @@ class Planner(Admission):
         self.cascade_config = CascadeConfig(
             self.block_size, self.num_query_heads, self.num_kv_heads, self.use_alibi,
             self.sliding_window, self.attention_chunk_size, self.num_sms, self.enable_cascade,
-            self.multi_group_cascade,
+            self.multi_group_cascade, self.cascade_min_saved_kv_tokens,
         )
 
     # ------------------------------------------------------------------------------------ queries

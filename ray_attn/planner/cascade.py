@@ -142,6 +142,23 @@ def multi_group_cascade_verdict(
     return False, f"{G} groups: flash-decoding cost {fd_time} <= cascade {cascade_time}"
 
 
+def measured_cascade_verdict(prefix_lens: np.ndarray, group_num_reqs: np.ndarray,
+                             min_saved_kv_tokens: int) -> tuple[bool, str]:
+    """Cascade when it saves reading at least ``min_saved_kv_tokens`` KV tokens per layer.
+
+    Why a byte count and not vLLM's CTA-wave model: on the H200 with FlashAttention 3
+    (scripts/bench_cascade.py, benchmarks/NOTES.md) a cascade layer costs a near-constant ~0.3 ms
+    (two kernel passes, the merge, and their launches) while plain decode costs the KV bytes it
+    reads.  Cascade reads each group's prefix once instead of once per request, so it saves
+    ``sum_g (n_g - 1) * P_g`` tokens; it wins exactly when reading those takes longer than its
+    fixed cost.  vLLM's model picked the slower path in 31% of that grid; this rule in 2%.
+    """
+    saved = int(((np.asarray(group_num_reqs, np.int64) - 1) * np.asarray(prefix_lens, np.int64)).sum())
+    if saved >= min_saved_kv_tokens:
+        return True, f"cascade: saves {saved} KV tokens per layer >= {min_saved_kv_tokens}"
+    return False, f"saves {saved} KV tokens per layer < {min_saved_kv_tokens}: plain is faster"
+
+
 # --------------------------------------------------------------------------------- group detection
 def _lcp(block_table: np.ndarray, cap: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """Leading blocks each row shares with row ``ref[row]``, counting only the first ``cap`` blocks
@@ -241,6 +258,7 @@ class CascadeConfig:
     num_sms: int
     enable: bool = True
     multi_group: bool = True
+    min_saved_kv_tokens: int | None = None  # set: the measured policy replaces vLLM's cost model
 
 
 @dataclass
@@ -298,7 +316,10 @@ def decide_cascade(cfg: CascadeConfig, bt, computed, q, max_seq: int, maybe_shar
     heads = (cfg.num_query_heads, cfg.num_kv_heads, False, False, cfg.num_sms)
     if not cfg.multi_group:
         P = common_prefix_blocks(bt, cap)
-        ok, why = cascade_verdict(P * bs, q, *heads)
+        if cfg.min_saved_kv_tokens is not None and P * bs >= MIN_COMMON_PREFIX_LEN:
+            ok, why = measured_cascade_verdict(np.array([P * bs]), np.array([B]), cfg.min_saved_kv_tokens)
+        else:
+            ok, why = cascade_verdict(P * bs, q, *heads)
         if not ok:
             return CascadeChoice(False, why, reusable=True)
         return CascadeChoice(True, why, np.zeros(B, dtype=np.int64), np.array([P]), np.array([0]), True)
@@ -311,7 +332,10 @@ def decide_cascade(cfg: CascadeConfig, bt, computed, q, max_seq: int, maybe_shar
     labels, prefix, refs = find_prefix_groups(bt, cap)
     sizes = np.bincount(labels)
     tokens = np.bincount(labels, weights=q).astype(np.int64)
-    ok, why = multi_group_cascade_verdict(prefix * bs, sizes, tokens, q, *heads)
+    if cfg.min_saved_kv_tokens is not None:
+        ok, why = measured_cascade_verdict(prefix * bs, sizes, cfg.min_saved_kv_tokens)
+    else:
+        ok, why = multi_group_cascade_verdict(prefix * bs, sizes, tokens, q, *heads)
     if not ok:
         return CascadeChoice(False, why, reusable=True)
     return CascadeChoice(True, why, labels, prefix, refs, True)

@@ -1,0 +1,437 @@
+"""The Ray Serve app: one replica = one engine (driven by one thread) + its TP worker actors.
+
+``build_app(args)`` is the ``import_path`` target of ``deploy/serve_config.yaml``.  It validates the
+args as a :class:`ServeAppConfig` and sets the deployment's placement group to
+``[{"CPU": replica_num_cpus}] + [rank bundle] * tp`` with ``STRICT_PACK``: Serve reserves the
+replica and its ranks' CPUs/GPUs together, and the replica starts its workers in bundles 1..tp of
+that group, so a replica and its GPUs come and go together.
+
+HTTP API (FastAPI ingress):
+  POST /v1/generate   JSON body (GenerateRequest); ``"stream": true`` answers with server-sent events
+  GET  /health        200 when the engine loop runs and every worker answers its ping, else 503
+  GET  /stats         KV blocks, prefix-cache hit rate, cascade rate, steps/s, tokens/s, queue depth
+
+Request bodies are read with a byte cap and parsed as JSON by pydantic (strict, unknown fields
+forbidden); nothing a client sends is ever unpickled or evaluated.
+"""
+
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from deploy.loop import AsyncioSink, EngineLoop, LoopDead, LoopHooks, QueueFull
+from deploy.schemas import (
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    ServeAppConfig,
+    StatsResponse,
+    StreamEvent,
+    Usage,
+    limit_errors,
+    validation_errors,
+)
+
+log = logging.getLogger("ray.serve")
+
+STEP_LATENCY_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, errors: list[tuple[str, str]], headers: dict | None = None):
+        super().__init__(errors[0][1] if errors else str(status))
+        self.status, self.errors, self.headers = status, errors, headers or {}
+
+    def response(self) -> JSONResponse:
+        field, detail = self.errors[0]
+        body = ErrorResponse(detail=detail, field=field,
+                             errors=[{"field": f, "message": m} for f, m in self.errors])
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def _error_responses() -> dict:
+    return {s: {"model": ErrorResponse} for s in (400, 413, 422, 503)}
+
+
+fastapi_app = FastAPI(
+    title="ray_attn",
+    description="Paged FlashAttention LLM serving on Ray: continuous batching across TP workers.",
+    version="0.1.0")
+
+
+# ----------------------------------------------------------------------------------------- metrics
+class RayMetricsHooks(LoopHooks):
+    """Prometheus metrics through ``ray.util.metrics`` (exported by every Ray node's metrics agent)."""
+
+    def __init__(self, replica: str, min_gauge_interval_s: float = 0.25):
+        from ray.util import metrics
+
+        tags = ("replica",)
+        self.step_latency = metrics.Histogram(
+            "ray_attn_step_latency_s", description="Latency of one engine step (all layers, all ranks).",
+            boundaries=STEP_LATENCY_BOUNDARIES_S, tag_keys=tags)
+        self.tokens = metrics.Counter("ray_attn_tokens_generated",
+                                      description="Tokens generated.", tag_keys=tags)
+        self.tokens_per_s = metrics.Gauge("ray_attn_tokens_per_s",
+                                          description="Tokens generated per second (recent window).",
+                                          tag_keys=tags)
+        self.kv_usage = metrics.Gauge("ray_attn_kv_cache_usage",
+                                      description="Share of KV blocks in use (0..1).", tag_keys=tags)
+        self.kv_used = metrics.Gauge("ray_attn_kv_blocks_used", description="KV blocks in use.",
+                                     tag_keys=tags)
+        self.queue_depth = metrics.Gauge("ray_attn_queue_depth",
+                                         description="Requests accepted but not yet running.",
+                                         tag_keys=tags)
+        self.running = metrics.Gauge("ray_attn_running_requests",
+                                     description="Requests in the running batch.", tag_keys=tags)
+        self.finished = metrics.Counter("ray_attn_requests_finished",
+                                        description="Finished requests, by finish reason.",
+                                        tag_keys=tags + ("finish_reason",))
+        self.rejected = metrics.Counter("ray_attn_requests_rejected",
+                                        description="Requests refused, by HTTP status.",
+                                        tag_keys=tags + ("status",))
+        for m in (self.step_latency, self.tokens, self.tokens_per_s, self.kv_usage, self.kv_used,
+                  self.queue_depth, self.running, self.finished, self.rejected):
+            m.set_default_tags({"replica": replica})
+        self.min_gauge_interval_s = min_gauge_interval_s
+        self._last_gauges = 0.0
+
+    def on_step(self, latency_s: float, num_tokens: int, batch_size: int) -> None:
+        self.step_latency.observe(latency_s)
+        if num_tokens > 0:
+            self.tokens.inc(num_tokens)
+
+    def on_snapshot(self, snap: dict) -> None:
+        now = time.monotonic()
+        if now - self._last_gauges < self.min_gauge_interval_s:
+            return
+        self._last_gauges = now
+        self.kv_usage.set(snap["kv_usage"])
+        self.kv_used.set(snap["kv_blocks_used"])
+        self.queue_depth.set(snap["queue_depth"])
+        self.running.set(snap["running"])
+        self.tokens_per_s.set(snap["tokens_per_s"])
+
+    def on_request_done(self, finish_reason: str) -> None:
+        self.finished.inc(tags={"finish_reason": finish_reason})
+
+    def on_rejected(self, status: int) -> None:
+        self.rejected.inc(tags={"status": str(status)})
+
+
+# ------------------------------------------------------------------------------------- deployment
+# Note: ``@serve.deployment`` serializes the class when this module is imported, so every helper
+# the class uses must be defined above it -- and this module must not use ``from __future__ import
+# annotations``: FastAPI resolves ``request: Request`` from the annotation object.
+def _replica_tag() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (direct construction in tests)
+        return "local"
+
+
+@serve.deployment
+@serve.ingress(fastapi_app)
+class LLMServer:
+    def __init__(self, app_config: dict):
+        from ray_attn.config import EngineConfig
+        from ray_attn.engine import LLMEngine
+
+        self.cfg = ServeAppConfig.model_validate(app_config)
+        engine_cfg: EngineConfig = self.cfg.engine
+        self.tokenizer = self._load_tokenizer(self.cfg.tokenizer, engine_cfg.model.vocab_size)
+        self.executor = self._make_executor(engine_cfg)
+        try:
+            self.engine = LLMEngine(engine_cfg, self.executor)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        replica = _replica_tag()
+        self.metrics = RayMetricsHooks(replica)
+        self.loop = EngineLoop(self.engine, self.cfg.max_in_flight, hooks=self.metrics,
+                               request_id_prefix=f"{replica}-{uuid.uuid4().hex[:6]}").start()
+        self.vocab_size = engine_cfg.model.vocab_size
+        log.info("ray_attn replica %s ready: TP=%d, %d KV blocks, kernel %s, capacity %d requests",
+                 replica, engine_cfg.parallel.tensor_parallel_size, self.executor.num_blocks,
+                 getattr(self.executor, "kernel_name", "?"), self.cfg.max_in_flight)
+
+    def _make_executor(self, engine_cfg):
+        if self.cfg.executor == "in_process":
+            from ray_attn.runtime import InProcessExecutor
+
+            return InProcessExecutor(engine_cfg)
+        import ray
+        from ray_attn.runtime import AttentionCluster
+
+        # The replica's own placement group: bundle 0 is this actor, bundles 1..tp its ranks.
+        pg = ray.util.get_current_placement_group()
+        return AttentionCluster(engine_cfg, placement_group=pg, bundle_offset=1 if pg else 0,
+                                use_gpu=self.cfg.use_gpu)
+
+    @staticmethod
+    def _load_tokenizer(folder: Optional[str], vocab_size: int):
+        if not folder:
+            return None
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        if len(tok) > vocab_size:
+            raise ValueError(f"tokenizer at {folder!r} has {len(tok)} tokens but the model's "
+                             f"vocab_size is {vocab_size}")
+        return tok
+
+    # -- lifetime -----------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising makes Serve replace the replica."""
+        ok, _, detail = await self._probe()
+        if not ok:
+            raise RuntimeError(detail)
+
+    async def _probe(self) -> tuple[bool, int, Optional[str]]:
+        if not self.loop.alive:
+            return False, 0, self.loop._dead_reason()
+        dead = getattr(self.engine, "dead", None)  # set once ranks failed too often to recover
+        if dead:
+            return False, 0, f"engine stopped after repeated worker failures: {dead}"
+        running = self.loop.current_step_s()
+        if running > self.cfg.step_timeout_s:
+            return False, 0, (f"engine step has run for {running:.0f}s (step_timeout_s="
+                              f"{self.cfg.step_timeout_s:.0f}); a rank is hung")
+        workers = list(getattr(self.executor, "workers", None) or [])
+        if not workers:
+            return True, 1, None  # in-process: the loop is the whole engine
+        if getattr(self.executor, "compiled", False):
+            # Compiled-graph actors run the graph's loop: a dead one surfaces on the next step,
+            # which the engine recovers from (or ends the requests and sets engine.dead).
+            return True, len(workers), None
+        # A plain async ping of each rank (workers take max_concurrency=2, so it does not queue
+        # behind a step).  During an in-place rank restart it may fail once or twice: Serve
+        # needs 3 failures in a row before it replaces the replica.
+        try:
+            ranks = await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in workers]),
+                                           self.cfg.health_ping_timeout_s)
+        except asyncio.TimeoutError:
+            return False, 0, f"worker ping timed out after {self.cfg.health_ping_timeout_s}s"
+        except Exception as e:  # noqa: BLE001 - a dead actor raises RayActorError and friends
+            return False, 0, f"worker ping failed: {type(e).__name__}: {e}"
+        return True, len(ranks), None
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+        ex = getattr(self, "executor", None)
+        if ex is not None:
+            try:
+                ex.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+            self.executor = None
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    @fastapi_app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health(self):
+        ok, workers, detail = await self._probe()
+        body = HealthResponse(status="ok" if ok else "unhealthy", workers=workers, detail=detail)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @fastapi_app.get("/stats", response_model=StatsResponse)
+    async def stats(self):
+        snap = self.loop.stats()
+        snap.update(vocab_size=self.vocab_size, max_prompt_tokens=self.cfg.max_prompt_tokens,
+                    max_tokens_limit=self.cfg.max_tokens_limit)
+        return StatsResponse.model_validate({k: snap[k] for k in StatsResponse.model_fields}).model_dump()
+
+    @fastapi_app.post(
+        "/v1/generate", response_model=GenerateResponse, responses=_error_responses(),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": GenerateRequest.model_json_schema()}}}})
+    async def generate(self, request: Request):
+        try:
+            return await self._generate(request)
+        except HTTPError as e:
+            self.metrics.on_rejected(e.status)
+            return e.response()
+
+    async def _generate(self, request: Request):
+        body = await self._read_body(request)
+        try:
+            req = GenerateRequest.model_validate_json(body)
+        except ValidationError as e:
+            errs = validation_errors(e)
+            status = 400 if errs and errs[0][1].startswith("body: malformed JSON") else 422
+            raise HTTPError(status, errs) from None
+        prompt = self._prompt_ids(req)
+        errs = limit_errors(req, prompt, vocab_size=self.vocab_size,
+                            max_model_len=self.cfg.engine.model.max_position_embeddings,
+                            max_prompt_tokens=self.cfg.max_prompt_tokens,
+                            max_tokens_limit=self.cfg.max_tokens_limit,
+                            max_stop_token_ids=self.cfg.max_stop_token_ids)
+        if errs:
+            raise HTTPError(422, errs)
+        from ray_attn.engine import SamplingParams
+
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
+                                seed=req.seed, stop_token_ids=tuple(req.stop))
+        sink = AsyncioSink()
+        retry = {"Retry-After": str(self.cfg.retry_after_s)}
+        try:
+            rid = self.loop.submit(prompt, params, sink)
+        except QueueFull as e:
+            raise HTTPError(503, [("queue", f"queue: replica is at capacity ({e}); retry later")],
+                            retry) from None
+        except LoopDead as e:
+            raise HTTPError(503, [("replica", f"replica: unavailable ({e}); retry later")],
+                            retry) from None
+        try:
+            first = await sink.get()
+        except asyncio.CancelledError:
+            self.loop.abort(rid)
+            raise
+        if first.kind == "rejected":
+            field = "max_tokens" if "max_tokens" in (first.error or "") else "prompt_token_ids"
+            raise HTTPError(422, [(field, f"{field}: {first.error}")])
+        if first.kind != "accepted":
+            raise HTTPError(503, [("replica", f"replica: request failed: {first.error}")], retry)
+        if req.stream:
+            return StreamingResponse(self._sse(rid, sink), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        tokens: list[int] = []
+        last = None
+        try:
+            while last is None or not last.finished:
+                last = await sink.get()
+                tokens += last.token_ids
+        finally:
+            if last is None or not last.finished:
+                self.loop.abort(rid)  # the client went away: free its blocks now
+        if last.finish_reason == "error":
+            # The engine or a rank failed under this request: a server-side failure the client
+            # may retry (on this replica once Serve has replaced it, or on another one).
+            raise HTTPError(503, [("replica", f"replica: request failed: {last.error}")],
+                            {"Retry-After": str(self.cfg.retry_after_s)})
+        resp = GenerateResponse(
+            id=rid, token_ids=tokens, text=self._decode(tokens), finish_reason=last.finish_reason or "error",
+            error=last.error, usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(tokens)))
+        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": rid})
+
+    async def _sse(self, rid: str, sink: AsyncioSink):
+        index, finished, tokens, text_sent = 0, False, [], ""
+        try:
+            while not finished:
+                ev = await sink.get()
+                new, last = list(ev.token_ids), ev
+                while not last.finished and not sink.queue.empty():  # coalesce what is ready
+                    last = sink.queue.get_nowait()
+                    new += last.token_ids
+                finished = last.finished
+                text = None
+                if self.tokenizer is not None:
+                    tokens += new
+                    full = self._decode(tokens)
+                    text = full[len(text_sent):] if full.startswith(text_sent) else full
+                    text_sent = full
+                event = StreamEvent(id=rid, index=index, token_ids=new, text=text, finished=finished,
+                                    finish_reason=last.finish_reason if finished else None,
+                                    error=last.error)
+                index += len(new)
+                yield f"data: {json.dumps(event.model_dump())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        too_big = HTTPError(413, [("body", f"body: larger than the limit of {limit} bytes "
+                                           f"(max_body_bytes)")])
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                if int(cl) > limit:
+                    raise too_big
+            except ValueError:
+                raise HTTPError(400, [("content-length", f"content-length: not an integer: {cl!r}")]) from None
+        buf, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            buf.append(chunk)
+        body = b"".join(buf)
+        if not body.strip():
+            raise HTTPError(400, [("body", "body: empty; send a JSON object")])
+        return body
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids
+        if self.tokenizer is None:
+            raise HTTPError(422, [("prompt", "prompt: text prompts need a tokenizer folder on the "
+                                             "server (app config 'tokenizer'); send prompt_token_ids")])
+        return list(self.tokenizer.encode(req.prompt))
+
+    def _decode(self, tokens: list[int]) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------- builder
+def resolve_use_gpu(cfg: ServeAppConfig) -> bool:
+    if cfg.use_gpu is not None:
+        return cfg.use_gpu
+    device = cfg.engine.parallel.device
+    if device != "auto":
+        return device == "cuda"
+    import ray
+
+    if not ray.is_initialized():
+        log.warning("parallel.device='auto' and Ray is not connected at build time: assuming CPU. "
+                    "Set engine.parallel.device (or use_gpu) explicitly for GPUs.")
+        return False
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
+    """Serve options for one replica = engine + its TP workers, reserved together."""
+    use_gpu = resolve_use_gpu(cfg)
+    gpu = {"GPU": 1} if use_gpu else {}
+    if cfg.executor == "in_process":
+        bundles = [{"CPU": cfg.replica_num_cpus, **gpu}]
+        actor = {"num_cpus": cfg.replica_num_cpus, **({"num_gpus": 1} if use_gpu else {})}
+    else:
+        rank = {"CPU": cfg.engine.parallel.num_cpus_per_worker, **gpu}
+        bundles = [{"CPU": cfg.replica_num_cpus}] + [dict(rank)
+                                                     for _ in range(cfg.engine.parallel.tensor_parallel_size)]
+        actor = {"num_cpus": cfg.replica_num_cpus}
+    return dict(
+        num_replicas=cfg.num_replicas,
+        ray_actor_options=actor,
+        placement_group_bundles=bundles,
+        placement_group_strategy="STRICT_PACK",
+        # Admission control is ours (503 + Retry-After past max_in_flight); Serve's slots only
+        # need to exceed it so that /health and /stats still get in, and Serve's own queue stays
+        # short instead of unbounded.
+        max_ongoing_requests=cfg.max_in_flight + cfg.control_headroom,
+        max_queued_requests=cfg.max_queued_requests,
+        health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s,
+    )
+
+
+def build_app(args: dict | ServeAppConfig | None = None):
+    """Serve app builder (``import_path: deploy.app:build_app``); ``args`` is a ServeAppConfig."""
+    cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(args or {})
+    cfg = cfg.model_copy(update={"use_gpu": resolve_use_gpu(cfg)})
+    return LLMServer.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"))

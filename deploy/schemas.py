@@ -1,0 +1,275 @@
+"""Pydantic models of the Serve app: its config, and the HTTP request and response bodies.
+
+Every request model forbids unknown fields and runs in strict mode (``"5"`` is not an int, ``1``
+is not a bool), so that a wrong type is answered with a 4xx naming the field instead of being
+coerced.  Limits that depend on the deployment (prompt length, max_tokens, queue depth, body size)
+live in :class:`ServeAppConfig` and are checked by the app after parsing.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+
+INT64_MAX = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# ------------------------------------------------------------------------------------- app config
+def default_engine_config() -> EngineConfig:
+    """A small random-weight model with two real TP workers on CPU: light enough for 2 cores."""
+    return EngineConfig(
+        model=ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                          seed=1234),
+        cache=CacheConfig(num_blocks=512, block_size=16),
+        parallel=ParallelConfig(tensor_parallel_size=2, device="cpu", num_cpus_per_worker=0.5),
+        max_num_seqs=32, max_num_batched_tokens=1024)
+
+
+class ServeAppConfig(BaseModel):
+    """The ``args:`` of the Serve app (``deploy.app:build_app``): the engine plus the HTTP limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=default_engine_config,
+                                 description="The engine each replica runs (model, KV cache, TP layout).")
+    executor: Literal["ray", "in_process"] = Field(
+        "ray", description="'ray': one Ray actor per TP rank, placed in the replica's own placement "
+                           "group; 'in_process': TP=1 inside the replica process, no worker actors.")
+    tokenizer: Optional[str] = Field(
+        None, description="Local folder with a Hugging Face tokenizer; enables text `prompt` and "
+                          "`text` in responses. Loaded with local_files_only, no remote code.")
+    max_prompt_tokens: int = Field(1024, gt=0, description="Longest prompt accepted, in tokens.")
+    max_tokens_limit: int = Field(256, gt=0, description="Largest `max_tokens` a request may ask for.")
+    max_stop_token_ids: int = Field(16, ge=0, description="Most entries in a request's `stop` list.")
+    max_queue_depth: int = Field(
+        64, ge=0, description="Requests that may wait beyond the engine's running batch "
+                              "(engine.max_num_seqs). Past max_num_seqs + max_queue_depth requests "
+                              "in flight, a new one gets 503 with Retry-After.")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="Largest request body, in bytes (413 beyond).")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
+    replica_num_cpus: float = Field(1.0, gt=0, description="CPUs of the replica's own bundle (bundle 0).")
+    num_replicas: int = Field(1, gt=0, description="Replicas; each one is an engine plus its TP workers.")
+    use_gpu: Optional[bool] = Field(
+        None, description="Give each rank's bundle a GPU; when unset, true iff engine.parallel.device "
+                          "is 'cuda' (or 'auto' on a cluster with GPUs).")
+    control_headroom: int = Field(
+        16, ge=1, description="Serve slots per replica above the request capacity (max_ongoing_requests "
+                              "= max_num_seqs + max_queue_depth + this), so that /health, /stats and "
+                              "requests to be refused (4xx, 503) still reach the replica when it is full.")
+    max_queued_requests: int = Field(
+        64, ge=1, description="Serve's own bounded queue in front of the replicas (requests beyond "
+                              "every replica's max_ongoing_requests); past it Serve answers 503.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
+    step_timeout_s: float = Field(120.0, gt=0, description="A step running longer than this fails "
+                                                            "check_health (a hung rank or collective).")
+    health_ping_timeout_s: float = Field(10.0, gt=0, description="How long check_health waits for the "
+                                                                 "workers' ping.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        tp = self.engine.parallel.tensor_parallel_size
+        if self.executor == "in_process" and tp != 1:
+            raise ValueError(f"executor='in_process' runs tensor_parallel_size=1 only, got {tp}")
+        return self
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.engine.max_num_seqs + self.max_queue_depth
+
+
+# --------------------------------------------------------------------------------------- requests
+class GenerateRequest(_Strict):
+    """``POST /v1/generate``.  Give exactly one of ``prompt_token_ids`` and ``prompt``."""
+
+    prompt_token_ids: Optional[list[int]] = Field(
+        None, min_length=1, description="The prompt as token ids, each in [0, vocab_size).")
+    prompt: Optional[str] = Field(
+        None, min_length=1, description="The prompt as text; only when the server has a tokenizer.")
+    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most (server limit: "
+                                                  "max_tokens_limit).")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False,
+                               description="0 is greedy; above 0 samples from softmax(logits / T).")
+    seed: Optional[int] = Field(None, ge=0, le=INT64_MAX,
+                                description="Sampling seed: the same seed gives the same tokens, "
+                                            "whatever else is in the batch.")
+    stop: list[int] = Field(default_factory=list,
+                            description="Stop token ids: generation ends after emitting one of them.")
+    stream: bool = Field(False, description="Answer with server-sent events, one per engine step "
+                                            "that made tokens for this request.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt_token_ids is None) == (self.prompt is None):
+            both = "both" if self.prompt is not None else "neither"
+            raise ValueError(f"prompt_token_ids: give exactly one of prompt_token_ids or prompt "
+                             f"({both} given)")
+        return self
+
+
+class BatchRecord(GenerateRequest):
+    """One line of the batch script's JSONL input: a generate request plus an optional id."""
+
+    id: Optional[str] = Field(None, max_length=256, description="Copied to the output line.")
+    stream: bool = Field(False, description="Ignored in batch input.")
+
+
+# -------------------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="Tokens in the prompt.")
+    completion_tokens: int = Field(description="Tokens generated.")
+
+
+class GenerateResponse(BaseModel):
+    id: str = Field(description="Server-assigned request id.")
+    token_ids: list[int] = Field(description="The generated token ids.")
+    text: Optional[str] = Field(None, description="The generated text, when a tokenizer is configured.")
+    finish_reason: str = Field(description="'length', 'stop', 'abort' or 'error'.")
+    error: Optional[str] = Field(None, description="Why the request ended with finish_reason 'error'.")
+    usage: Usage = Field(description="Token counts.")
+
+
+class StreamEvent(BaseModel):
+    """One server-sent event (``data: {...}``); the stream ends with ``data: [DONE]``."""
+
+    id: str = Field(description="Server-assigned request id.")
+    index: int = Field(description="Position of token_ids[0] in the generated sequence.")
+    token_ids: list[int] = Field(description="Tokens made since the previous event.")
+    text: Optional[str] = Field(None, description="Text of these tokens, when a tokenizer is configured.")
+    finished: bool = Field(description="True on the last event.")
+    finish_reason: Optional[str] = Field(None, description="Set on the last event.")
+    error: Optional[str] = Field(None, description="Set when the request ended with an error.")
+
+
+class FieldError(BaseModel):
+    field: str = Field(description="Dotted path of the offending field ('body' for the whole body).")
+    message: str = Field(description="What is wrong with it.")
+
+
+class ErrorResponse(BaseModel):
+    detail: str = Field(description="Human-readable message; starts with the field name.")
+    field: str = Field(description="The first offending field.")
+    errors: list[FieldError] = Field(default_factory=list, description="Every problem found.")
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unhealthy"] = Field(description="'ok' when the engine loop runs and every worker answers.")
+    workers: int = Field(description="TP workers that answered the ping.")
+    detail: Optional[str] = Field(None, description="Why the replica is unhealthy.")
+
+
+class StatsResponse(BaseModel):
+    kv_blocks_total: int = Field(description="KV blocks per rank.")
+    kv_blocks_used: int = Field(description="Blocks referenced by running requests.")
+    kv_blocks_free: int = Field(description="Free blocks (cached prefix blocks count as free).")
+    kv_blocks_cached: int = Field(description="Free blocks still holding a reusable prefix.")
+    kv_usage: float = Field(description="kv_blocks_used / kv_blocks_total.")
+    prefix_cache_hit_rate: float = Field(description="Prompt tokens found in the prefix cache / tokens looked up.")
+    prefix_cache_hits: int = Field(description="Prompt tokens served from the prefix cache.")
+    prefix_cache_queries: int = Field(description="Prompt tokens looked up in the prefix cache.")
+    cascade_rate: float = Field(description="Share of engine steps that used cascade attention.")
+    local_rate: float = Field(description="Share of engine steps that used local (chunked) attention.")
+    steps: int = Field(description="Engine steps since start.")
+    steps_per_s: float = Field(description="Engine steps per second over the last window.")
+    tokens_generated: int = Field(description="Tokens generated since start.")
+    tokens_per_s: float = Field(description="Tokens generated per second over the last window.")
+    window_s: float = Field(description="Length of the rate window, in seconds.")
+    max_batch_size: int = Field(description="Most requests that got a token in one step.")
+    preemptions: int = Field(description="Requests preempted (recomputed later) for lack of blocks.")
+    recoveries: int = Field(description="Times the engine restarted its TP ranks after a failure.")
+    last_recovery_s: Optional[float] = Field(description="Seconds the last rank restart took.")
+    engine_dead: Optional[str] = Field(description="Why the engine stopped (ranks kept failing); "
+                                                   "null while it serves.")
+    queue_depth: int = Field(description="Requests accepted but not yet running.")
+    running: int = Field(description="Requests in the engine's running batch.")
+    in_flight: int = Field(description="Requests accepted and not yet finished.")
+    max_in_flight: int = Field(description="Capacity: beyond it new requests get 503.")
+    requests_finished: int = Field(description="Requests finished since start.")
+    requests_by_finish_reason: dict[str, int] = Field(
+        description="Finished requests by finish reason ('length', 'stop', 'abort', 'error').")
+    requests_rejected_full: int = Field(description="Requests answered 503 because the queue was full.")
+    engine_alive: bool = Field(description="Whether the engine loop is running.")
+    uptime_s: float = Field(description="Seconds since the engine loop started.")
+    vocab_size: int = Field(description="The model's vocabulary size (valid token ids are below it).")
+    max_prompt_tokens: int = Field(description="Limit on prompt length.")
+    max_tokens_limit: int = Field(description="Limit on max_tokens.")
+
+
+# ------------------------------------------------------------------------------ deployment limits
+def limit_errors(req: GenerateRequest, prompt_token_ids: list[int], *, vocab_size: int,
+                 max_model_len: int, max_prompt_tokens: int, max_tokens_limit: int,
+                 max_stop_token_ids: int) -> list[tuple[str, str]]:
+    """The (field, message) pairs for every deployment limit ``req`` breaks; empty when it fits.
+
+    ``prompt_token_ids`` is the prompt after tokenization (the ``prompt`` field when text was
+    sent), so errors about it name whichever field the client used."""
+    errs: list[tuple[str, str]] = []
+    pfield = "prompt_token_ids" if req.prompt_token_ids is not None else "prompt"
+    n = len(prompt_token_ids)
+    if n == 0:
+        errs.append((pfield, f"{pfield}: the prompt is empty after tokenization"))
+    if n > max_prompt_tokens:
+        errs.append((pfield, f"{pfield}: {n} tokens exceeds the limit of {max_prompt_tokens} "
+                             f"(max_prompt_tokens)"))
+    elif req.prompt_token_ids is not None:
+        for i, t in enumerate(prompt_token_ids):
+            if not 0 <= t < vocab_size:
+                errs.append((f"prompt_token_ids[{i}]", f"prompt_token_ids[{i}]: token id {t} is "
+                                                       f"outside the vocabulary [0, {vocab_size})"))
+                break
+    if req.max_tokens > max_tokens_limit:
+        errs.append(("max_tokens", f"max_tokens: {req.max_tokens} exceeds the limit of "
+                                   f"{max_tokens_limit} (max_tokens_limit)"))
+    elif n and n + req.max_tokens > max_model_len:
+        errs.append(("max_tokens", f"max_tokens: prompt of {n} tokens + max_tokens={req.max_tokens} "
+                                   f"exceeds the model's {max_model_len}-token context"))
+    if len(req.stop) > max_stop_token_ids:
+        errs.append(("stop", f"stop: {len(req.stop)} stop token ids exceeds the limit of "
+                             f"{max_stop_token_ids} (max_stop_token_ids)"))
+    else:
+        for i, t in enumerate(req.stop):
+            if not 0 <= t < vocab_size:
+                errs.append((f"stop[{i}]", f"stop[{i}]: token id {t} is outside the vocabulary "
+                                           f"[0, {vocab_size})"))
+                break
+    return errs
+
+
+def field_name(loc: tuple) -> str:
+    """``('prompt_token_ids', 3)`` -> ``'prompt_token_ids[3]'``; ``()`` -> ``'body'``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+_KNOWN_FIELDS = tuple(GenerateRequest.model_fields) + ("id",)
+
+
+def validation_errors(exc, model: type[BaseModel] = GenerateRequest) -> list[tuple[str, str]]:
+    """A pydantic ValidationError as (field, message) pairs whose message starts with the field."""
+    out = []
+    for e in exc.errors(include_url=False):
+        field = field_name(tuple(e.get("loc", ())))
+        msg = str(e.get("msg", "invalid"))
+        if e.get("type") == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            head = msg.split(":", 1)[0]
+            if field == "body" and head in _KNOWN_FIELDS:
+                field, msg = head, msg.split(":", 1)[1].strip()
+        elif e.get("type") == "extra_forbidden":
+            msg = f"unknown field (allowed: {', '.join(model.model_fields)})"
+        elif e.get("type") == "json_invalid":
+            msg = f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}"
+        elif e.get("type") == "model_type":
+            msg = "the body must be a JSON object"
+        out.append((field, f"{field}: {msg}"))
+    return out

@@ -1,0 +1,109 @@
+"""One real Serve instance on loopback for the deploy tests (and the load-test script test).
+
+Two apps on one HTTP port: ``/`` is the TP=2 app (Ray worker actors in the replica's placement
+group, with a small local tokenizer), ``/plain`` is a TP=1 in-process app without a tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small limits so that the catalogue can reach them cheaply.
+LIMITS = dict(max_prompt_tokens=64, max_tokens_limit=128, max_stop_token_ids=4, max_queue_depth=4,
+              max_body_bytes=4096, retry_after_s=2)
+MAX_NUM_SEQS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer saved in HF format (no download): 'w0'..'w99' and a few words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]"] + [f"w{i}" for i in range(100)] + \
+        "the quick brown fox jumps over lazy dog hello world".split()
+    assert len(words) <= vocab_size
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(folder))
+
+
+@dataclass
+class Served:
+    url: str
+    plain_url: str
+    args: dict
+    tokenizer_dir: str
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60), **kw)
+
+
+@pytest.fixture(scope="package")
+def ray_session():
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        # Replicas and workers import `deploy` and `ray_attn` from this checkout.
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 _system_config={"metrics_report_interval_ms": 1000})
+        started = True
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def served(ray_session, tmp_path_factory):
+    from ray import serve
+
+    from deploy.app import build_app
+    from tests.deploy.helpers import engine_config
+
+    tok_dir = tmp_path_factory.mktemp("tokenizer")
+    eng = engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS)
+    build_tokenizer(tok_dir, eng.model.vocab_size)
+    args = dict(LIMITS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir),
+                replica_num_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=10.0,
+                health_ping_timeout_s=3.0)
+    plain = dict(LIMITS, executor="in_process", replica_num_cpus=0.5,
+                 engine=engine_config(tp=1, max_num_seqs=MAX_NUM_SEQS).model_dump(mode="json"))
+    port = free_port()
+    t0 = time.perf_counter()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="ray_attn", route_prefix="/", blocking=False)
+    serve.run(build_app(plain), name="plain", route_prefix="/plain", blocking=False)
+    print(f"\nServe apps up in {time.perf_counter() - t0:.1f}s on port {port}")
+    try:
+        yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/plain", args, str(tok_dir))
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="package")
+def direct_engine(ray_session):
+    """The engine the app runs (same config, TP=2 worker actors), driven directly."""
+    from ray_attn.engine import LLMEngine
+    from tests.deploy.helpers import engine_config
+
+    eng = LLMEngine(engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS))
+    yield eng
+    eng.shutdown()

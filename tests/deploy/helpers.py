@@ -1,0 +1,43 @@
+"""Shared pieces of the deploy and scripts tests: a light engine config and a workload."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deploy.schemas import default_engine_config
+from ray_attn.config import EngineConfig
+
+
+def engine_config(tp: int = 2, max_num_seqs: int = 4, num_blocks: int = 256) -> EngineConfig:
+    cfg = default_engine_config()
+    data = cfg.model_dump()
+    data["parallel"].update(tensor_parallel_size=tp, device="cpu", num_cpus_per_worker=0.5)
+    data["cache"].update(num_blocks=num_blocks)
+    data.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
+    return EngineConfig.model_validate(data)
+
+
+def workload(n: int = 6, vocab: int = 512, seed: int = 5, max_tokens: int = 8):
+    """n requests: prompts sharing a prefix, half greedy and half seeded sampling."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, 20).tolist()
+    reqs = []
+    for i in range(n):
+        prompt = shared + rng.integers(0, vocab, int(rng.integers(1, 24))).tolist()
+        body = {"prompt_token_ids": prompt, "max_tokens": max_tokens - (i % 3)}
+        if i % 2:
+            body.update(temperature=0.9, seed=100 + i)
+        reqs.append(body)
+    return reqs
+
+
+def sampling_params(body: dict):
+    from ray_attn.engine import SamplingParams
+
+    return SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 0.0),
+                          seed=body.get("seed"), stop_token_ids=tuple(body.get("stop", ())))
+
+
+def direct_generate(engine, bodies) -> list[list[int]]:
+    outs = engine.generate([b["prompt_token_ids"] for b in bodies], [sampling_params(b) for b in bodies])
+    return [o.output_token_ids for o in outs]

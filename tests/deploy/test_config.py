@@ -1,0 +1,86 @@
+"""The app config, the shipped YAML files and the deployment options built from them (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deploy.app import build_app, deployment_options
+from deploy.schemas import GenerateRequest, ServeAppConfig, validation_errors
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def app_args(name: str) -> dict:
+    data = yaml.safe_load((DEPLOY / name).read_text())
+    (app,) = data["applications"]
+    assert app["import_path"] == "deploy.app:build_app"
+    return data, app["args"]
+
+
+def test_cpu_yaml_is_port_8000_and_fits_two_cores():
+    data, args = app_args("serve_config.yaml")
+    assert data["http_options"]["port"] == 8000
+    cfg = ServeAppConfig.model_validate(args)
+    opts = deployment_options(cfg)
+    tp = cfg.engine.parallel.tensor_parallel_size
+    assert tp == 2 and cfg.executor == "ray"
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}] + [{"CPU": 0.5}] * tp
+    assert sum(b["CPU"] for b in opts["placement_group_bundles"]) <= 2
+    assert opts["ray_actor_options"] == {"num_cpus": 0.5}
+    assert opts["max_ongoing_requests"] > cfg.max_in_flight  # room for /health and /stats
+    assert build_app(args) is not None
+
+
+def test_gpu_yaml_gives_each_rank_a_gpu():
+    _, args = app_args("serve_config.gpu.yaml")
+    cfg = ServeAppConfig.model_validate(args)
+    opts = deployment_options(cfg)
+    bundles = opts["placement_group_bundles"]
+    assert bundles[0] == {"CPU": 1}
+    assert bundles[1:] == [{"CPU": 2, "GPU": 1}] * cfg.engine.parallel.tensor_parallel_size
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_in_process_executor_is_one_bundle():
+    cfg = ServeAppConfig.model_validate({"executor": "in_process", "engine": {
+        "parallel": {"tensor_parallel_size": 1, "device": "cpu"}}})
+    opts = deployment_options(cfg)
+    assert opts["placement_group_bundles"] == [{"CPU": 1.0}]
+
+
+@pytest.mark.parametrize("args,field", [
+    ({"max_queue_depth": -1}, "max_queue_depth"),
+    ({"max_body_bytes": 0}, "max_body_bytes"),
+    ({"max_tokens_limt": 5}, "max_tokens_limt"),
+    ({"executor": "in_process"}, "executor"),  # default engine is TP=2
+    ({"engine": {"parallel": {"tensor_parallel_size": 3}}}, "tensor_parallel_size"),
+])
+def test_bad_app_config_names_the_field(args, field):
+    with pytest.raises(ValidationError, match=field):
+        ServeAppConfig.model_validate(args)
+
+
+@pytest.mark.parametrize("body,field", [
+    (b'{"prompt_token_ids": [1], "max_tokens": 1.5}', "max_tokens"),
+    (b'{"prompt_token_ids": [1], "temperature": "hot"}', "temperature"),
+    (b'{"prompt_token_ids": [1], "temperature": -1}', "temperature"),
+    (b'{"prompt_token_ids": [1], "seed": -3}', "seed"),
+    (b'{"prompt_token_ids": [1], "stop": [true]}', "stop[0]"),
+    (b'{"prompt_token_ids": [1, "2"]}', "prompt_token_ids[1]"),
+    (b'{"prompt_token_ids": [1], "prompt": "x"}', "prompt_token_ids"),
+    (b'{"max_tokens": 3}', "prompt_token_ids"),
+    (b'{"prompt_token_ids": [1], "top_k": 3}', "top_k"),
+    (b'[1, 2]', "body"),
+    (b'{"prompt_token_ids": [1', "body"),
+])
+def test_request_errors_start_with_the_field(body, field):
+    with pytest.raises(ValidationError) as e:
+        GenerateRequest.model_validate_json(body)
+    errs = validation_errors(e.value)
+    assert errs[0][0] == field
+    assert errs[0][1].startswith(f"{field}: ")
