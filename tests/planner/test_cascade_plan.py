@@ -300,3 +300,30 @@ def test_toggling_cascade_between_steps():
     for s in batch:
         s.token_ids.append(2)
     assert p.plan(batch).attn.use_cascade
+
+
+@pytest.mark.parametrize("multi_group", [True, False])
+def test_measured_policy_cascades_exactly_when_enough_kv_is_saved(multi_group):
+    """The measured policy (GPU kernels) compares the KV tokens cascade saves per layer,
+    sum_g (n_g - 1) * P_g, with its threshold; it replaces vLLM's CTA model, not its gates."""
+    prompts, samples = (4, 4) if multi_group else (1, 8)  # vLLM's gate: at least 8 requests
+    saved = prompts * (samples - 1) * (400 // BS * BS)  # 25 full blocks shared per prompt
+    for threshold, expect in ((saved, True), (saved + 1, False)):
+        q, _, b = make(prompts, samples, [400] * prompts, multi_group_cascade=multi_group,
+                       cascade_min_saved_kv_tokens=threshold)
+        plan = q.plan(b)
+        assert plan.attn.use_cascade is expect, plan.cascade_reason
+        assert f"saves {saved} KV tokens" in plan.cascade_reason
+
+
+def test_engine_threshold_is_one_gib_of_kv_per_layer():
+    from ray_attn.config import CacheConfig, EngineConfig, ModelConfig
+    from ray_attn.engine import cascade_threshold
+
+    llama8b = ModelConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                          intermediate_size=14336, dtype="bfloat16")
+    cfg = EngineConfig(model=llama8b)
+    assert cascade_threshold(cfg, "fa3") == (1 << 30) // (2 * 8 * 128 * 2) == 262144
+    fp8 = EngineConfig(model=llama8b, cache=CacheConfig(kv_cache_dtype="fp8"))
+    assert cascade_threshold(fp8, "fa3") == 2 * 262144
+    assert cascade_threshold(cfg, "torch") is None
