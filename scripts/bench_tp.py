@@ -49,7 +49,8 @@ def greedy(engine: LLMEngine, prompts, max_tokens: int, kill_rank_at: int | None
 def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
     """Device time split of one decode step on rank 0."""
     rng = np.random.default_rng(1)
-    ids = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), SamplingParams(max_tokens=8))
+    # Long enough that no request finishes before the last one is prefilled.
+    ids = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), SamplingParams(max_tokens=2048))
            for _ in range(batch)]
     while any(not engine.requests[i].output_token_ids for i in ids):
         engine.step()

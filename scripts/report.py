@@ -1,0 +1,95 @@
+"""Markdown tables for the README from benchmarks/results/*.json (what the bench scripts wrote).
+
+    python scripts/report.py > /tmp/perf.md
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+R = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def load(name):
+    p = R / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def table(rows, cols, fmt=None):
+    fmt = fmt or {}
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("" if v is None else (fmt[c](v) if c in fmt else (f"{v:,.3g}" if isinstance(v, float) else str(v))))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main():
+    a = load("bench_attention")
+    if a:
+        m = a["machine"]
+        print(f"### Attention step vs bare kernel ({m.get('gpu')}, {m['date']}; `python scripts/bench_attention.py`)\n")
+        dec = [r for r in a["rows"] if r["mode"] == "decode" and r["batch"] >= 64]
+        print(table(dec, ["kernel", "kv", "batch", "ctx", "ours_us", "bare_us", "overhead_pct", "ours_GBps", "frac_of_copy"],
+                    {"ours_us": lambda v: f"{v:,.0f}", "bare_us": lambda v: f"{v:,.0f}", "overhead_pct": lambda v: f"{v:+.1f}%",
+                     "ours_GBps": lambda v: f"{v:,.0f}", "frac_of_copy": lambda v: f"{v:.0%}"}))
+        print(f"\nDevice copy in the same run: {a['copy_GBps']:,.0f} GB/s (read + write). Batch 1-8 rows are in the JSON.\n")
+        pre = [r for r in a["rows"] if r["mode"] == "prefill"]
+        print(table(pre, ["kernel", "ctx", "ours_us", "bare_us", "ours_TFLOPs", "bare_TFLOPs"],
+                    {"ours_us": lambda v: f"{v:,.0f}", "bare_us": lambda v: f"{v:,.0f}"}))
+        print()
+    c = load("bench_cascade")
+    if c:
+        print(f"### Cascade vs plain decode ({c['machine'].get('gpu')}, kernel {c['kernel']}; `python scripts/bench_cascade.py`)\n")
+        rows = [r for r in c["rows"] if r["batch"] in (128, 256) or r["prefix"] in (8192,)]
+        print(table(rows, ["prefix", "batch", "groups", "plain_us", "cascade_us", "speedup", "heuristic", "measured_policy"],
+                    {"plain_us": lambda v: f"{v:,.0f}", "cascade_us": lambda v: f"{v:,.0f}", "speedup": lambda v: f"{v:.2f}x"}))
+        print(f"\nvLLM's heuristic picks the faster path in {c['heuristic_right']:.0%} of the {len(c['rows'])}-point grid "
+              f"(worst {c['worst_slowdown_when_picked']:.2f}x slower where it picks cascade); the measured policy "
+              f"in {c.get('measured_policy_right', float('nan')):.0%} (never slower where it picks cascade: worst "
+              f"{c.get('measured_worst_slowdown_when_picked', float('nan')):.2f}x of plain).\n")
+        print(table(c["merge"], ["tokens", "torch_us", "dispatched_us", "fused"]))
+        print()
+    s = load("bench_step_overhead")
+    if s:
+        print(f"### Step overhead, TP=1, batch {s['batch']} ({s['machine'].get('gpu')}; `python scripts/bench_step_overhead.py`)\n")
+        print(table(s["rows"], ["path", "step_us", "step_p90_us", "plan_us", "added_us"],
+                    {k: (lambda v: f"{v:,.0f}") for k in ("step_us", "step_p90_us", "plan_us", "added_us")}))
+        print(f"\nPlan arrays to device: {s['plan_device_copy_us']:.0f} us.\n")
+    e = load("bench_e2e")
+    if e:
+        print(f"### End-to-end decode, Llama-3-8B shape, bf16, one H200 (`python scripts/bench_e2e.py`)\n")
+        print(table(e["rows"], ["batch", "ctx", "ours_tok_s", "ours_step_ms", "roofline_step_ms", "frac_of_roofline", "hf_tok_s", "speedup_vs_hf"],
+                    {"ours_tok_s": lambda v: f"{v:,.0f}", "hf_tok_s": lambda v: f"{v:,.0f}" if v > 0 else "n/a",
+                     "frac_of_roofline": lambda v: f"{v:.0%}", "speedup_vs_hf": lambda v: f"{v:.2f}x" if v > 0 else "n/a"}))
+        print(f"\nWeights {e['weight_GB']:.1f} GB; copy bandwidth {e['copy_GBps']:,.0f} GB/s; kernel {e['kernel']}.\n")
+        print(table(e["shared_prompt"], ["workload", "cascade_enabled", "step_ms", "cascade_steps"]))
+        print()
+    t = load("bench_tp")
+    if t:
+        print(f"### Tensor parallel on {t['gpus']} GPUs (`python scripts/bench_tp.py`)\n")
+        print(table(t["correctness"], ["tp", "same_as_tp1", "same_after_killed_rank", "recovery_s"]))
+        print()
+        print(table(t["rows"], ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency", "resident_reqs", "allreduce_share", "attention_share"],
+                    {"allreduce_share": lambda v: f"{v:.0%}", "attention_share": lambda v: f"{v:.0%}", "efficiency": lambda v: f"{v:.0%}"}))
+        print()
+    p = load("bench_planner")
+    if p:
+        print(f"### Planner, one step ({p['meta']['cpus']}-core CPU; `python scripts/bench_planner.py`)\n")
+        rows = [r for r in p["results"] if r["num_reqs"] in (8, 64, 256, 1024)]
+        print(table(rows, ["num_reqs", "mixed", "cascade_groups", "local_attention", "median_us", "p90_us"],
+                    {"median_us": lambda v: f"{v:,.0f}", "p90_us": lambda v: f"{v:,.0f}"}))
+        print()
+    lt = load("load_test")
+    if lt:
+        print(f"### Load test (`python scripts/load_test.py --clients {lt['clients']} --duration {lt['duration_s']:.0f}`)\n")
+        keys = ["requests_completed", "errors", "latency_p50_s", "latency_p99_s", "tokens_per_s", "mean_batch_size", "kv_blocks_used_at_end", "leaked_blocks"]
+        print(table([lt], keys))
+
+
+if __name__ == "__main__":
+    main()
