@@ -34,7 +34,7 @@ def run_with_kills(engine, prompts, params, kill_at_steps, how):
 
 
 @pytest.mark.parametrize("how,compiled", [("ray.kill", False), ("process exit", False), ("ray.kill", True)])
-def test_dead_rank_recovers_with_identical_tokens(ray_local, how, compiled):
+def test_dead_rank_recovers_with_identical_tokens(ray_local, record_recovery, how, compiled):
     prompts = workload(n=4)
     cfg = config()
     reference = LLMEngine(cfg, InProcessExecutor(cfg)).generate(prompts, GREEDY)
@@ -42,7 +42,7 @@ def test_dead_rank_recovers_with_identical_tokens(ray_local, how, compiled):
     try:
         outs = run_with_kills(engine, prompts, GREEDY, kill_at_steps={4}, how=how)
         assert engine.stats.recoveries == 1
-        print(f"\nrecovery after {how} (compiled={compiled}): {engine.stats.last_recovery_s:.1f} s")
+        record_recovery(engine.stats.last_recovery_s)
         assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
         assert all(o.finish_reason == "length" for o in outs)
         assert engine.planner.stats()["num_used_blocks"] == 0
