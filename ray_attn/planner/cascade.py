@@ -23,6 +23,20 @@ def cdiv(a, b):
     return -(a // -b)
 
 
+def _vllm_gates(prefix_len: int, what: str, use_alibi: bool, use_sliding_window: bool,
+                num_reqs: int) -> str | None:
+    """vLLM's refusals before its cost model, in its order; the reason, or None to go on."""
+    if prefix_len < MIN_COMMON_PREFIX_LEN:
+        return f"{what} {prefix_len} < {MIN_COMMON_PREFIX_LEN} tokens"
+    if use_alibi:
+        return "ALiBi is not supported by cascade attention"
+    if use_sliding_window:
+        return "sliding window is not supported by cascade attention"
+    if num_reqs < MIN_NUM_REQS:
+        return f"{num_reqs} requests < {MIN_NUM_REQS}"
+    return None
+
+
 def cascade_verdict(
     common_prefix_len: int,
     query_lens: np.ndarray,
@@ -33,15 +47,10 @@ def cascade_verdict(
     num_sms: int,
 ) -> tuple[bool, str]:
     """vLLM v1's ``use_cascade_attention`` rules, in its order, plus the reason for the verdict."""
-    if common_prefix_len < MIN_COMMON_PREFIX_LEN:
-        return False, f"common prefix {common_prefix_len} < {MIN_COMMON_PREFIX_LEN} tokens"
-    if use_alibi:
-        return False, "ALiBi is not supported by cascade attention"
-    if use_sliding_window:
-        return False, "sliding window is not supported by cascade attention"
+    why = _vllm_gates(common_prefix_len, "common prefix", use_alibi, use_sliding_window, len(query_lens))
+    if why:
+        return False, why
     num_reqs = len(query_lens)
-    if num_reqs < MIN_NUM_REQS:
-        return False, f"{num_reqs} requests < {MIN_NUM_REQS}"
     num_queries_per_kv = num_query_heads // num_kv_heads
     # FlashDecoding (split-KV) is what plain attention would use; without it, cascade saves memory
     # bandwidth and wins.
@@ -113,15 +122,9 @@ def multi_group_cascade_verdict(
             use_sliding_window, num_sms,
         )
     longest = int(prefix_lens.max())
-    if longest < MIN_COMMON_PREFIX_LEN:
-        return False, f"longest group prefix {longest} < {MIN_COMMON_PREFIX_LEN} tokens"
-    if use_alibi:
-        return False, "ALiBi is not supported by cascade attention"
-    if use_sliding_window:
-        return False, "sliding window is not supported by cascade attention"
-    num_reqs = len(query_lens)
-    if num_reqs < MIN_NUM_REQS:
-        return False, f"{num_reqs} requests < {MIN_NUM_REQS}"
+    why = _vllm_gates(longest, "longest group prefix", use_alibi, use_sliding_window, len(query_lens))
+    if why:
+        return False, why
     if int(group_num_reqs.max()) < 2:
         return False, "no two requests share a prefix block"
     G = len(prefix_lens)
