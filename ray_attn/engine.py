@@ -320,7 +320,10 @@ class LLMEngine:
                 bar.update(len(new))
         if bar is not None:
             bar.close()
-        return [self.output(i) for i in ids]
+        outs = [self.output(i) for i in ids]
+        for i in ids:
+            self.release(i)  # a long-lived engine must not keep every finished request
+        return outs
 
     def output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]

@@ -114,6 +114,7 @@ def test_preemption_by_recompute_keeps_tokens_and_frees_everything():
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
     assert all(o.finish_reason == "length" for o in outs)
     assert eng.planner.stats()["num_used_blocks"] == 0
+    assert not eng.requests and not eng.has_unfinished_requests(), "generate() releases its requests"
 
 
 def test_prefix_cache_reuse_across_requests():
