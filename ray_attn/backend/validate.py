@@ -72,11 +72,14 @@ def check_metadata_values(m, num_blocks: int, block_size: int) -> None:
     need = -(-seq_lens // block_size)
     if B and need.max() > bt.shape[1]:
         raise _bad(f"block_table has {bt.shape[1]} columns but a sequence needs {need.max()} blocks")
-    used = bt[np.arange(bt.shape[1])[None, :] < need[:, None]] if B else bt[:0]
-    bad = used[(used < 0) | (used >= num_blocks)]
-    if bad.size:
-        raise _bad(f"block id {int(bad[0])} is outside the cache (num_blocks={num_blocks})")
+    # The worker runs this every step: a min/max pass over the whole table first (the unused tail
+    # of each row is 0 by contract), and the exact per-row mask only when that pass finds a suspect.
+    if B and bt.size and (bt.min() < 0 or bt.max() >= num_blocks):
+        used = bt[np.arange(bt.shape[1])[None, :] < need[:, None]]
+        bad = used[(used < 0) | (used >= num_blocks)]
+        if bad.size:
+            raise _bad(f"block id {int(bad[0])} is outside the cache (num_blocks={num_blocks})")
     slots = _np(m.slot_mapping)[: m.num_actual_tokens]
-    bad = slots[(slots < -1) | (slots >= num_blocks * block_size)]
-    if bad.size:
+    if slots.size and (slots.min() < -1 or slots.max() >= num_blocks * block_size):
+        bad = slots[(slots < -1) | (slots >= num_blocks * block_size)]
         raise _bad(f"slot {int(bad[0])} is outside the cache ({num_blocks} blocks x {block_size})")
