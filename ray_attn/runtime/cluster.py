@@ -126,15 +126,16 @@ class AttentionCluster:
         refs = [w.execute_step.remote([ref]) for w in self.workers]
         return self._gather(refs)[0]
 
-    def _gather(self, refs: list) -> list:
+    def _gather(self, refs: list, timeout: float | None = None) -> list:
         """Results of every rank, failing fast: a dead rank raises as soon as Ray knows, rather
         than after the survivors time out in a collective that will never complete."""
+        timeout = self.step_timeout_s if timeout is None else timeout
         index = {r: i for i, r in enumerate(refs)}
         pending, results = list(refs), [None] * len(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=self.step_timeout_s)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
-                raise WorkerFailure(-1, TimeoutError(f"no rank answered within {self.step_timeout_s}s"))
+                raise WorkerFailure(-1, TimeoutError(f"no rank answered within {timeout}s"))
             for r in ready:
                 try:
                     results[index[r]] = ray.get(r)
@@ -172,7 +173,7 @@ class AttentionCluster:
         """Raise WorkerFailure if any rank does not answer a ping (used by Serve's health check)."""
         if self._compiled is not None:
             return  # compiled-graph actors run a loop; a dead one surfaces on the next step
-        self._gather([w.ping.remote() for w in self.workers])
+        self._gather([w.ping.remote() for w in self.workers], timeout)
 
     def compile(self) -> None:
         """Switch the steady-state loop to a compiled graph (one shared-memory write per step)."""
