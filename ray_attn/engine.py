@@ -63,17 +63,35 @@ class SamplingParams:
 @dataclass
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    token_ids: list[int]  # the prompt, then every generated token: one list, grown in place
+    num_prompt_tokens: int
     params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length" | "stop" | "error"
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    # The same object goes to the planner every step, with the same growing token list: that is
+    # what its fast path recognises, and no step copies a request's tokens.
+    sched: ScheduledRequest = field(init=False)
+
+    def __post_init__(self):
+        self.sched = ScheduledRequest(self.request_id, self.token_ids, None)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
@@ -82,6 +100,10 @@ class Request:
 
 @dataclass
 class RequestOutput:
+    """A request's state.  From ``step()``: ``new_token_ids`` is what this step made, and the
+    prompt and full output are filled only on the step the request finishes (copying them every
+    step would cost O(length) per request).  ``output(id)`` always fills them."""
+
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -165,7 +187,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, prompt, params)
+        req = Request(request_id, prompt, len(prompt), params)
         self.requests[request_id] = req
         self.waiting.append(req)
         return request_id
@@ -187,14 +209,14 @@ class LLMEngine:
         for req in self.running:
             if budget <= 0:
                 break
-            left = len(req.all_token_ids) - self.planner.num_computed_tokens(req.request_id)
+            left = len(req.token_ids) - self.planner.num_computed_tokens(req.request_id)
             n = min(left, budget)
             batch.append(req)
             self._num_new[req.request_id] = n
             budget -= n
         while admit and self.waiting and budget > 0 and len(batch) < self.config.max_num_seqs:
             req = self.waiting[0]
-            tokens = req.all_token_ids
+            tokens = req.token_ids
             hit = self.planner.num_cached_tokens(tokens) if self.planner.enable_prefix_caching else 0
             n = min(len(tokens) - hit, budget)
             self.waiting.popleft()
@@ -211,8 +233,10 @@ class LLMEngine:
             batch = self._schedule(admit)
             if not batch:
                 return None
-            sched = [ScheduledRequest(r.request_id, r.all_token_ids, self._num_new[r.request_id])
-                     for r in batch]
+            sched = []
+            for r in batch:
+                r.sched.num_new_tokens = self._num_new[r.request_id]
+                sched.append(r.sched)
             try:
                 return self.planner.plan(sched)
             except OutOfBlocksError:
@@ -239,27 +263,28 @@ class LLMEngine:
             plan=plan,
             temperatures=np.array([r.params.temperature for r in reqs], np.float32),
             seeds=np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64),
-            sample_index=np.array([len(r.output_token_ids) for r in reqs], np.int32),
+            sample_index=np.array([r.num_output_tokens for r in reqs], np.int32),
             step_id=self._step_id)
         self._step_id += 1
         try:
             out = self.executor.step(step_in)
         except WorkerFailure as e:
             return self._on_worker_failure(e)
-        done = plan.completes_prompt(np.array([len(r.all_token_ids) for r in reqs]))
+        done = plan.completes_prompt(np.array([len(r.token_ids) for r in reqs]))
         outputs = []
         for req, tok, sample_it in zip(reqs, out.token_ids.tolist(), done.tolist()):
             if not sample_it:
                 continue  # a chunk of a prompt: nothing to sample yet
-            req.output_token_ids.append(tok)
+            req.token_ids.append(tok)
             self.stats.tokens_generated += 1
             if tok in req.params.stop_token_ids:
                 self._finish(req, "stop")
-            elif len(req.output_token_ids) >= req.params.max_tokens:
+            elif req.num_output_tokens >= req.params.max_tokens:
                 self._finish(req, "length")
-            outputs.append(RequestOutput(req.request_id, req.prompt_token_ids,
-                                         list(req.output_token_ids), [tok], req.finished,
-                                         req.finish_reason))
+            if req.finished:
+                outputs.append(self.output(req.request_id, new_token_ids=[tok]))
+            else:
+                outputs.append(RequestOutput(req.request_id, [], [], [tok], False))
         s = self.stats
         s.steps += 1
         s.tokens_computed += plan.attn.num_actual_tokens
@@ -325,10 +350,10 @@ class LLMEngine:
             self.release(i)  # a long-lived engine must not keep every finished request
         return outs
 
-    def output(self, request_id: str) -> RequestOutput:
+    def output(self, request_id: str, new_token_ids: list[int] | None = None) -> RequestOutput:
         r = self.requests[request_id]
-        return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), [],
-                             r.finished, r.finish_reason, r.error)
+        return RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
+                             new_token_ids or [], r.finished, r.finish_reason, r.error)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (servers call this once the client has its result)."""

@@ -58,7 +58,7 @@ def ours(engine: LLMEngine, batch: int, ctx: int, steps: int, vocab: int, prompt
         # Long enough that the first requests are still decoding when the last finish prefill.
         params = [SamplingParams(max_tokens=min(2048, engine.config.model.max_position_embeddings - ctx - 1))] * batch
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while any(not engine.requests[i].output_token_ids for i in ids):
+    while any(not engine.requests[i].num_output_tokens for i in ids):
         engine.step()
     c0 = engine.stats.cascade_steps
     torch.cuda.synchronize() if torch.cuda.is_available() else None

@@ -39,7 +39,7 @@ def decode_step_times(engine: LLMEngine, batch: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     for _ in range(batch):
         engine.add_request(rng.integers(0, 256, 64).tolist(), SamplingParams(max_tokens=steps + 10))
-    while any(not r.output_token_ids for r in engine.requests.values()):
+    while any(not r.num_output_tokens for r in engine.requests.values()):
         engine.step()  # prefill
     plan_t, step_t = [], []
     orig = engine.planner.plan

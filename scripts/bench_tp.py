@@ -52,7 +52,7 @@ def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
     # Long enough that no request finishes before the last one is prefilled.
     ids = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), SamplingParams(max_tokens=2048))
            for _ in range(batch)]
-    while any(not engine.requests[i].output_token_ids for i in ids):
+    while any(not engine.requests[i].num_output_tokens for i in ids):
         engine.step()
     from ray_attn.planner import ScheduledRequest
 
