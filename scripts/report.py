@@ -84,6 +84,12 @@ def main():
         print(table(rows, ["num_reqs", "mixed", "cascade_groups", "local_attention", "median_us", "p90_us"],
                     {"median_us": lambda v: f"{v:,.0f}", "p90_us": lambda v: f"{v:,.0f}"}))
         print()
+    eo = load("bench_engine_overhead")
+    if eo:
+        print(f"### Engine host time per decode step, no model ({eo['machine']['cpus']}-core CPU; `python scripts/bench_engine_overhead.py`)\n")
+        print(table(eo["rows"], ["batch", "ctx", "step_us", "p90_us"],
+                    {"step_us": lambda v: f"{v:,.0f}", "p90_us": lambda v: f"{v:,.0f}"}))
+        print()
     lt = load("load_test")
     if lt:
         print(f"### Load test (`python scripts/load_test.py --clients {lt['clients']} --duration {lt['duration_s']:.0f}`)\n")
