@@ -64,9 +64,14 @@ class FlashAttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens)
 
-    def to_device(self, device, non_blocking: bool = True) -> "FlashAttentionMetadata":
-        """Copy every array field to ``device`` as an int32 torch tensor (zero-copy on CPU)."""
-        return _map_arrays(self, lambda a: _to_tensor(a, device, non_blocking))
+    def to_device(self, device, non_blocking: bool = True, put=None) -> "FlashAttentionMetadata":
+        """Every array field as an int32 torch tensor on ``device`` (zero-copy on CPU).
+
+        ``put(name, array) -> tensor`` lets the worker stage the arrays in its persistent buffers
+        (``ray_attn.runtime.buffers.StepBuffers``) instead of allocating fresh ones each step."""
+        if put is None:
+            return _map_arrays(self, lambda name, a: _to_tensor(a, device, non_blocking))
+        return _map_arrays(self, put)
 
 
 def _to_tensor(a: np.ndarray, device, non_blocking: bool):
@@ -83,12 +88,14 @@ def _to_tensor(a: np.ndarray, device, non_blocking: bool):
     return t.to(device, non_blocking=non_blocking)
 
 
-def _map_arrays(obj, fn):
+def _map_arrays(obj, fn, prefix: str = ""):
+    """A copy of dataclass ``obj`` with each array ``a`` at field path ``name`` replaced by
+    ``fn(name, a)``, nested dataclasses included."""
     changes = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, np.ndarray):
-            changes[f.name] = fn(v)
+            changes[f.name] = fn(prefix + f.name, v)
         elif dataclasses.is_dataclass(v):
-            changes[f.name] = _map_arrays(v, fn)
+            changes[f.name] = _map_arrays(v, fn, prefix + f.name + ".")
     return dataclasses.replace(obj, **changes)

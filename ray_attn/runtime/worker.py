@@ -16,6 +16,7 @@ import torch
 
 from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
+from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.sampling import sample
 
@@ -45,6 +46,7 @@ class AttentionWorker:
         self.model = None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
         self.seen_refs: list[str] = []
+        self.buffers = StepBuffers(self.device)
         self.steps = 0
 
     # -- set-up -----------------------------------------------------------------------------
@@ -134,15 +136,18 @@ class AttentionWorker:
         plan = step.plan
         m = plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
-        dm = m.to_device(self.device)
-        ids = torch.from_numpy(np.array(plan.input_token_ids, np.int64)).to(self.device, non_blocking=True)
-        pos = torch.from_numpy(np.array(plan.positions, np.int64)).to(self.device, non_blocking=True)
+        buf = self.buffers
+        buf.begin()
+        dm = m.to_device(self.device, put=buf.put)
+        ids = buf.put("input_token_ids", plan.input_token_ids).long()
+        pos = buf.put("positions", plan.positions).long()
+        idx = buf.put("logits_indices", plan.logits_indices).long()
+        buf.end()
         with torch.inference_mode():
             hidden = self.model(ids, pos, dm)
             self.steps += 1
             if self.rank != 0:
                 return None
-            idx = torch.from_numpy(np.array(plan.logits_indices, np.int64)).to(self.device)
             logits = self.model.compute_logits(hidden, idx)
             tokens = sample(logits, step.temperatures, step.seeds, step.sample_index, self.generator)
             return StepOutput(token_ids=tokens, step_id=step.step_id,
