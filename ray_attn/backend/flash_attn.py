@@ -186,7 +186,6 @@ class FlashAttentionImpl:
                           **common)
         return output
 
-
     def _scheduler_metadata(self, m: FlashAttentionMetadata, qkv_dtype):
         """FA3's tile/split plan, built once per step and per layer shape (the seed's builder
         does it once per step; layers with different windows need their own)."""
