@@ -131,6 +131,8 @@ def test_too_long_request_rejected_others_carry_on():
     cfg = config(num_blocks=20)
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
     ok = eng.add_request(workload()[0], GREEDY)
+    eng.step()  # the good request holds blocks when the bad ones arrive
+    pool_before, queued_before = eng.planner.stats(), (len(eng.waiting), len(eng.running))
     with pytest.raises(ValueError, match="needs 2[0-9] KV blocks"):
         eng.add_request(list(range(330)), GREEDY)
     with pytest.raises(ValueError, match="exceeds the model's 8192-token context"):
@@ -139,6 +141,11 @@ def test_too_long_request_rejected_others_carry_on():
         eng.add_request([1, 999], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        eng.add_request([1, 2], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match=f"request id {ok!r} is already in use"):
+        eng.add_request([1, 2], GREEDY, request_id=ok)
+    assert eng.planner.stats() == pool_before and (len(eng.waiting), len(eng.running)) == queued_before
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.output(ok).finish_reason == "length" and len(eng.output(ok).output_token_ids) == 12
