@@ -124,25 +124,32 @@ def dense_reference(batch: Batch, cache_before: torch.Tensor, *, scale, window=N
         off = pos % bs
         k = torch.cat([dequant(cache_before[0, blk, off], k_scale), new_k[t0:t0 + ql].double()])
         v = torch.cat([dequant(cache_before[1, blk, off], v_scale), new_v[t0:t0 + ql].double()])
-        k = k.repeat_interleave(H // Hk, 1)
-        v = v.repeat_interleave(H // Hk, 1)
         q = batch.query[t0:t0 + ql].double()
-        s = torch.einsum("qhd,khd->hqk", q, k) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        qp = torch.arange(ctx, kl)[:, None]
-        kp = torch.arange(kl)[None, :]
-        if alibi is not None:
-            s = s - torch.tensor(alibi, dtype=torch.float64)[:, None, None] * (qp - kp).abs()
-        mask = kp <= qp
-        if window is not None:
-            mask &= kp > qp - window
-        if chunk is not None:
-            mask &= (kp // chunk) == (qp // chunk)
-        s = s.masked_fill(~mask, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
+        outs.append(dense_attention(q, k, v, torch.arange(ctx, kl), scale=scale, window=window,
+                                    chunk=chunk, softcap=softcap, alibi=alibi))
         t0 += ql
     return torch.cat(outs)
+
+
+def dense_attention(q, k, v, q_pos, *, scale, window=None, chunk=None, softcap=0.0, alibi=None):
+    """Causal attention of queries at positions ``q_pos`` over keys at positions 0..len(k)-1,
+    written plainly (no paging, no kernel conventions): q [q, H, D], k/v [k, Hk, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    qp = torch.as_tensor(q_pos)[:, None]
+    kp = torch.arange(k.shape[0])[None, :]
+    if alibi is not None:
+        s = s - torch.tensor(alibi, dtype=s.dtype)[:, None, None] * (qp - kp).abs()
+    mask = kp <= qp
+    if window is not None:
+        mask &= kp > qp - window
+    if chunk is not None:
+        mask &= (kp // chunk) == (qp // chunk)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
 def expected_cache_after(batch: Batch, cache_before: torch.Tensor, store) -> torch.Tensor:

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 backend = pytest.importorskip("ray_attn.backend")
 
 from ray_attn.planner import Planner, ScheduledRequest  # noqa: E402
+from tests.backend.batch import dense_attention  # noqa: E402
 
 S = ScheduledRequest
 BS, H, D, VOCAB, MAXPOS = 16, 4, 32, 997, 2048
@@ -48,18 +49,7 @@ def dense(model, tokens, q_positions, window=None, chunk=None):
     n = len(tokens)
     (q,) = model.qkv([tokens[p] for p in q_positions], q_positions, "q")
     k, v = model.qkv(tokens, np.arange(n), "kv")
-    rep = H // model.Hk
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5
-    qp = torch.as_tensor(q_positions)[:, None]
-    kp = torch.arange(n)[None, :]
-    mask = kp <= qp
-    if window is not None:
-        mask &= kp > qp - window
-    if chunk is not None:
-        mask &= (kp // chunk) == (qp // chunk)
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    return dense_attention(q, k, v, q_positions, scale=D ** -0.5, window=window, chunk=chunk)
 
 
 class Runner:
