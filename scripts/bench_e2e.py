@@ -101,12 +101,32 @@ def hf_model(m: dict, dev):
     return model.eval()
 
 
+def plot(rows: list[dict], png) -> None:
+    series = {}
+    for c in sorted({r["ctx"] for r in rows}):
+        pts = [r for r in rows if r["ctx"] == c]
+        series[f"ray_attn ctx {c}"] = ([r["batch"] for r in pts], [r["ours_tok_s"] for r in pts])
+        series[f"roofline ctx {c}"] = ([r["batch"] for r in pts],
+                                       [r["batch"] / r["roofline_step_ms"] * 1e3 for r in pts])
+        # A non-positive HF step time is a failed measurement (see hf_step_time), not a point.
+        hf = [r for r in pts if r.get("hf_tok_s", 0) > 0]
+        if hf:
+            series[f"HF transformers ctx {c}"] = ([r["batch"] for r in hf], [r["hf_tok_s"] for r in hf])
+    bl.plot(png, series, "batch", "decode tokens/s", "End-to-end decode, Llama-3-8B shape")
+
+
 def main(argv=None):
     a = argparse.ArgumentParser()
+    a.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved run (no timing)")
     a.add_argument("--skip-hf", action="store_true")
     a.add_argument("--steps", type=int, default=16)
     a.add_argument("--compiled", action="store_true", default=True)
     args = a.parse_args(argv)
+    if args.replot:
+        import json
+
+        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_suffix(".png"))
+        return
     dev = bl.device()
     gpu = dev.type == "cuda"
     m = LLAMA3_8B if gpu else TINY
@@ -161,17 +181,7 @@ def main(argv=None):
                    f"decode, {'Llama-3-8B shape' if gpu else 'tiny model'}, kernel {info['kernel']}")
     bl.print_table(shared, ["workload", "cascade_enabled", "tok_s", "step_ms", "cascade_steps"],
                    "shared-prompt workload")
-    series = {}
-    for c in sorted({r["ctx"] for r in rows}):
-        pts = [r for r in rows if r["ctx"] == c]
-        series[f"ray_attn ctx {c}"] = ([r["batch"] for r in pts], [r["ours_tok_s"] for r in pts])
-        series[f"roofline ctx {c}"] = ([r["batch"] for r in pts],
-                                       [r["batch"] / r["roofline_step_ms"] * 1e3 for r in pts])
-    hf_pts = [r for r in rows if "hf_tok_s" in r]
-    if hf_pts:
-        series["HF transformers"] = ([r["batch"] for r in hf_pts], [r["hf_tok_s"] for r in hf_pts])
-    bl.plot(path.with_suffix(".png"), series, "batch", "decode tokens/s",
-            f"End-to-end decode ({bl.machine().get('gpu') or 'CPU'})")
+    plot(rows, path.with_suffix(".png"))
     print(f"wrote {path}")
 
 

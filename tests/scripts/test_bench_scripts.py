@@ -1,0 +1,51 @@
+"""The benchmark scripts' offline paths run on CPU: re-scoring, re-plotting, reporting, and the
+engine-overhead benchmark at a tiny size (the GPU grids themselves run on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def run(*args, cwd=ROOT):
+    r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_cascade_rescore_and_e2e_replot_on_saved_runs(tmp_path):
+    casc = tmp_path / "bench_cascade.json"
+    shutil.copy(RESULTS / "bench_cascade.json", casc)
+    out = run("scripts/bench_cascade.py", "--rescore", str(casc))
+    saved = json.loads(casc.read_text())
+    assert f"measured policy right {saved['measured_policy_right']:.0%}" in out
+    assert all("measured_right" in r for r in saved["rows"])
+    e2e = tmp_path / "bench_e2e.json"
+    shutil.copy(RESULTS / "bench_e2e.json", e2e)
+    run("scripts/bench_e2e.py", "--replot", str(e2e))
+    assert e2e.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_report_renders_every_saved_result():
+    out = run("scripts/report.py")
+    for heading in ("Attention step vs bare kernel", "Cascade vs plain decode", "Step overhead",
+                    "End-to-end decode", "Planner, one step"):
+        assert heading in out
+
+
+def test_engine_overhead_benchmark_runs(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
+    import bench_engine_overhead
+
+    bench_engine_overhead.main(["--batch", "8", "--ctx", "64", "--steps", "5"])
+    rows = json.loads((tmp_path / "bench_engine_overhead.json").read_text())["rows"]
+    assert rows[0]["batch"] == 8 and rows[0]["step_us"] > 0
