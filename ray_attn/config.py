@@ -45,6 +45,35 @@ class ModelConfig(_Strict):
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @classmethod
+    def from_pretrained(cls, folder: str, **overrides) -> "ModelConfig":
+        """The config of an HF-format checkpoint folder (its ``config.json``), so that a model
+        loaded with ``EngineConfig(checkpoint=folder)`` gets the checkpoint's own shapes, RoPE
+        base and scaling, norm epsilon and window.  ``overrides`` win (e.g. ``dtype``)."""
+        import json
+        import os
+
+        with open(os.path.join(folder, "config.json")) as f:
+            hf = json.load(f)
+        arch = hf.get("architectures") or []
+        if arch and not any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in arch):
+            raise ValueError(f"{folder}: architectures={arch} is not a Llama-style decoder")
+        rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
+        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings", "sliding_window")
+        fields = {k: hf[k] for k in keys if hf.get(k) is not None}
+        fields.setdefault("num_key_value_heads", fields.get("num_attention_heads"))
+        if fields.get("sliding_window") and "layer_types" not in overrides:
+            fields["layer_types"] = ["sliding_attention"] * fields["num_hidden_layers"]
+        fields.update(rope_theta=float(theta), rope_scaling=scaling,
+                      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
+        fields.update(overrides)
+        return cls(**fields)
+
     def layer_kinds(self) -> list[str]:
         return list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
 
