@@ -107,7 +107,7 @@ class Planner(Admission):
         self._enable_cascade = bool(enable_cascade)
         self._multi_group_cascade = bool(multi_group_cascade)
         # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
-        self.cascade_min_saved_kv_tokens = cascade_min_saved_kv_tokens
+        self._cascade_min_saved_kv_tokens = cascade_min_saved_kv_tokens
         self._num_sms = _positive("num_sms", num_sms)
         self._update_cascade_config()
         bs = self.block_size
@@ -135,7 +135,7 @@ class Planner(Admission):
         self.cascade_config = CascadeConfig(
             self.block_size, self.num_query_heads, self.num_kv_heads, self.use_alibi,
             self.sliding_window, self.attention_chunk_size, self.num_sms, self.enable_cascade,
-            self.multi_group_cascade, self.cascade_min_saved_kv_tokens,
+            self.multi_group_cascade, self._cascade_min_saved_kv_tokens,
         )
 
     # ------------------------------------------------------------------------------------ queries
@@ -182,6 +182,15 @@ class Planner(Admission):
     @multi_group_cascade.setter
     def multi_group_cascade(self, value: bool) -> None:
         self._multi_group_cascade = bool(value)
+        self._update_cascade_config()
+
+    @property
+    def cascade_min_saved_kv_tokens(self) -> int | None:
+        return self._cascade_min_saved_kv_tokens
+
+    @cascade_min_saved_kv_tokens.setter
+    def cascade_min_saved_kv_tokens(self, value: int | None) -> None:
+        self._cascade_min_saved_kv_tokens = value
         self._update_cascade_config()
 
     def has_request(self, req_id: Hashable) -> bool:
