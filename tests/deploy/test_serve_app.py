@@ -50,6 +50,15 @@ def wait_for(pred, timeout: float, every: float = 0.1):
 
 
 # ------------------------------------------------------------------------------------ correctness
+
+def serving_healthy(c, engine_alive: bool = False) -> bool:
+    """/health answers 200 (and, if asked, /stats shows no dead engine); False while unreachable."""
+    try:
+        return c.get("/health", timeout=5).status_code == 200 and (
+            not engine_alive or stat(c, "engine_dead") is None)
+    except httpx.HTTPError:
+        return False
+
 def test_concurrent_requests_equal_direct_generate(served, direct_engine):
     bodies = workload(8, VOCAB, seed=11, max_tokens=10)
     want = direct_generate(direct_engine, bodies)
@@ -383,13 +392,8 @@ def test_rank_that_keeps_dying_ends_requests_and_serve_replaces_the_replica(serv
         assert r.status_code == 503, r.text
         assert r.headers.get("retry-after") and "worker failures" in r.json()["detail"]
 
-        def healthy_again():
-            try:
-                return c.get("/health", timeout=5).status_code == 200 and stat(c, "engine_dead") is None
-            except httpx.HTTPError:
-                return False
-
-        assert wait_for(healthy_again, 90, 0.5), "Serve did not replace the replica"
+        assert wait_for(lambda: serving_healthy(c, engine_alive=True), 90, 0.5), \
+            "Serve did not replace the replica"
         recovery = time.perf_counter() - t0
         r = c.post("/v1/generate", json=body)
         assert r.status_code == 200 and r.json()["token_ids"] == want
@@ -427,13 +431,7 @@ def test_dead_replica_is_replaced_and_later_requests_succeed(served, direct_engi
     # Serve's proxy answers 500 for a request whose replica died (or the connection drops).
     assert inflight[0] in (500, 502, 503) or isinstance(inflight[0], str), inflight
     with served.client() as c:
-        def healthy_again():
-            try:
-                return c.get("/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_for(healthy_again, 90, 0.5), "Serve did not replace the replica"
+        assert wait_for(lambda: serving_healthy(c), 90, 0.5), "Serve did not replace the replica"
         recovery = time.perf_counter() - t0
         r = c.post("/v1/generate", json=body)
         assert r.status_code == 200 and r.json()["token_ids"] == want
