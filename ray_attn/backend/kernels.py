@@ -90,6 +90,9 @@ def select_kernel(spec: LayerKernelSpec, device: torch.device, override: str = "
 
 
 class Kernel:
+    """``num_splits`` (FlashAttention 3 only; 0 = the kernel's own heuristic) splits each row's
+    KV range over several CTAs; other kernels ignore it."""
+
     name: str = ""
     # FlashAttention 3 multiplies fp8 q/k/v by descales in-kernel and wants q in fp8 as well.
     quantizes_query: bool = False
@@ -97,7 +100,7 @@ class Kernel:
     def varlen_paged(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                      max_seqlen_k, block_table, scale, causal, window_size=(-1, -1),
                      alibi_slopes=None, softcap=0.0, q_descale=None, k_descale=None,
-                     v_descale=None, scheduler_metadata=None, return_lse=False):
+                     v_descale=None, scheduler_metadata=None, return_lse=False, num_splits=0):
         raise NotImplementedError
 
     def scheduler_metadata(self, **kwargs):
@@ -113,7 +116,7 @@ class TorchKernel(Kernel):
     def varlen_paged(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                      max_seqlen_k, block_table, scale, causal, window_size=(-1, -1),
                      alibi_slopes=None, softcap=0.0, q_descale=None, k_descale=None,
-                     v_descale=None, scheduler_metadata=None, return_lse=False):
+                     v_descale=None, scheduler_metadata=None, return_lse=False, num_splits=0):
         # float64 inputs (the tests' oracle mode) are computed in float64, all else in float32.
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         _, lse = paged_attention_ref(
@@ -139,7 +142,7 @@ class FlashAttn2Kernel(Kernel):
     def varlen_paged(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                      max_seqlen_k, block_table, scale, causal, window_size=(-1, -1),
                      alibi_slopes=None, softcap=0.0, q_descale=None, k_descale=None,
-                     v_descale=None, scheduler_metadata=None, return_lse=False):
+                     v_descale=None, scheduler_metadata=None, return_lse=False, num_splits=0):
         from flash_attn import flash_attn_varlen_func
 
         # Upstream takes cumulative key lengths, not per-sequence lengths; with a block table it
@@ -178,7 +181,7 @@ class FlashAttn3Kernel(Kernel):
     def varlen_paged(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                      max_seqlen_k, block_table, scale, causal, window_size=(-1, -1),
                      alibi_slopes=None, softcap=0.0, q_descale=None, k_descale=None,
-                     v_descale=None, scheduler_metadata=None, return_lse=False):
+                     v_descale=None, scheduler_metadata=None, return_lse=False, num_splits=0):
         if alibi_slopes is not None:
             raise NotImplementedError("FlashAttention 3 has no ALiBi; use kernel='fa2' or 'torch'")
         # FA3 wants one descale per (sequence, kv head); a per-layer scale broadcasts (stride 0).
@@ -189,7 +192,7 @@ class FlashAttn3Kernel(Kernel):
             try:
                 lse = self._raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, block_table, scale, causal, window_size, softcap, q_descale,
-                                k_descale, v_descale, scheduler_metadata)
+                                k_descale, v_descale, scheduler_metadata, num_splits)
                 FlashAttn3Kernel._raw_ok = True
                 return lse if return_lse else None
             except (TypeError, AttributeError, RuntimeError):
@@ -211,14 +214,15 @@ class FlashAttn3Kernel(Kernel):
     @staticmethod
     def _raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
              block_table, scale,
-             causal, window_size, softcap, q_descale, k_descale, v_descale, scheduler_metadata):
+             causal, window_size, softcap, q_descale, k_descale, v_descale, scheduler_metadata,
+             num_splits=0):
         from flash_attn_interface import flash_attn_3_gpu
 
         o, lse, *_ = flash_attn_3_gpu.fwd(
             q, k_cache, v_cache, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k,
             max_seqlen_q, max_seqlen_k, block_table, None, None, None, None, None, q_descale, k_descale,
             v_descale, scale, causal, window_size[0], window_size[1], 0, softcap, True,
-            scheduler_metadata, 0, None, 0)
+            scheduler_metadata, num_splits, None, 0)
         if o.data_ptr() != out.data_ptr():
             out.copy_(o)
         return lse
