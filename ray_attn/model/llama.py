@@ -159,21 +159,26 @@ class LlamaForCausalLM(nn.Module):
     # -- forward ----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: FlashAttentionMetadata | None) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden]; ``attn_metadata=None`` is a profiling run."""
+                attn_metadata: FlashAttentionMetadata | None,
+                attn_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden]; ``attn_metadata=None`` is a profiling run.
+
+        ``attn_out`` [T, heads, head_size] is the attention output scratch; a CUDA graph passes
+        its own, because the shared one is reallocated when a longer step comes."""
         T = input_ids.shape[0]
         caches = self.kv_caches
         if attn_metadata is not None:
             self._check_step(attn_metadata)
         if caches is None:
             caches = [self._attn_out.new_empty(self.kv_cache_shape(0))] * len(self.layers)
-        if self._attn_out.shape[0] < T:
-            self._attn_out = self._attn_out.new_zeros(T, self.num_heads, self.head_size)
-        out = self._attn_out[:T]
+        if attn_out is None:
+            if self._attn_out.shape[0] < T:
+                self._attn_out = self._attn_out.new_zeros(T, self.num_heads, self.head_size)
+            attn_out = self._attn_out[:T]
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, self.dtype)
         h = F.embedding(input_ids, self.embed_tokens)
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, cos_sin, cache, attn_metadata, out)
+            h = layer(h, cos_sin, cache, attn_metadata, attn_out)
         return self.norm(h)
 
     def _check_step(self, m: FlashAttentionMetadata) -> None:

@@ -47,6 +47,7 @@ class AttentionWorker:
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
         self.seen_refs: list[str] = []
         self.buffers = StepBuffers(self.device)
+        self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
         self.steps = 0
 
     # -- set-up -----------------------------------------------------------------------------
@@ -87,7 +88,18 @@ class AttentionWorker:
             self.model.init_random_weights(cfg.model.seed)
         self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.model.allocate_kv_cache(self.num_blocks)
+        self.graphs = self._capture_graphs()
         return self.device_info()
+
+    def _capture_graphs(self):
+        """CUDA graphs for decode, captured against this KV cache (they hold its addresses)."""
+        from ray_attn.runtime.cuda_graphs import DecodeGraphs
+
+        par = self.config.parallel
+        wanted = par.cuda_graphs == "on" or (par.cuda_graphs == "auto" and self.tp == 1)
+        if self.device.type != "cuda" or not wanted:
+            return None
+        return DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
 
     def _blocks_from_memory(self) -> int:
         per_block = self.model.kv_cache_bytes_per_block()
@@ -138,13 +150,18 @@ class AttentionWorker:
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
         buf = self.buffers
         buf.begin()
-        dm = m.to_device(self.device, put=buf.put)
-        ids = buf.put("input_token_ids", plan.input_token_ids).long()
-        pos = buf.put("positions", plan.positions).long()
         idx = buf.put("logits_indices", plan.logits_indices).long()
-        buf.end()
         with torch.inference_mode():
-            hidden = self.model(ids, pos, dm)
+            if self.graphs is not None and self.graphs.can_run(plan):
+                n = self.graphs.load(plan, buf.put)
+                buf.end()
+                hidden = self.graphs.replay(n, m.num_reqs)
+            else:
+                dm = m.to_device(self.device, put=buf.put)
+                ids = buf.put("input_token_ids", plan.input_token_ids).long()
+                pos = buf.put("positions", plan.positions).long()
+                buf.end()
+                hidden = self.model(ids, pos, dm)
             self.steps += 1
             if self.rank != 0:
                 return None
