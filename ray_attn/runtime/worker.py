@@ -155,7 +155,7 @@ class AttentionWorker:
             if self.graphs is not None and self.graphs.can_run(plan):
                 n = self.graphs.load(plan, buf.put)
                 buf.end()
-                hidden = self.graphs.replay(n, m.num_reqs)
+                hidden = self.graphs.replay(n, m.num_reqs, m.use_cascade)
             else:
                 dm = m.to_device(self.device, put=buf.put)
                 ids = buf.put("input_token_ids", plan.input_token_ids).long()

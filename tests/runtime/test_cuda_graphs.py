@@ -40,12 +40,14 @@ class RecordingExecutor(InProcessExecutor):
 
         self.worker_cls = Worker
         super().__init__(config)
-        self.logits, self.graph_steps = [], 0
+        self.logits, self.graph_steps, self.cascade_graph_steps = [], 0, 0
 
     def step(self, step):
         step.return_logits = True
         g = self.worker.graphs
-        self.graph_steps += bool(g is not None and g.can_run(step.plan))
+        served = bool(g is not None and g.can_run(step.plan))
+        self.graph_steps += served
+        self.cascade_graph_steps += served and step.plan.attn.use_cascade
         out = super().step(step)
         self.logits.append(out.logits)
         return out
@@ -66,9 +68,23 @@ def workload(vocab=384):
     return prompts, params
 
 
-def run(executor_cls, cfg):
+def shared_prefix_workload(vocab=384):
+    # Two groups of five requests over 272-token prefixes (17 blocks; vLLM's rules want >= 256
+    # tokens and >= 8 requests): decode steps run cascade with two prefix groups.
+    rng = np.random.default_rng(9)
+    prompts = []
+    for _ in range(2):
+        base = rng.integers(0, vocab, 272).tolist()
+        prompts += [base + rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(1, 12, 5)]
+    return prompts, [SamplingParams(max_tokens=4 + i) for i in range(10)]
+
+
+def run(executor_cls, cfg, work=workload, force_cascade=False):
     ex = executor_cls(cfg)
-    outs = LLMEngine(cfg, ex).generate(*workload())
+    eng = LLMEngine(cfg, ex)
+    if force_cascade:
+        eng.planner.cascade_min_saved_kv_tokens = 1  # cascade whenever a prefix is shared at all
+    outs = eng.generate(*work())
     return [o.output_token_ids for o in outs], ex
 
 
@@ -86,6 +102,16 @@ def test_padded_decode_path_equals_eager_path():
     assert ex.graph_steps >= 10 and ref.graph_steps == 0
     assert tokens == ref_tokens
     # float32 on both paths; only the padded rows differ, and rows never mix, so 1e-4 is loose.
+    for a, b in zip(ex.logits, ref.logits):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_padded_cascade_decode_equals_eager_path():
+    cfg = config()
+    ref_tokens, ref = run(PlainExecutor, cfg, shared_prefix_workload, force_cascade=True)
+    tokens, ex = run(RecordingExecutor, cfg, shared_prefix_workload, force_cascade=True)
+    assert ex.cascade_graph_steps >= 3, "no cascade decode step went through the graph path"
+    assert tokens == ref_tokens
     for a, b in zip(ex.logits, ref.logits):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
@@ -134,6 +160,19 @@ def test_captured_graphs_match_eager_on_gpu():
     _, ref = run(PlainExecutor, cfg)
     assert ex.worker.graphs.graphs, "nothing was captured"
     assert ex.graph_steps >= 10
+    _check_close(ex, ref)
+    # And cascade decode steps, replayed from their own graphs.
+    RecordingExecutor.capture = True
+    try:
+        _, ex = run(RecordingExecutor, cfg, shared_prefix_workload, force_cascade=True)
+    finally:
+        RecordingExecutor.capture = False
+    _, ref = run(PlainExecutor, cfg, shared_prefix_workload, force_cascade=True)
+    assert ex.cascade_graph_steps >= 3
+    _check_close(ex, ref)
+
+
+def _check_close(ex, ref):
     # Graph and eager run the same kernels but GEMMs see padded batch sizes, which may pick other
     # tilings: bf16 rounding (~2^-8 relative) on logits of order 1 is what we allow, until the
     # first step where the greedy tokens part ways (a near tie may flip).
