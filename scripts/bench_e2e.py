@@ -121,6 +121,9 @@ def main(argv=None):
     a.add_argument("--skip-hf", action="store_true")
     a.add_argument("--steps", type=int, default=16)
     a.add_argument("--compiled", action="store_true", default=True)
+    a.add_argument("--points", help="only these decode points, e.g. 64x1024,32x4096 (HF where its grid overlaps)")
+    a.add_argument("--no-shared", action="store_true", help="skip the shared-prompt workload")
+    a.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     args = a.parse_args(argv)
     if args.replot:
         import json
@@ -133,6 +136,9 @@ def main(argv=None):
     grid = ([(1, 1024), (1, 8192), (32, 1024), (32, 4096), (64, 1024), (64, 4096), (128, 1024),
              (256, 1024)] if gpu else [(1, 128), (8, 128), (8, 512)])
     hf_grid = [(1, 1024), (32, 1024), (64, 1024), (32, 4096)] if gpu else [(1, 128), (8, 128)]
+    if args.points:
+        grid = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+        hf_grid = [p for p in hf_grid if p in grid]
     copy_bw = bl.copy_bandwidth(1 << 30 if gpu else 1 << 24, dev)
     rows = []
     hf = {}
@@ -146,7 +152,8 @@ def main(argv=None):
         torch.cuda.empty_cache() if gpu else None
     cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(block_size=16, num_blocks=None if gpu else 2048),
                        parallel=ParallelConfig(device="cuda" if gpu else "cpu",
-                                               use_compiled_graph=args.compiled),
+                                               use_compiled_graph=args.compiled,
+                                               cuda_graphs=args.cuda_graphs),
                        max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 1024)
     engine = LLMEngine(cfg)
     info = engine.executor.infos[0]
@@ -167,7 +174,7 @@ def main(argv=None):
         for s in range(samples):
             prompts.append(base + [int(rng.integers(0, m["vocab_size"]))])
             params.append(SamplingParams(max_tokens=2048, temperature=0.8, seed=g * 100 + s))
-    for cascade in (True, False):
+    for cascade in () if args.no_shared else (True, False):
         engine.planner.enable_cascade = cascade
         tps, step_s, nc = ours(engine, len(prompts), plen, args.steps, m["vocab_size"], prompts, params)
         shared.append(dict(workload=f"{groups} prompts x {samples} samples, {plen}-token prompt",
