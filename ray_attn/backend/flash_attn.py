@@ -220,6 +220,7 @@ def cascade_attention(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    prefix_num_splits: int = 0,
 ) -> None:
     """Shared-prefix attention computed once per prefix group, merged with each request's suffix.
 
@@ -228,27 +229,71 @@ def cascade_attention(
     states are merged by LSE.  With one group this is exactly vLLM's cascade.  A sliding window is
     allowed only when the planner proved it never clips the prefix: then the prefix pass needs no
     window, and the suffix pass's window is exact because positions shift equally on both sides.
+
+    ``prefix_num_splits`` (FlashAttention 3; 0 = its heuristic) splits the prefix pass's KV over
+    CTAs: that pass has only a few long rows, so unsplit it leaves most SMs idle.
+
+    The two partial outputs live in a per-device scratch (``_cascade_scratch``), not in fresh
+    tensors: this path's cost at decode sizes is host time, and calls on one device must therefore
+    be stream-ordered (as a worker's are).
     """
     if alibi_slopes is not None:
         raise ValueError("cascade attention does not support ALiBi (its bias needs absolute "
                          "positions, which the non-causal prefix pass does not have)")
     m = attn_metadata
     num_tokens, num_heads = query.shape[0], query.shape[1]
-    head_size_v = value_cache.shape[-1]
-    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    prefix_out = torch.empty(num_tokens, num_heads, head_size_v, dtype=output.dtype, device=output.device)
-    suffix_out = torch.empty_like(prefix_out)
+    prefix_out, suffix_out = _cascade_scratch(num_tokens, num_heads, value_cache.shape[-1],
+                                              output.dtype, output.device)
     prefix_lse = kernel.varlen_paged(
         query, key_cache, value_cache, prefix_out, cu_seqlens_q=m.cu_prefix_query_lens,
         max_seqlen_q=num_tokens, seqused_k=m.prefix_kv_lens, max_seqlen_k=m.common_prefix_len,
         block_table=m.prefix_block_table, scale=scale, causal=False, window_size=(-1, -1),
-        softcap=softcap, scheduler_metadata=m.prefix_scheduler_metadata, return_lse=True,
-        **descales)
+        softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        scheduler_metadata=m.prefix_scheduler_metadata, return_lse=True,
+        num_splits=prefix_num_splits)
     suffix_lse = kernel.varlen_paged(
         query, key_cache, value_cache, suffix_out, cu_seqlens_q=m.query_start_loc,
         max_seqlen_q=m.max_query_len, seqused_k=m.suffix_kv_lens, max_seqlen_k=m.max_suffix_kv_len,
         block_table=m.suffix_block_table, scale=scale, causal=True, window_size=sliding_window,
-        softcap=softcap, scheduler_metadata=m.suffix_scheduler_metadata, return_lse=True,
-        **descales)
-    merge_attn_states(output, prefix_out, normalize_lse(prefix_lse, num_heads, num_tokens),
-                      suffix_out, normalize_lse(suffix_lse, num_heads, num_tokens))
+        softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        scheduler_metadata=m.suffix_scheduler_metadata, return_lse=True)
+    # Every kernel we ship returns [H, T]; normalize_lse is the fallback for one that does not.
+    shape = (num_heads, num_tokens)
+    if prefix_lse.shape != shape:
+        prefix_lse = normalize_lse(prefix_lse, num_heads, num_tokens)
+    if suffix_lse.shape != shape:
+        suffix_lse = normalize_lse(suffix_lse, num_heads, num_tokens)
+    merge_attn_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse)
+
+
+# Token counts up to this get a kept scratch; a bigger batch's kernels dwarf one allocation.
+_SCRATCH_MAX_TOKENS = 4096
+_scratch_buffers: dict = {}  # (bucket, H, D, dtype, device) -> [2, bucket, H, D]
+_scratch_views: dict = {}  # (tokens, H, D, dtype, device) -> its two views; slicing costs more than a lookup
+
+
+def _cascade_scratch(num_tokens: int, num_heads: int, head_size: int, dtype, device):
+    """Two contiguous [num_tokens, H, D] buffers for the prefix and suffix outputs.
+
+    Buffers are kept per power-of-two token bucket and never freed or regrown, because a CUDA
+    graph captured with one keeps writing to its address on every replay; a bucket first made
+    during a capture comes from that graph's pool and stays valid while we hold it.  The kept
+    memory is bounded by ~2x the largest bucket (4096 tokens: 64 MiB at H=32, D=128, bf16).
+    """
+    key = (num_tokens, num_heads, head_size, dtype, device)
+    views = _scratch_views.get(key)
+    if views is not None:
+        return views
+    if num_tokens > _SCRATCH_MAX_TOKENS:
+        return torch.empty(2, num_tokens, num_heads, head_size, dtype=dtype, device=device).unbind(0)
+    cap = 1 << max(num_tokens - 1, 0).bit_length()
+    bkey = (cap, *key[1:])
+    # A tensor made under inference_mode could never be written outside it again, and the
+    # first call may come from either (graph capture runs in inference mode, eager steps not).
+    with torch.inference_mode(False):
+        buf = _scratch_buffers.get(bkey)
+        if buf is None:
+            buf = _scratch_buffers[bkey] = torch.empty(2, cap, num_heads, head_size, dtype=dtype,
+                                                       device=device)
+        views = _scratch_views[key] = (buf[0, :num_tokens], buf[1, :num_tokens])
+    return views
