@@ -8,6 +8,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,57 @@ def timeit(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def graph_timeit(fn, iters: int = 20, warmup: int = 3) -> float | None:
+    """Median seconds per replay of one call of ``fn`` captured in a CUDA graph: the GPU time alone,
+    which is what a CUDA-graph decode loop pays, while ``timeit`` also pays any host launch cost
+    the GPU outruns.  None on CPU (there is no launch cost to remove: use ``timeit``) and when
+    ``fn`` cannot be captured (it syncs with the host, say); a warning then says why."""
+    if not torch.cuda.is_available():
+        return None
+    # Lazy work (Triton JIT, library handles, first-call allocations) must not land in the graph,
+    # and torch wants that warm-up off the default stream.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        warnings.warn(f"graph_timeit: capture failed, no graph time ({e})")
+        return None
+    try:
+        return timeit(graph.replay, iters=iters, warmup=1)
+    finally:
+        del graph  # its private memory pool goes with it, before the next point allocates
+
+
+def host_timeit(fn, burst: int = 4, reps: int = 5) -> float:
+    """Median host seconds to submit one call of ``fn``: Python, argument checks, allocations and
+    kernel launches, without waiting for the GPU.  Each sample is ``burst`` calls issued on an idle
+    GPU, divided by ``burst``; the burst is short so that the launch queue (about a thousand
+    kernels) never fills and blocks the host, which would count GPU time.  If host > GPU time
+    (``graph_timeit``), eager back-to-back calls are host-bound.  On CPU the work runs on the host,
+    so this is simply the wall time of a call."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        samples.append((time.perf_counter() - t0) / burst)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def copy_bandwidth(nbytes: int, dev: torch.device) -> float:
     """Bytes per second of a device-to-device copy, counting what it reads plus what it writes."""
     n = max(nbytes // 2, 1 << 20)
@@ -72,7 +124,7 @@ def save(name: str, rows: list[dict], **meta) -> Path:
     return path
 
 
-def print_table(rows: list[dict], cols: list[str], title: str = "") -> None:
+def print_table(rows: list[dict], cols: list[str], title: str = "", width: int = 200) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -81,7 +133,7 @@ def print_table(rows: list[dict], cols: list[str], title: str = "") -> None:
         t.add_column(c, justify="right")
     for r in rows:
         t.add_row(*[_fmt(r.get(c)) for c in cols])
-    Console(width=200).print(t)
+    Console(width=width).print(t)
 
 
 def _fmt(v) -> str:
@@ -131,23 +183,32 @@ def paged_decode_inputs(batch: int, ctx, block_size: int, num_kv_heads: int, hea
 
 def plot(path_png, series: dict, xlabel: str, ylabel: str, title: str, logx=True, hline=None,
          hline_label=None):
+    plot_panels(path_png, [(title, series)], xlabel, ylabel, logx=logx, hline=hline,
+                hline_label=hline_label)
+
+
+def plot_panels(path_png, panels: list, xlabel: str, ylabel: str, logx=True, hline=None,
+                hline_label=None):
+    """Side-by-side plots sharing the y axis; ``panels`` is [(title, {label: (xs, ys)})]."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=label)
-    if hline is not None:
-        ax.axhline(hline, color="grey", ls="--", label=hline_label)
-    if logx:
-        ax.set_xscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), sharey=True,
+                             squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels):
+        for label, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", label=label)
+        if hline is not None:
+            ax.axhline(hline, color="grey", ls="--", label=hline_label)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(ylabel)
     fig.tight_layout()
     fig.savefig(path_png, dpi=120)
     plt.close(fig)

@@ -49,3 +49,34 @@ def test_engine_overhead_benchmark_runs(tmp_path, monkeypatch):
     bench_engine_overhead.main(["--batch", "8", "--ctx", "64", "--steps", "5"])
     rows = json.loads((tmp_path / "bench_engine_overhead.json").read_text())["rows"]
     assert rows[0]["batch"] == 8 and rows[0]["step_us"] > 0
+
+
+def test_cascade_benchmark_cpu_path_with_split_sweep(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
+    import bench_cascade
+
+    bench_cascade.main(["--prefixes", "256", "--batches", "8,16", "--groups", "1,4",
+                        "--prefix-splits", "0,4", "--iters", "1"])
+    saved = json.loads((tmp_path / "bench_cascade.json").read_text())
+    rows = saved["rows"]
+    assert [(r["batch"], r["groups"]) for r in rows] == [(8, 1), (8, 4), (16, 1), (16, 4)]
+    for r in rows:
+        assert r["plain_us"] > 0 and r["cascade_host_us"] > 0 and r["speedup"] > 0
+        assert r["plain_graph_us"] is None and r["speedup_graph"] is None  # no graphs on CPU
+        assert set(r["cascade_us_by_splits"]) == {"0", "4"} and r["best_splits"] in (0, 4)
+        assert r["best_by"] == "eager" and "measured_right" in r
+    assert saved["prefix_splits"] == [0, 4] and "measured_policy_right_graph" not in saved
+    assert (tmp_path / "bench_cascade.png").stat().st_size > 10_000
+
+
+def test_timing_helpers_on_cpu():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+
+    calls = []
+    assert benchlib.graph_timeit(lambda: calls.append(1)) is None  # nothing to capture on CPU
+    assert calls == [] and benchlib.host_timeit(lambda: calls.append(1), burst=3, reps=2) >= 0
+    assert len(calls) == 1 + 3 * 2
