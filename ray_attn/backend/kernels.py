@@ -173,9 +173,10 @@ class FlashAttn3Kernel(Kernel):
 
     name = "fa3"
     quantizes_query = True
-    # AOT scheduler metadata (``scheduler_metadata()`` below) crashed this FA3 build (segfault) on
-    # decode-only batches in our GPU tests; until that is understood the kernel plans per call.
-    uses_scheduler_metadata = False
+    # Ahead-of-time tile/split plans (``scheduler_metadata()``): one prepare kernel per step
+    # instead of one per layer.  The plan must be built with the call's causal flag (a
+    # mismatch segfaults: tests/backend/test_fa3_aot.py).
+    uses_scheduler_metadata = True
     _raw_ok: bool | None = None
 
     def varlen_paged(self, q, k_cache, v_cache, out, *, cu_seqlens_q, max_seqlen_q, seqused_k,
@@ -188,6 +189,7 @@ class FlashAttn3Kernel(Kernel):
         shape = (cu_seqlens_q.shape[0] - 1, k_cache.shape[-2])
         q_descale, k_descale, v_descale = (None if d is None else d.expand(shape)
                                            for d in (q_descale, k_descale, v_descale))
+        window_size = fa3_window(window_size, max_seqlen_q, max_seqlen_k)
         if FlashAttn3Kernel._raw_ok is not False:
             try:
                 lse = self._raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k,
@@ -232,10 +234,23 @@ class FlashAttn3Kernel(Kernel):
                            page_size, causal, window_size, has_softcap):
         from flash_attn_interface import get_scheduler_metadata
 
+        window_size = fa3_window(window_size, max_seqlen_q, max_seqlen_k)
         return get_scheduler_metadata(
             batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, head_size,
             cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=cu_seqlens_q, page_size=page_size,
             causal=causal, window_size=window_size, has_softcap=has_softcap)
+
+
+def fa3_window(window_size: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
+    """A window that cannot clip anything, as no window.  FA3's forward makes this change itself
+    but its ``get_scheduler_metadata`` does not, and a plan built for a local (windowed) call
+    handed to a causal one crashes the process; normalising both sides keeps them in step."""
+    left, right = window_size
+    if left >= max_seqlen_k - 1:
+        left = -1
+    if right >= max_seqlen_q - 1:
+        right = -1
+    return left, right
 
 
 _KERNELS = {"torch": TorchKernel, "fa2": FlashAttn2Kernel, "fa3": FlashAttn3Kernel}
