@@ -1,0 +1,96 @@
+"""Where a decode step's time goes: engine wall time vs the GPU time of its replayed CUDA graph,
+and the kernels that fill that GPU time (torch profiler).  In process, no Ray: what remains
+between the two figures is the engine, the planner, staging and sampling.
+
+    python scripts/profile_decode.py                  # GPU: Llama-3-8B shape
+    python scripts/profile_decode.py --points 64x1024 --top 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import LLAMA3_8B, TINY  # noqa: E402
+
+from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
+from ray_attn.runtime import InProcessExecutor  # noqa: E402
+
+
+def timed(fn, acc: list):
+    def wrapper(*a):
+        t0 = time.perf_counter()
+        r = fn(*a)
+        acc[0] += time.perf_counter() - t0
+        return r
+    return wrapper
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--points", default="1x1024,64x1024,256x1024")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    m = LLAMA3_8B if gpu else TINY
+    cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(block_size=16, memory_fraction=0.5,
+                                                                 num_blocks=None if gpu else 512),
+                       parallel=ParallelConfig(device="cuda" if gpu else "cpu"),
+                       max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 512)
+    ex = InProcessExecutor(cfg)
+    eng = LLMEngine(cfg, ex)
+    rng = np.random.default_rng(0)
+    for point in args.points.split(","):
+        B, C = (int(x) for x in point.split("x"))
+        C = C if gpu else min(C, 128)
+        ids = [eng.add_request(rng.integers(0, m["vocab_size"], C).tolist(), SamplingParams(max_tokens=m["max_position_embeddings"] - C - 1))
+               for _ in range(B)]
+        while any(not eng.requests[i].num_output_tokens for i in ids):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        plan_t, work_t = [0.0], [0.0]
+        orig = eng._plan, ex.step
+        eng._plan, ex.step = timed(eng._plan, plan_t), timed(ex.step, work_t)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        wall = (time.perf_counter() - t0) / args.steps
+        eng._plan, ex.step = orig
+        line = (f"batch {B} x ctx {C}: step {wall * 1e3:.2f} ms (planner {plan_t[0] / args.steps * 1e3:.2f}, "
+                f"worker {work_t[0] / args.steps * 1e3:.2f})")
+        graphs = ex.worker.graphs
+        if graphs is not None:
+            g = graphs.graphs[graphs.padded_size(B), False]
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(10):
+                g.replay()
+            e1.record()
+            e1.synchronize()
+            line += f"; graph replay on the GPU {e0.elapsed_time(e1) / 10:.2f} ms"
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                g.replay()
+                torch.cuda.synchronize()
+            ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+            line += f"\n  {sum(e.count for e in ka)} kernels, {sum(e.device_time_total for e in ka) / 1e3:.2f} ms:"
+            for e in ka[:args.top]:
+                line += f"\n  {e.device_time_total / 1e3:7.3f} ms x{e.count:4d}  {e.key[:100]}"
+        print(line, flush=True)
+        for i in ids:
+            eng.abort_request(i)
+            eng.release(i)
+
+
+if __name__ == "__main__":
+    main()
