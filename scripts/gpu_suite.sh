@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What we run on the lent GPU machine, in as few calls as possible (see shared/device/README.md):
 #   run(carry=[".device"], command="source .device/env.sh && bash scripts/gpu_suite.sh kernels")
-# Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks) | benches (the
-# same without the tests) | e2e (end-to-end, then tp) | tp | all.
+# Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks + decode profile) |
+# benches (the benchmarks without the tests) | profile | cascade | e2e | tp | all.
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,12 +20,15 @@ bench() {  # run a benchmark script, then hand its JSON and PNG back through $OU
   return 0
 }
 if [[ $stage == tests || $stage == kernels || $stage == all ]]; then
-  step python3 -m pytest -m gpu tests/backend tests/model -q -p no:cacheprovider || exit 1
+  step python3 -m pytest -m gpu tests/backend tests/model tests/runtime/test_cuda_graphs.py -q -p no:cacheprovider || exit 1
 fi
 if [[ $stage == kernels || $stage == benches || $stage == all ]]; then
   bench scripts/bench_attention.py
   bench scripts/bench_cascade.py
   bench scripts/bench_step_overhead.py --batch 64 --steps 200
+fi
+if [[ $stage == profile || $stage == kernels || $stage == all ]]; then
+  step python3 scripts/profile_decode.py
 fi
 if [[ $stage == cascade ]]; then
   bench scripts/bench_cascade.py
