@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ray_attn.model.fused import apply_rope, rms_norm, silu_mul
 from ray_attn.model.tp import TPGroup
 
 
@@ -44,10 +45,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale after casting back, as HF Llama does; F.rms_norm is one
-        # fused kernel on CUDA instead of five (decode steps are bound by kernel launches).
-        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalise in float32 and scale after casting back, as HF Llama does (one kernel on CUDA).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_size: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -85,8 +84,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rope(x, cos, sin)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -160,8 +158,7 @@ class SwiGLU(nn.Module):
         self.down = RowParallelLinear(intermediate, hidden, tp.rank * n, n, tp, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))
 
 
 def alibi_slopes(num_heads: int) -> list[float]:

@@ -17,6 +17,7 @@ from ray_attn.backend.cache import FP8_DTYPE, is_fp8_kv_cache
 from ray_attn.backend.flash_attn import AttentionLayer, FlashAttentionBackend, FlashAttentionImpl
 from ray_attn.config import ModelConfig
 from ray_attn.metadata import FlashAttentionMetadata
+from ray_attn.model.fused import add_rms_norm
 from ray_attn.model.layers import (RMSNorm, RotaryEmbedding, RowParallelLinear, Shard, SwiGLU,
                                    new_param, alibi_slopes, qkv_parallel, replicated)
 from ray_attn.model.tp import TPGroup
@@ -65,8 +66,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, tp, **dd)
 
     def forward(self, h, cos_sin, kv_cache, attn_metadata, out):
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, attn_metadata, out)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, attn_metadata, out)
+        # The residual add and the next norm in one kernel on CUDA (same numerics as apart).
+        norm = self.post_attention_layernorm
+        h, x = add_rms_norm(h, a, norm.weight, norm.eps)
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
