@@ -139,18 +139,19 @@ def bench_point(impl, layer, P, B, G, block, dtype, dev, splits, iters, num_sms)
     for name, (eager, graph, host) in (("plain", plain), ("cascade", casc)):
         r.update({f"{name}_us": eager, f"{name}_graph_us": graph, f"{name}_host_us": host})
     r["speedup"] = plain[0] / casc[0]
-    r["speedup_graph"] = None if casc[1] is None else plain[1] / casc[1]
+    r["speedup_graph"] = None if None in (plain[1], casc[1]) else plain[1] / casc[1]
     # The split sweep is judged on graph time where there is one: eagerly the host hides it.
     by_eager, by_graph = {}, {}
     for s in splits:
         e, g, _ = time_three_ways(lambda: cascade_step(impl, q, k, v, cache, dc, out, s), iters, cuda)
         by_eager[str(s)], by_graph[str(s)] = e, g
-    ranked = by_graph if cuda and None not in by_graph.values() else by_eager
+    use_graph = plain[1] is not None and None not in by_graph.values()
+    ranked = by_graph if use_graph else by_eager
     if ranked:
         best = min(ranked, key=ranked.get)
-        plain_t = plain[1] if ranked is by_graph else plain[0]
+        plain_t = plain[1] if use_graph else plain[0]
         r.update(best_splits=int(best), cascade_best_us=ranked[best], speedup_best=plain_t / ranked[best],
-                 best_by="graph" if ranked is by_graph else "eager")
+                 best_by="graph" if use_graph else "eager")
     r.update(cascade_us_by_splits=by_eager, cascade_graph_us_by_splits=by_graph)
     pick, why = multi_group_cascade_verdict(
         np.full(len(counts), P), counts, toks, np.ones(B, np.int64), H, HK, False, False, num_sms)
