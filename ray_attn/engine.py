@@ -24,9 +24,17 @@ from ray_attn.runtime.messages import StepInput
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
 
 
-# On the H200 a FlashAttention cascade layer costs about what reading 1 GiB of KV costs
-# (benchmarks/NOTES.md); below that saving, plain attention is faster.
+# On the H200 a FlashAttention cascade layer launched eagerly costs about what reading 1 GiB of
+# KV costs; replayed from a CUDA graph (decode steps) its launches are free and the break-even
+# falls to ~100 MiB (scripts/bench_cascade.py, benchmarks/NOTES.md).  Below it, plain wins.
 CASCADE_BREAK_EVEN_BYTES = 1 << 30
+CASCADE_BREAK_EVEN_BYTES_GRAPHED = 96 << 20
+
+
+def uses_cuda_graphs(config: EngineConfig, kernel: str) -> bool:
+    """Whether the workers replay decode steps from CUDA graphs (mirrors the worker's rule)."""
+    mode, tp = config.parallel.cuda_graphs, config.parallel.tensor_parallel_size
+    return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and tp == 1))
 
 
 def cascade_threshold(config: EngineConfig, kernel: str) -> int | None:
@@ -37,7 +45,8 @@ def cascade_threshold(config: EngineConfig, kernel: str) -> int | None:
     m, tp = config.model, config.parallel.tensor_parallel_size
     kv_heads = max(m.num_key_value_heads // tp, 1)
     elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
-    return CASCADE_BREAK_EVEN_BYTES // (2 * kv_heads * m.head_size * elem)
+    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if uses_cuda_graphs(config, kernel) else CASCADE_BREAK_EVEN_BYTES
+    return budget // (2 * kv_heads * m.head_size * elem)
 
 
 class EngineDeadError(RuntimeError):

@@ -84,25 +84,27 @@ def score(rows: list[dict], sfx: str = "") -> tuple:
     vLLM's cost model (recorded per row) and the measured byte threshold (recomputed here, a pure
     function of the row's shape, so it can be re-scored from a saved JSON).  ``sfx`` "" scores
     the eager times, "_graph" the CUDA-graph ones; all None when no row has those."""
-    from ray_attn.engine import CASCADE_BREAK_EVEN_BYTES
+    from ray_attn.engine import CASCADE_BREAK_EVEN_BYTES, CASCADE_BREAK_EVEN_BYTES_GRAPHED
 
     rows = [r for r in rows if r.get(f"speedup{sfx}") is not None]
     if not rows:
         return None, None, None, None
-    threshold = CASCADE_BREAK_EVEN_BYTES // (2 * HK * D * 2)
+    # The engine's threshold for each way of running: eager steps, and decode steps from graphs.
+    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if sfx == "_graph" else CASCADE_BREAK_EVEN_BYTES
+    threshold = budget // (2 * HK * D * 2)
     for r in rows:
         per = -(-r["batch"] // r["groups"])
         sizes = np.bincount(np.arange(r["batch"]) // per)
         pick, _ = measured_cascade_verdict(np.full(len(sizes), r["prefix"]), sizes, threshold)
         faster = r[f"speedup{sfx}"] > 1
-        r["measured_policy"] = bool(pick)
+        r[f"measured_policy{sfx}"] = bool(pick)
         r[f"right{sfx}"] = bool(r["heuristic"] == faster)
         r[f"measured_right{sfx}"] = bool(pick == faster)
 
     def stats(pick_key, right_key):
         slow = [1 / r[f"speedup{sfx}"] for r in rows if r[pick_key]]
         return float(np.mean([r[right_key] for r in rows])), (max(slow) if slow else None)
-    return (*stats("heuristic", f"right{sfx}"), *stats("measured_policy", f"measured_right{sfx}"))
+    return (*stats("heuristic", f"right{sfx}"), *stats(f"measured_policy{sfx}", f"measured_right{sfx}"))
 
 
 def summarize(rows: list[dict]) -> tuple[dict, str]:

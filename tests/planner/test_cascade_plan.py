@@ -316,14 +316,20 @@ def test_measured_policy_cascades_exactly_when_enough_kv_is_saved(multi_group):
         assert f"saves {saved} KV tokens" in plan.cascade_reason
 
 
-def test_engine_threshold_is_one_gib_of_kv_per_layer():
-    from ray_attn.config import CacheConfig, EngineConfig, ModelConfig
+def test_engine_threshold_is_kv_bytes_per_layer():
+    """1 GiB of KV per layer when steps run eagerly, 96 MiB when decode replays CUDA graphs."""
+    from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
     from ray_attn.engine import cascade_threshold
 
     llama8b = ModelConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                           intermediate_size=14336, dtype="bfloat16")
-    cfg = EngineConfig(model=llama8b)
-    assert cascade_threshold(cfg, "fa3") == (1 << 30) // (2 * 8 * 128 * 2) == 262144
-    fp8 = EngineConfig(model=llama8b, cache=CacheConfig(kv_cache_dtype="fp8"))
+    eager = EngineConfig(model=llama8b, parallel=ParallelConfig(cuda_graphs="off"))
+    assert cascade_threshold(eager, "fa3") == (1 << 30) // (2 * 8 * 128 * 2) == 262144
+    fp8 = EngineConfig(model=llama8b, cache=CacheConfig(kv_cache_dtype="fp8"),
+                       parallel=ParallelConfig(cuda_graphs="off"))
     assert cascade_threshold(fp8, "fa3") == 2 * 262144
-    assert cascade_threshold(cfg, "torch") is None
+    graphed = EngineConfig(model=llama8b)  # auto: graphs at TP=1
+    assert cascade_threshold(graphed, "fa3") == (96 << 20) // (2 * 8 * 128 * 2) == 24576
+    tp2 = EngineConfig(model=llama8b, parallel=ParallelConfig(tensor_parallel_size=2))
+    assert cascade_threshold(tp2, "fa3") == (1 << 30) // (2 * 4 * 128 * 2)  # auto: eager at TP>1
+    assert cascade_threshold(graphed, "torch") is None
