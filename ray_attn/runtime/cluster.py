@@ -18,6 +18,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_attn.config import EngineConfig
+from ray_attn.runtime import messages
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.worker import AttentionWorker
 
@@ -65,6 +66,7 @@ class AttentionCluster:
     """
 
     step_timeout_s = 300.0  # a step longer than this is treated as a hung rank
+    worker_cls = AttentionWorker  # benchmarks swap in a worker with a stub model
 
     def __init__(self, config: EngineConfig, placement_group=None, bundle_offset: int = 0,
                  use_gpu: bool | None = None):
@@ -89,7 +91,7 @@ class AttentionCluster:
                 raise RuntimeError(f"could not reserve {self.tp} bundles of {bundle} on one node "
                                    f"within {PG_TIMEOUT_S}s; cluster has {ray.cluster_resources()}") from None
         self.pg = placement_group
-        self._remote_cls = ray.remote(AttentionWorker)
+        self._remote_cls = ray.remote(self.worker_cls)
         self.workers = [self._spawn(r) for r in range(self.tp)]
         self._form_group()
         self.infos = ray.get([w.load_model.remote() for w in self.workers])
@@ -116,15 +118,16 @@ class AttentionCluster:
 
     # -- steps --------------------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput:
+        msg = messages.dumps(step)
         if self._compiled is not None:
             try:
-                return ray.get(self._compiled.execute(step), timeout=self.step_timeout_s)[0]
+                return messages.loads(ray.get(self._compiled.execute(msg), timeout=self.step_timeout_s)[0])
             except Exception as e:  # a dead actor surfaces as one of several Ray error types
                 raise WorkerFailure(-1, e) from e
-        ref = ray.put(step)
+        ref = ray.put(msg)
         self.num_puts += 1
         refs = [w.execute_step.remote([ref]) for w in self.workers]
-        return self._gather(refs)[0]
+        return messages.loads(self._gather(refs)[0])
 
     def _gather(self, refs: list, timeout: float | None = None) -> list:
         """Results of every rank, failing fast: a dead rank raises as soon as Ray knows, rather
@@ -220,12 +223,14 @@ class AttentionCluster:
 class InProcessExecutor:
     """The same interface as AttentionCluster, in the driver's process, TP=1, no Ray."""
 
+    worker_cls = AttentionWorker
+
     def __init__(self, config: EngineConfig):
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("InProcessExecutor runs tensor_parallel_size=1 only, got "
                              f"{config.parallel.tensor_parallel_size}")
         self.config = config
-        self.worker = AttentionWorker(config, 0)
+        self.worker = self.worker_cls(config, 0)
         self.infos = [self.worker.load_model()]
         self.num_blocks = self.infos[0]["num_blocks"]
         self.num_sms = self.infos[0]["num_sms"]

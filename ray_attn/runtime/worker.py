@@ -130,19 +130,27 @@ class AttentionWorker:
         return self.rank
 
     # -- the step -----------------------------------------------------------------------------
-    def execute_step(self, step) -> StepOutput | None:
+    def execute_step(self, step) -> StepOutput | bytes | None:
         """Run every layer for one step.  ``step`` is a StepInput, or ``[ObjectRef]`` of one: the
-        driver wraps the ref in a list so that each rank fetches the one shared object itself."""
+        driver wraps the ref in a list so that each rank fetches the one shared object itself.
+        A step that arrives as ``messages.dumps`` bytes (directly or behind the ref) is answered
+        in bytes too: Ray passes bytes through as they are, while an object costs it a pickling."""
         t0 = time.perf_counter()
         if isinstance(step, list):
             import ray
 
             self.seen_refs.append(step[0].hex())
             step = ray.get(step[0])
+        wire = isinstance(step, bytes)
+        if wire:
+            from ray_attn.runtime import messages
+
+            step = messages.loads(step)
         out = self._run(step)
-        if out is not None:
-            out.timings["worker_s"] = time.perf_counter() - t0
-        return out
+        if out is None:
+            return None
+        out.timings["worker_s"] = time.perf_counter() - t0
+        return messages.dumps(out) if wire else out
 
     def _run(self, step: StepInput) -> StepOutput | None:
         plan = step.plan
