@@ -140,28 +140,32 @@ def main(argv=None):
     paths = {"in-process (no Ray)": type("Executor", (InProcessExecutor,), {"worker_cls": wcls}),
              "classic actor call": type("Cluster", (AttentionCluster,), {"worker_cls": wcls}),
              "compiled graph": type("Cluster", (AttentionCluster,), {"worker_cls": wcls})}
-    engines = {}
-    for name, executor in paths.items():
-        cfg = tiny_config(compiled(name), device)
-        engines[name] = LLMEngine(cfg, executor(cfg))
-        start_decode(engines[name], args.batch, args.rounds * args.steps + 10)
-        if compiled(name):
-            engines[name].executor.uncompile()
-    copy_us = plan_copy_us(engines["in-process (no Ray)"], args.batch, dev)
     # Rounds alternate the paths, and each keeps its best round: a shared machine's background
     # load then inflates no path more than the others.  The graph is compiled only for its own
     # turn, because its actor busy-polls the channel while idle, taking a core from the others.
-    best = {}
-    for _ in range(args.rounds):
-        for name, eng in engines.items():
+    # On one GPU a cluster's actor holds the device, so there the paths run one after another.
+    groups = [[name] for name in paths] if device == "cuda" else [list(paths)]
+    best, copy_us = {}, None
+    for group in groups:
+        engines = {}
+        for name in group:
+            cfg = tiny_config(compiled(name), device)
+            engines[name] = LLMEngine(cfg, paths[name](cfg))
+            start_decode(engines[name], args.batch, args.rounds * args.steps + 10)
             if compiled(name):
-                eng.executor.compile()
-            r = decode_step_times(eng, args.steps)
-            if compiled(name):
-                eng.executor.uncompile()
-            best[name] = min(best.get(name, r), r, key=lambda x: x["step_us"])
-    for eng in engines.values():
-        eng.executor.shutdown()
+                engines[name].executor.uncompile()
+        if "in-process (no Ray)" in engines:
+            copy_us = plan_copy_us(engines["in-process (no Ray)"], args.batch, dev)
+        for _ in range(args.rounds):
+            for name, eng in engines.items():
+                if compiled(name):
+                    eng.executor.compile()
+                r = decode_step_times(eng, args.steps)
+                if compiled(name):
+                    eng.executor.uncompile()
+                best[name] = min(best.get(name, r), r, key=lambda x: x["step_us"])
+        for eng in engines.values():
+            eng.executor.shutdown()
     base = best["in-process (no Ray)"]["step_us"]
     rows = [dict(path=name, **r, added_us=r["step_us"] - base) for name, r in best.items()]
     path = bl.save("bench_step_overhead", rows, batch=args.batch, steps=args.steps, rounds=args.rounds,
