@@ -97,7 +97,8 @@ class AttentionWorker:
 
         par = self.config.parallel
         wanted = par.cuda_graphs == "on" or (par.cuda_graphs == "auto" and self.tp == 1)
-        if self.device.type != "cuda" or not wanted:
+        # The torch reference kernel reads lengths on the host, which a graph cannot capture.
+        if self.device.type != "cuda" or not wanted or self.model.kernel_name == "torch":
             return None
         return DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
 
