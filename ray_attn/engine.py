@@ -211,10 +211,12 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------
-    def _schedule(self, admit: bool = True) -> list[Request]:
-        """Requests for this step, with their new-token counts in ``self._num_new``."""
+    def _schedule(self, admit: int | None = None) -> list[Request]:
+        """Requests for this step, with their new-token counts in ``self._num_new``; at most
+        ``admit`` of them newly admitted from the queue (None: as many as fit)."""
         budget = self.config.max_num_batched_tokens
         batch, self._num_new = [], {}
+        admit = len(self.waiting) if admit is None else admit
         for req in self.running:
             if budget <= 0:
                 break
@@ -223,7 +225,8 @@ class LLMEngine:
             batch.append(req)
             self._num_new[req.request_id] = n
             budget -= n
-        while admit and self.waiting and budget > 0 and len(batch) < self.config.max_num_seqs:
+        while admit > 0 and self.waiting and budget > 0 and len(batch) < self.config.max_num_seqs:
+            admit -= 1
             req = self.waiting[0]
             tokens = req.token_ids
             hit = self.planner.num_cached_tokens(tokens) if self.planner.enable_prefix_caching else 0
@@ -237,7 +240,7 @@ class LLMEngine:
 
     def _plan(self):
         """Plan the step, preempting (by recompute) until the pool can hold it."""
-        admit = True
+        admit = None
         while True:
             batch = self._schedule(admit)
             if not batch:
@@ -249,10 +252,19 @@ class LLMEngine:
             try:
                 return self.planner.plan(sched)
             except OutOfBlocksError:
+                # Requests admitted in this attempt are unknown to the planner: back to the
+                # queue's front, and retry admitting one fewer; only then preempt a running one.
+                fresh = [r for r in batch if not self.planner.has_request(r.request_id)]
+                for r in reversed(fresh):
+                    self.running.remove(r)
+                    self.waiting.appendleft(r)
+                if fresh and (len(fresh) > 1 or self.running):
+                    admit = len(fresh) - 1
+                    continue
                 if not self.running:
                     raise
                 self._preempt_one()
-                admit = False  # else the victim would be re-admitted into the same step
+                admit = 0  # else the victim would be re-admitted into the same step
 
     def _preempt_one(self) -> None:
         victim = self.running.pop()  # the newest: it has the least work to redo

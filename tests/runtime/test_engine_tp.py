@@ -163,3 +163,23 @@ def test_bad_model_config_fails_before_any_actor(monkeypatch, bad, match):
     monkeypatch.setattr("ray_attn.runtime.cluster.reserve_placement_group", never)
     with pytest.raises(ValueError, match=match):
         LLMEngine(config(**bad))
+
+
+def test_admitting_more_than_the_cache_holds_backs_off_instead_of_failing():
+    """Requests admitted in one attempt that overflows the cache go back to the queue (the
+    planner never saw them); a second wave arrives while the first is decoding."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 384, 60).tolist() for _ in range(10)]
+    big = config(num_blocks=256)
+    ref = LLMEngine(big, InProcessExecutor(big)).generate(prompts, GREEDY)
+    small = config(num_blocks=24)  # 384 tokens: about five of these requests at a time
+    eng = LLMEngine(small, InProcessExecutor(small))
+    ids = [eng.add_request(p, GREEDY) for p in prompts[:4]]
+    eng.step()
+    ids += [eng.add_request(p, GREEDY) for p in prompts[4:]]  # all admitted at once would overflow
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+    assert [done[i] for i in ids] == [o.output_token_ids for o in ref]
