@@ -46,36 +46,50 @@ def main():
     if c:
         print(f"### Cascade vs plain decode ({c['machine'].get('gpu')}, kernel {c['kernel']}; `python scripts/bench_cascade.py`)\n")
         rows = [r for r in c["rows"] if r["batch"] in (128, 256) or r["prefix"] in (8192,)]
-        print(table(rows, ["prefix", "batch", "groups", "plain_us", "cascade_us", "speedup", "heuristic", "measured_policy"],
-                    {"plain_us": lambda v: f"{v:,.0f}", "cascade_us": lambda v: f"{v:,.0f}", "speedup": lambda v: f"{v:.2f}x"}))
-        print(f"\nvLLM's heuristic picks the faster path in {c['heuristic_right']:.0%} of the {len(c['rows'])}-point grid "
-              f"(worst {c['worst_slowdown_when_picked']:.2f}x slower where it picks cascade); the measured policy "
-              f"in {c.get('measured_policy_right', float('nan')):.0%} (never slower where it picks cascade: worst "
-              f"{c.get('measured_worst_slowdown_when_picked', float('nan')):.2f}x of plain).\n")
-        print(table(c["merge"], ["tokens", "torch_us", "dispatched_us", "fused"]))
+        us = lambda v: f"{v:,.0f}"  # noqa: E731
+        x = lambda v: f"{v:.2f}x"  # noqa: E731
+        print(table(rows, ["prefix", "batch", "groups", "plain_us", "cascade_us", "speedup", "plain_graph_us",
+                           "cascade_graph_us", "speedup_graph", "measured_policy_graph"],
+                    {"plain_us": us, "cascade_us": us, "speedup": x, "plain_graph_us": us, "cascade_graph_us": us,
+                     "speedup_graph": x}))
+        print("\n`*_us`: launched eagerly, back to back (host launch cost included); `*_graph_us`: replayed from a "
+              "CUDA graph, as the engine runs decode steps.\n")
+        for sfx, what in (("", "eager"), ("_graph", "CUDA-graph")):
+            if c.get(f"heuristic_right{sfx}") is None:
+                continue
+            print(f"- {what} times: vLLM's heuristic picks the faster path in {c[f'heuristic_right{sfx}']:.0%} of the "
+                  f"{len(c['rows'])}-point grid (worst {c[f'worst_slowdown_when_picked{sfx}']:.2f}x of plain where it "
+                  f"picks cascade); our measured policy in {c[f'measured_policy_right{sfx}']:.0%} (worst "
+                  f"{c[f'measured_worst_slowdown_when_picked{sfx}']:.2f}x).")
+        print()
+        print(table(c["merge"], ["tokens", "torch_us", "dispatched_us", "dispatched_graph_us", "fused"]))
         print()
     s = load("bench_step_overhead")
     if s:
         print(f"### Step overhead, TP=1, batch {s['batch']} ({s['machine'].get('gpu')}; `python scripts/bench_step_overhead.py`)\n")
-        print(table(s["rows"], ["path", "step_us", "step_p90_us", "plan_us", "added_us"],
-                    {k: (lambda v: f"{v:,.0f}") for k in ("step_us", "step_p90_us", "plan_us", "added_us")}))
+        cols = ["path", "step_us", "step_p90_us", "plan_us", "call_us", "worker_us", "added_us"]
+        print(table(s["rows"], cols, {k: (lambda v: f"{v:,.0f}") for k in cols[1:]}))
         print(f"\nPlan arrays to device: {s['plan_device_copy_us']:.0f} us.\n")
     e = load("bench_e2e")
     if e:
         print(f"### End-to-end decode, Llama-3-8B shape, bf16, one H200 (`python scripts/bench_e2e.py`)\n")
-        print(table(e["rows"], ["batch", "ctx", "ours_tok_s", "ours_step_ms", "roofline_step_ms", "frac_of_roofline", "hf_tok_s", "speedup_vs_hf"],
+        print(table(e["rows"], ["batch", "ctx", "ours_tok_s", "ours_step_ms", "roofline_step_ms", "frac_of_roofline", "hf_tok_s", "hf_step_ms", "speedup_vs_hf"],
                     {"ours_tok_s": lambda v: f"{v:,.0f}", "hf_tok_s": lambda v: f"{v:,.0f}" if v > 0 else "n/a",
                      "frac_of_roofline": lambda v: f"{v:.0%}", "speedup_vs_hf": lambda v: f"{v:.2f}x" if v > 0 else "n/a"}))
         print(f"\nWeights {e['weight_GB']:.1f} GB; copy bandwidth {e['copy_GBps']:,.0f} GB/s; kernel {e['kernel']}.\n")
-        print(table(e["shared_prompt"], ["workload", "cascade_enabled", "step_ms", "cascade_steps"]))
+        print(table(e["shared_prompt"], ["workload", "cascade_enabled", "tok_s", "step_ms", "cascade_steps"],
+                    {"tok_s": lambda v: f"{v:,.0f}"}))
         print()
     t = load("bench_tp")
     if t:
         print(f"### Tensor parallel on {t['gpus']} GPUs (`python scripts/bench_tp.py`)\n")
         print(table(t["correctness"], ["tp", "same_as_tp1", "same_after_killed_rank", "recovery_s"]))
         print()
-        print(table(t["rows"], ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency", "resident_reqs", "allreduce_share", "attention_share"],
-                    {"allreduce_share": lambda v: f"{v:.0%}", "attention_share": lambda v: f"{v:.0%}", "efficiency": lambda v: f"{v:.0%}"}))
+        print(table(t["rows"], ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency", "resident_reqs", "preemptions", "allreduce_share", "attention_share"],
+                    {"allreduce_share": lambda v: f"{v:.0%}", "attention_share": lambda v: f"{v:.0%}", "efficiency": lambda v: f"{v:.0%}",
+                     "tok_s": lambda v: f"{v:,.0f}", "speedup": lambda v: f"{v:.2f}x"}))
+        print("\nTP=1 replays decode steps from CUDA graphs; TP>1 runs them eagerly (`cuda_graphs='auto'`; "
+              "capturing the NCCL all-reduce is untested), so TP=2 is bound by kernel launches at batch 64.")
         print()
     p = load("bench_planner")
     if p:

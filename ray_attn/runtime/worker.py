@@ -6,6 +6,7 @@ or per CPU slot), and ``InProcessExecutor`` runs it in the driver's own process.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import socket
@@ -45,7 +46,9 @@ class AttentionWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.tp, 1)))
         self.model = None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
-        self.seen_refs: list[str] = []
+        # The last step refs this rank read (tests check that every rank reads the same one);
+        # bounded, so a long-running server does not grow it forever.
+        self.seen_refs: collections.deque[str] = collections.deque(maxlen=1024)
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
         self.steps = 0
