@@ -27,10 +27,11 @@ from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 from ray_attn.runtime import StepInput  # noqa: E402
 
 
-def engine_for(m: dict, tp: int, gpu: bool, compiled: bool = True, num_blocks=None) -> LLMEngine:
+def engine_for(m: dict, tp: int, gpu: bool, compiled: bool = True, num_blocks=None,
+               cuda_graphs: str = "auto") -> LLMEngine:
     cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(num_blocks=num_blocks),
                        parallel=ParallelConfig(tensor_parallel_size=tp, device="cuda" if gpu else "cpu",
-                                               use_compiled_graph=compiled),
+                                               use_compiled_graph=compiled, cuda_graphs=cuda_graphs),
                        max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 1024)
     return LLMEngine(cfg)
 
@@ -79,6 +80,8 @@ def main(argv=None):
     a = argparse.ArgumentParser()
     a.add_argument("--max-tp", type=int, default=None)
     a.add_argument("--steps", type=int, default=16)
+    a.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="'on' also captures TP>1 decode steps (NCCL all-reduce inside the graph)")
     args = a.parse_args(argv)
     gpu = torch.cuda.is_available()
     ngpu = torch.cuda.device_count() if gpu else 0
@@ -109,7 +112,7 @@ def main(argv=None):
     batches, ctx = ([64, 256], 4096) if gpu else ([4, 16], 128)
     scaling = []
     for tp in tps:
-        eng = engine_for(m, tp, gpu)
+        eng = engine_for(m, tp, gpu, cuda_graphs=args.cuda_graphs)
         for b in batches:
             tps_, step_s, _ = ours(eng, b, ctx, args.steps, m["vocab_size"])
             p0 = eng.stats.preemptions
@@ -124,7 +127,7 @@ def main(argv=None):
     for r in scaling:
         r["speedup"] = r["tok_s"] / base[r["batch"]]
         r["efficiency"] = r["speedup"] / r["tp"]
-    path = bl.save("bench_tp", scaling, correctness=correctness, model=m, gpus=ngpu)
+    path = bl.save("bench_tp", scaling, correctness=correctness, cuda_graphs=args.cuda_graphs, model=m, gpus=ngpu)
     bl.print_table(scaling, ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency",
                              "resident_reqs", "preemptions", "allreduce_share", "attention_share"],
                    "decode scaling")
