@@ -17,12 +17,12 @@ from tests.runtime.test_engine_tp import GREEDY, config, workload
 pytestmark = pytest.mark.slow
 
 
-def run_with_kills(engine, prompts, params, kill_at_steps, how):
+def run_with_kills(engine, prompts, params, kill_at_steps, how, rank=1):
     ids = [engine.add_request(p, params) for p in prompts]
     step = 0
     while engine.has_unfinished_requests():
         if step in kill_at_steps:
-            victim = engine.executor.workers[1]
+            victim = engine.executor.workers[rank]
             if how == "ray.kill":
                 ray.kill(victim)
             else:  # the worker process exits under it
@@ -33,20 +33,21 @@ def run_with_kills(engine, prompts, params, kill_at_steps, how):
     return [engine.output(i) for i in ids]
 
 
-@pytest.mark.parametrize("how,compiled", [("ray.kill", False), ("process exit", False), ("ray.kill", True)])
-def test_dead_rank_recovers_with_identical_tokens(ray_local, record_recovery, how, compiled):
+@pytest.mark.parametrize("tp,how,compiled", [(2, "ray.kill", False), (2, "process exit", False),
+                                             (2, "ray.kill", True), (4, "ray.kill", False)])
+def test_dead_rank_recovers_with_identical_tokens(ray_local, record_recovery, tp, how, compiled):
     prompts = workload(n=4)
     cfg = config()
     reference = LLMEngine(cfg, InProcessExecutor(cfg)).generate(prompts, GREEDY)
-    engine = LLMEngine(config(2, compiled))
+    engine = LLMEngine(config(tp, compiled))
     try:
-        outs = run_with_kills(engine, prompts, GREEDY, kill_at_steps={4}, how=how)
+        outs = run_with_kills(engine, prompts, GREEDY, kill_at_steps={4}, how=how, rank=tp - 1)
         assert engine.stats.recoveries == 1
         record_recovery(engine.stats.last_recovery_s)
         assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
         assert all(o.finish_reason == "length" for o in outs)
         assert engine.planner.stats()["num_used_blocks"] == 0
-        assert engine.executor.call_all("ping") == [0, 1]
+        assert engine.executor.call_all("ping") == list(range(tp))
     finally:
         engine.shutdown()
 
