@@ -37,7 +37,13 @@ def uses_cuda_graphs(config: EngineConfig, kernel: str) -> bool:
     return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and tp == 1))
 
 
-def cascade_threshold(config: EngineConfig, kernel: str) -> int | None:
+def _workers_use_graphs(executor) -> bool | None:
+    """What the ranks reported after loading (a capture can fail and fall back to eager)."""
+    infos = getattr(executor, "infos", None)
+    return infos[0].get("cuda_graphs") if infos else None
+
+
+def cascade_threshold(config: EngineConfig, kernel: str, graphs: bool | None = None) -> int | None:
     """KV tokens a cascade must save per layer on this rank, for the measured policy on GPU
     kernels; None (vLLM's cost model) for the torch kernel, where no measurement applies."""
     if kernel not in ("fa3", "fa2"):
@@ -45,7 +51,8 @@ def cascade_threshold(config: EngineConfig, kernel: str) -> int | None:
     m, tp = config.model, config.parallel.tensor_parallel_size
     kv_heads = max(m.num_key_value_heads // tp, 1)
     elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
-    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if uses_cuda_graphs(config, kernel) else CASCADE_BREAK_EVEN_BYTES
+    graphs = uses_cuda_graphs(config, kernel) if graphs is None else graphs
+    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if graphs else CASCADE_BREAK_EVEN_BYTES
     return budget // (2 * kv_heads * m.head_size * elem)
 
 
@@ -159,7 +166,8 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_cascade=config.enable_cascade, max_model_len=m.max_position_embeddings,
             max_num_reqs_hint=config.max_num_seqs,
-            cascade_min_saved_kv_tokens=cascade_threshold(config, executor.kernel_name))
+            cascade_min_saved_kv_tokens=cascade_threshold(
+                config, executor.kernel_name, _workers_use_graphs(executor)))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -103,7 +104,14 @@ class AttentionWorker:
         # The torch reference kernel reads lengths on the host, which a graph cannot capture.
         if self.device.type != "cuda" or not wanted or self.model.kernel_name == "torch":
             return None
-        return DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
+        try:
+            return DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
+        except Exception as e:  # noqa: BLE001 -- any capture failure leaves a working eager path
+            if par.cuda_graphs == "on":
+                raise
+            warnings.warn(f"rank {self.rank}: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                          "decode steps run eagerly (set parallel.cuda_graphs='off' to skip the attempt)")
+            return None
 
     def _blocks_from_memory(self) -> int:
         per_block = self.model.kv_cache_bytes_per_block()
@@ -121,7 +129,7 @@ class AttentionWorker:
     def device_info(self) -> dict:
         info = {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
                 "kernel": self.model.kernel_name if self.model else None,
-                "num_blocks": getattr(self, "num_blocks", None)}
+                "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None}
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             info.update(name=p.name, num_sms=p.multi_processor_count, total_memory=p.total_memory)

@@ -333,3 +333,5 @@ def test_engine_threshold_is_kv_bytes_per_layer():
     tp2 = EngineConfig(model=llama8b, parallel=ParallelConfig(tensor_parallel_size=2))
     assert cascade_threshold(tp2, "fa3") == (1 << 30) // (2 * 4 * 128 * 2)  # auto: eager at TP>1
     assert cascade_threshold(graphed, "torch") is None
+    # What the ranks report wins over the config's rule (a failed capture runs eagerly).
+    assert cascade_threshold(graphed, "fa3", graphs=False) == 262144

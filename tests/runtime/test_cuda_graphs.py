@@ -183,3 +183,21 @@ def _check_close(ex, ref):
         np.testing.assert_allclose(a, b, atol=5e-2 * max(1.0, np.abs(b).max()), rtol=0)
         compared += 1
     assert compared >= 5
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_failed_capture_falls_back_to_eager_unless_asked_for(mode):
+    """A capture that fails (here: no CUDA behind a worker told it has one) leaves an eager
+    worker with a warning under 'auto', and is an error under 'on'."""
+    cfg = config()
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"cuda_graphs": mode})})
+    w = AttentionWorker(cfg)
+    w.load_model()
+    assert w.graphs is None and w.device_info()["cuda_graphs"] is False
+    w.device, w.model.kernel_name = torch.device("cuda"), "fa3"  # as on a GPU rank
+    if mode == "on":
+        with pytest.raises((RuntimeError, AssertionError)):
+            w._capture_graphs()
+    else:
+        with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+            assert w._capture_graphs() is None
