@@ -74,10 +74,11 @@ def ours(engine: LLMEngine, batch: int, ctx: int, steps: int, vocab: int, prompt
     return n / dt, dt / steps, cascade
 
 
-def hf_step_time(model, batch: int, ctx: int, vocab: int, n1=2, n2=18, repeats=2) -> float:
+def hf_step_time(model, batch: int, ctx: int, vocab: int, n1=2, n2=34, repeats=3) -> float:
     """Seconds per decode step of HF generate: the difference of two generate lengths, each the
-    best of ``repeats`` runs (a single pair gave negative differences at small batch, where one
-    prefill's jitter exceeds eight decode steps)."""
+    best of ``repeats`` runs.  A single pair gave negative differences at small batch, and 16
+    extra steps still let prefill jitter show at 32 x 4k (HF's 4k step came out faster than its
+    1k step); 32 extra steps, best of three, spread that jitter twice as thin."""
     ids = torch.randint(0, vocab, (batch, ctx), device=model.device)
     best = {}
     for n in (n1, n2):
