@@ -219,12 +219,12 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------
-    def _schedule(self, admit: int | None = None) -> list[Request]:
-        """Requests for this step, with their new-token counts in ``self._num_new``; at most
-        ``admit`` of them newly admitted from the queue (None: as many as fit)."""
+    def _schedule(self, admit: int | None = None) -> tuple[list[Request], int]:
+        """Requests for this step, with their new-token counts in ``self._num_new``, and how many
+        of them come from the front of the queue (at most ``admit``; None: as many as fit).  The
+        queues are left as they are: ``_plan`` admits those requests once the planner took them."""
         budget = self.config.max_num_batched_tokens
         batch, self._num_new = [], {}
-        admit = len(self.waiting) if admit is None else admit
         for req in self.running:
             if budget <= 0:
                 break
@@ -233,24 +233,25 @@ class LLMEngine:
             batch.append(req)
             self._num_new[req.request_id] = n
             budget -= n
-        while admit > 0 and self.waiting and budget > 0 and len(batch) < self.config.max_num_seqs:
-            admit -= 1
-            req = self.waiting[0]
+        admitted = 0
+        limit = len(self.waiting) if admit is None else min(admit, len(self.waiting))
+        for req in self.waiting:
+            if admitted >= limit or budget <= 0 or len(batch) >= self.config.max_num_seqs:
+                break
             tokens = req.token_ids
             hit = self.planner.num_cached_tokens(tokens) if self.planner.enable_prefix_caching else 0
             n = min(len(tokens) - hit, budget)
-            self.waiting.popleft()
-            self.running.append(req)
             batch.append(req)
             self._num_new[req.request_id] = n
             budget -= n
-        return batch
+            admitted += 1
+        return batch, admitted
 
     def _plan(self):
         """Plan the step, preempting (by recompute) until the pool can hold it."""
         admit = None
         while True:
-            batch = self._schedule(admit)
+            batch, admitted = self._schedule(admit)
             if not batch:
                 return None
             sched = []
@@ -258,21 +259,21 @@ class LLMEngine:
                 r.sched.num_new_tokens = self._num_new[r.request_id]
                 sched.append(r.sched)
             try:
-                return self.planner.plan(sched)
+                plan = self.planner.plan(sched)
             except OutOfBlocksError:
-                # Requests admitted in this attempt are unknown to the planner: back to the
-                # queue's front, and retry admitting one fewer; only then preempt a running one.
-                fresh = [r for r in batch if not self.planner.has_request(r.request_id)]
-                for r in reversed(fresh):
-                    self.running.remove(r)
-                    self.waiting.appendleft(r)
-                if fresh and (len(fresh) > 1 or self.running):
-                    admit = len(fresh) - 1
+                # The planner changed nothing: first admit one request fewer from the queue, and
+                # only with none left to drop preempt a running one.
+                if admitted > 1 or (admitted and self.running):
+                    admit = admitted - 1
                     continue
                 if not self.running:
                     raise
                 self._preempt_one()
                 admit = 0  # else the victim would be re-admitted into the same step
+                continue
+            for _ in range(admitted):
+                self.running.append(self.waiting.popleft())
+            return plan
 
     def _preempt_one(self) -> None:
         victim = self.running.pop()  # the newest: it has the least work to redo
