@@ -19,6 +19,7 @@ import numpy as np
 from ray_attn.config import EngineConfig
 from ray_attn.planner import OutOfBlocksError, Planner, ScheduledRequest
 from ray_attn.runtime.cluster import WorkerFailure
+from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
 from ray_attn.runtime.messages import StepInput
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
@@ -29,12 +30,6 @@ MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop in
 # falls to ~100 MiB (scripts/bench_cascade.py, benchmarks/NOTES.md).  Below it, plain wins.
 CASCADE_BREAK_EVEN_BYTES = 1 << 30
 CASCADE_BREAK_EVEN_BYTES_GRAPHED = 96 << 20
-
-
-def uses_cuda_graphs(config: EngineConfig, kernel: str) -> bool:
-    """Whether the workers replay decode steps from CUDA graphs (mirrors the worker's rule)."""
-    mode, tp = config.parallel.cuda_graphs, config.parallel.tensor_parallel_size
-    return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and tp == 1))
 
 
 def _workers_use_graphs(executor) -> bool | None:
@@ -51,7 +46,7 @@ def cascade_threshold(config: EngineConfig, kernel: str, graphs: bool | None = N
     m, tp = config.model, config.parallel.tensor_parallel_size
     kv_heads = max(m.num_key_value_heads // tp, 1)
     elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
-    graphs = uses_cuda_graphs(config, kernel) if graphs is None else graphs
+    graphs = wants_cuda_graphs(config.parallel, kernel) if graphs is None else graphs
     budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if graphs else CASCADE_BREAK_EVEN_BYTES
     return budget // (2 * kv_heads * m.head_size * elem)
 

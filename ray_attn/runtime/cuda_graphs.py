@@ -32,6 +32,13 @@ from ray_attn.metadata import FlashAttentionMetadata
 MAX_CASCADE_GROUPS = 32
 
 
+def wants_cuda_graphs(parallel, kernel: str) -> bool:
+    """Whether a rank captures decode graphs (given a GPU): the flash kernels only, since the torch
+    reference kernel reads lengths on the host; under 'auto' at TP=1 only."""
+    mode = parallel.cuda_graphs
+    return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and parallel.tensor_parallel_size == 1))
+
+
 def batch_sizes(max_batch: int) -> list[int]:
     """The padded sizes we capture: fine steps where padding would waste most (vLLM's scheme)."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))

@@ -18,6 +18,7 @@ import torch
 
 from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
+from ray_attn.runtime import messages
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.sampling import sample
@@ -97,12 +98,10 @@ class AttentionWorker:
 
     def _capture_graphs(self):
         """CUDA graphs for decode, captured against this KV cache (they hold its addresses)."""
-        from ray_attn.runtime.cuda_graphs import DecodeGraphs
+        from ray_attn.runtime.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 
         par = self.config.parallel
-        wanted = par.cuda_graphs == "on" or (par.cuda_graphs == "auto" and self.tp == 1)
-        # The torch reference kernel reads lengths on the host, which a graph cannot capture.
-        if self.device.type != "cuda" or not wanted or self.model.kernel_name == "torch":
+        if self.device.type != "cuda" or not wants_cuda_graphs(par, self.model.kernel_name):
             return None
         try:
             return DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
@@ -155,8 +154,6 @@ class AttentionWorker:
             step = ray.get(step[0])
         wire = isinstance(step, bytes)
         if wire:
-            from ray_attn.runtime import messages
-
             step = messages.loads(step)
         out = self._run(step)
         if out is None:
