@@ -16,6 +16,18 @@ def load(name):
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def num(v) -> str:
+    return f"{v:,.0f}"
+
+
+def pct(v) -> str:
+    return f"{v:.0%}"
+
+
+def times(v) -> str:
+    return f"{v:.2f}x"
+
+
 def table(rows, cols, fmt=None):
     fmt = fmt or {}
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -35,23 +47,21 @@ def main():
         print(f"### Attention step vs bare kernel ({m.get('gpu')}, {m['date']}; `python scripts/bench_attention.py`)\n")
         dec = [r for r in a["rows"] if r["mode"] == "decode" and r["batch"] >= 64]
         print(table(dec, ["kernel", "kv", "batch", "ctx", "ours_us", "bare_us", "overhead_pct", "ours_GBps", "frac_of_copy"],
-                    {"ours_us": lambda v: f"{v:,.0f}", "bare_us": lambda v: f"{v:,.0f}", "overhead_pct": lambda v: f"{v:+.1f}%",
-                     "ours_GBps": lambda v: f"{v:,.0f}", "frac_of_copy": lambda v: f"{v:.0%}"}))
+                    {"ours_us": num, "bare_us": num, "overhead_pct": lambda v: f"{v:+.1f}%",
+                     "ours_GBps": num, "frac_of_copy": pct}))
         print(f"\nDevice copy in the same run: {a['copy_GBps']:,.0f} GB/s (read + write). Batch 1-8 rows are in the JSON.\n")
         pre = [r for r in a["rows"] if r["mode"] == "prefill"]
         print(table(pre, ["kernel", "ctx", "ours_us", "bare_us", "ours_TFLOPs", "bare_TFLOPs"],
-                    {"ours_us": lambda v: f"{v:,.0f}", "bare_us": lambda v: f"{v:,.0f}"}))
+                    {"ours_us": num, "bare_us": num}))
         print()
     c = load("bench_cascade")
     if c:
         print(f"### Cascade vs plain decode ({c['machine'].get('gpu')}, kernel {c['kernel']}; `python scripts/bench_cascade.py`)\n")
         rows = [r for r in c["rows"] if r["batch"] in (128, 256) or r["prefix"] in (8192,)]
-        us = lambda v: f"{v:,.0f}"  # noqa: E731
-        x = lambda v: f"{v:.2f}x"  # noqa: E731
         print(table(rows, ["prefix", "batch", "groups", "plain_us", "cascade_us", "speedup", "plain_graph_us",
                            "cascade_graph_us", "speedup_graph", "measured_policy_graph"],
-                    {"plain_us": us, "cascade_us": us, "speedup": x, "plain_graph_us": us, "cascade_graph_us": us,
-                     "speedup_graph": x}))
+                    {"plain_us": num, "cascade_us": num, "speedup": times, "plain_graph_us": num, "cascade_graph_us": num,
+                     "speedup_graph": times}))
         print("\n`*_us`: launched eagerly, back to back (host launch cost included); `*_graph_us`: replayed from a "
               "CUDA graph, as the engine runs decode steps.\n")
         for sfx, what in (("", "eager"), ("_graph", "CUDA-graph")):
@@ -68,17 +78,17 @@ def main():
     if s:
         print(f"### Step overhead, TP=1, batch {s['batch']} ({s['machine'].get('gpu')}; `python scripts/bench_step_overhead.py`)\n")
         cols = ["path", "step_us", "step_p90_us", "plan_us", "call_us", "worker_us", "added_us"]
-        print(table(s["rows"], cols, {k: (lambda v: f"{v:,.0f}") for k in cols[1:]}))
+        print(table(s["rows"], cols, {k: num for k in cols[1:]}))
         print(f"\nPlan arrays to device: {s['plan_device_copy_us']:.0f} us.\n")
     e = load("bench_e2e")
     if e:
         print(f"### End-to-end decode, Llama-3-8B shape, bf16, one H200 (`python scripts/bench_e2e.py`)\n")
         print(table(e["rows"], ["batch", "ctx", "ours_tok_s", "ours_step_ms", "roofline_step_ms", "frac_of_roofline", "hf_tok_s", "hf_step_ms", "speedup_vs_hf"],
-                    {"ours_tok_s": lambda v: f"{v:,.0f}", "hf_tok_s": lambda v: f"{v:,.0f}" if v > 0 else "n/a",
-                     "frac_of_roofline": lambda v: f"{v:.0%}", "speedup_vs_hf": lambda v: f"{v:.2f}x" if v > 0 else "n/a"}))
+                    {"ours_tok_s": num, "hf_tok_s": lambda v: num(v) if v > 0 else "n/a",
+                     "frac_of_roofline": pct, "speedup_vs_hf": lambda v: times(v) if v > 0 else "n/a"}))
         print(f"\nWeights {e['weight_GB']:.1f} GB; copy bandwidth {e['copy_GBps']:,.0f} GB/s; kernel {e['kernel']}.\n")
         print(table(e["shared_prompt"], ["workload", "cascade_enabled", "tok_s", "step_ms", "cascade_steps"],
-                    {"tok_s": lambda v: f"{v:,.0f}"}))
+                    {"tok_s": num}))
         print()
     t = load("bench_tp")
     if t:
@@ -86,8 +96,8 @@ def main():
         print(table(t["correctness"], ["tp", "same_as_tp1", "same_after_killed_rank", "recovery_s"]))
         print()
         print(table(t["rows"], ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency", "resident_reqs", "preemptions", "allreduce_share", "attention_share"],
-                    {"allreduce_share": lambda v: f"{v:.0%}", "attention_share": lambda v: f"{v:.0%}", "efficiency": lambda v: f"{v:.0%}",
-                     "tok_s": lambda v: f"{v:,.0f}", "speedup": lambda v: f"{v:.2f}x"}))
+                    {"allreduce_share": pct, "attention_share": pct, "efficiency": pct,
+                     "tok_s": num, "speedup": times}))
         print("\nTP=1 replays decode steps from CUDA graphs; TP>1 runs them eagerly (`cuda_graphs='auto'`; "
               "capturing the NCCL all-reduce is untested), so TP=2 is bound by kernel launches at batch 64.")
         print()
@@ -96,13 +106,13 @@ def main():
         print(f"### Planner, one step ({p['meta']['cpus']}-core CPU; `python scripts/bench_planner.py`)\n")
         rows = [r for r in p["results"] if r["num_reqs"] in (8, 64, 256, 1024)]
         print(table(rows, ["num_reqs", "mixed", "cascade_groups", "local_attention", "median_us", "p90_us"],
-                    {"median_us": lambda v: f"{v:,.0f}", "p90_us": lambda v: f"{v:,.0f}"}))
+                    {"median_us": num, "p90_us": num}))
         print()
     eo = load("bench_engine_overhead")
     if eo:
         print(f"### Engine host time per decode step, no model ({eo['machine']['cpus']}-core CPU; `python scripts/bench_engine_overhead.py`)\n")
         print(table(eo["rows"], ["batch", "ctx", "step_us", "p90_us"],
-                    {"step_us": lambda v: f"{v:,.0f}", "p90_us": lambda v: f"{v:,.0f}"}))
+                    {"step_us": num, "p90_us": num}))
         print()
     lt = load("load_test")
     if lt:
