@@ -71,12 +71,20 @@ class SamplingParams:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
+PLACEHOLDER = -1  # a token id sampled on the ranks but not yet read back (see LLMEngine.step)
+
+
 @dataclass
 class Request:
     request_id: str
     token_ids: list[int]  # the prompt, then every generated token: one list, grown in place
     num_prompt_tokens: int
     params: SamplingParams
+    # Tokens submitted for sampling and not yet read back: the last ``pending`` entries of
+    # ``token_ids`` are PLACEHOLDER.  0 or 1 between steps; 2 while async scheduling has step N+1
+    # submitted and step N's output not yet applied.
+    pending: int = 0
+    sampled_row: int = -1  # its row in the last step that samples it
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
@@ -90,7 +98,7 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.token_ids
+        return self.token_ids[: len(self.token_ids) - self.pending]
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -98,11 +106,22 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens: len(self.token_ids) - self.pending]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens read back so far."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.pending
+
+    @property
+    def last_token_in_flight(self) -> bool:
+        """Its final token (by max_tokens) is being sampled: nothing more to schedule."""
+        return self.pending > 0 and len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens
+
+    def drop_pending(self) -> None:
+        if self.pending:
+            del self.token_ids[-self.pending:]
+            self.pending = 0
 
     @property
     def finished(self) -> bool:
@@ -122,6 +141,18 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+
+
+@dataclass
+class _Submitted:
+    """A step handed to the ranks whose tokens the engine has not applied yet."""
+
+    step_id: int
+    reqs: list[Request]
+    samples: list[bool]  # per row: whether it samples (a prompt's last chunk, or a decode)
+    num_tokens: int
+    cascade: bool
+    local: bool
 
 
 @dataclass
@@ -169,6 +200,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._step_id = 0
+        self.async_scheduling = config.async_scheduling
+        self._submitted: _Submitted | None = None  # async: the step whose tokens are still out
         self._failures: list[float] = []
         self.dead: str | None = None
 
@@ -223,6 +256,8 @@ class LLMEngine:
         for req in self.running:
             if budget <= 0:
                 break
+            if req.last_token_in_flight:
+                continue
             left = len(req.token_ids) - self.planner.num_computed_tokens(req.request_id)
             n = min(left, budget)
             batch.append(req)
@@ -233,6 +268,8 @@ class LLMEngine:
         for req in self.waiting:
             if admitted >= limit or budget <= 0 or len(batch) >= self.config.max_num_seqs:
                 break
+            if req.pending:
+                break  # preempted while its token was out: recompute once the token is back
             tokens = req.token_ids
             hit = self.planner.num_cached_tokens(tokens) if self.planner.enable_prefix_caching else 0
             n = min(len(tokens) - hit, budget)
@@ -279,28 +316,75 @@ class LLMEngine:
         self.waiting.appendleft(victim)
 
     def step(self) -> list[RequestOutput]:
+        """Plan and run one step; returns what the requests gained.
+
+        With ``async_scheduling`` the step returned is the *previous* one: the ranks queue this
+        step on the GPU before they wait for that one's tokens, and the driver plans the next step
+        while this one runs.  Its inputs that depend on the previous step's tokens travel as
+        placeholders, which the ranks fill on the device.  The price: a request that stops on a
+        stop token has already been scheduled once more, and that token is thrown away."""
         t0 = time.perf_counter()
         plan = self._plan()
         if plan is None:
-            return []
-        reqs = [self.requests[i] for i in plan.req_ids]
-        step_in = StepInput(
-            plan=plan,
-            temperatures=np.array([r.params.temperature for r in reqs], np.float32),
-            seeds=np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64),
-            sample_index=np.array([r.num_output_tokens for r in reqs], np.int32),
-            step_id=self._step_id)
-        self._step_id += 1
+            if self._submitted is None:
+                return []
+            sub, step_in = None, StepInput.flush(self._step_id)  # collect the last deferred step
+        else:
+            sub, step_in = self._submit(plan)
         try:
             out = self.executor.step(step_in)
         except WorkerFailure as e:
             return self._on_worker_failure(e)
-        done = plan.completes_prompt(np.array([len(r.token_ids) for r in reqs]))
+        if self.async_scheduling:
+            done, self._submitted = self._submitted, sub
+        else:
+            done = sub
+        outputs = [] if done is None else self._apply(done, out)
+        self.stats.busy_s += time.perf_counter() - t0
+        return outputs
+
+    def _submit(self, plan) -> tuple[_Submitted, StepInput]:
+        """The step's message; each row that samples gets a placeholder token until its output
+        is applied (with async scheduling the next plan reads it as that row's input)."""
+        reqs = [self.requests[i] for i in plan.req_ids]
+        samples = plan.completes_prompt(np.array([len(r.token_ids) for r in reqs])).tolist()
+        prev_index = prev_rows = None
+        waiting_for = np.flatnonzero(plan.input_token_ids[: plan.attn.num_actual_tokens] < 0)
+        if len(waiting_for):
+            if self._submitted is None:
+                raise RuntimeError("the plan reads tokens of a step that is not in flight")
+            rows = np.searchsorted(plan.attn.query_start_loc[1:], waiting_for, side="right")
+            prev_index = waiting_for.astype(np.int32)
+            prev_rows = np.fromiter((reqs[i].sampled_row for i in rows.tolist()), np.int32, len(rows))
+        step_in = StepInput(
+            plan=plan,
+            temperatures=np.array([r.params.temperature for r in reqs], np.float32),
+            seeds=np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64),
+            # the index of the token drawn now, counting those still out
+            sample_index=np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32),
+            step_id=self._step_id, defer=self.async_scheduling,
+            prev_token_index=prev_index, prev_token_rows=prev_rows)
+        self._step_id += 1
+        for row, (r, smp) in enumerate(zip(reqs, samples)):
+            if smp:
+                r.token_ids.append(PLACEHOLDER)
+                r.pending += 1
+                r.sampled_row = row
+        a = plan.attn
+        return _Submitted(step_in.step_id, reqs, samples, a.num_actual_tokens, bool(a.use_cascade),
+                          a.local_attn_metadata is not None), step_in
+
+    def _apply(self, done: _Submitted, out) -> list[RequestOutput]:
+        """Write a step's sampled tokens over their placeholders and finish what is done."""
+        if out is None or out.step_id != done.step_id:
+            got = None if out is None else out.step_id
+            raise RuntimeError(f"expected the output of step {done.step_id}, got {got}")
         outputs = []
-        for req, tok, sample_it in zip(reqs, out.token_ids.tolist(), done.tolist()):
-            if not sample_it:
-                continue  # a chunk of a prompt: nothing to sample yet
-            req.token_ids.append(tok)
+        for req, tok, sampled in zip(done.reqs, out.token_ids.tolist(), done.samples):
+            if not sampled or req.finished:
+                continue  # a prompt's chunk; or a request that stopped or was aborted meanwhile
+            req.token_ids[len(req.token_ids) - req.pending] = tok
+            req.pending -= 1
             self.stats.tokens_generated += 1
             if tok in req.params.stop_token_ids:
                 self._finish(req, "stop")
@@ -312,10 +396,9 @@ class LLMEngine:
                 outputs.append(RequestOutput(req.request_id, [], [], [tok], False))
         s = self.stats
         s.steps += 1
-        s.tokens_computed += plan.attn.num_actual_tokens
-        s.cascade_steps += bool(plan.attn.use_cascade)
-        s.local_steps += plan.attn.local_attn_metadata is not None
-        s.busy_s += time.perf_counter() - t0
+        s.tokens_computed += done.num_tokens
+        s.cascade_steps += done.cascade
+        s.local_steps += done.local
         return outputs
 
     def _on_worker_failure(self, failure: WorkerFailure) -> list[RequestOutput]:
@@ -324,6 +407,10 @@ class LLMEngine:
         now = time.monotonic()
         self._failures = [t for t in self._failures if now - t < 60] + [now]
         victims = list(self.running)
+        # The tokens still out died with the ranks; the requests go on from what came back.
+        for req in victims + list(self.waiting):
+            req.drop_pending()
+        self._submitted = None
         # The KV cache died with the ranks: nothing held in blocks can be trusted any more.
         for req in victims:
             if self.planner.has_request(req.request_id):
@@ -345,6 +432,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
+        req.drop_pending()
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -168,6 +168,21 @@ class Admission:
         spans = map(getitem, rt, map(slice, (start * bs).tolist(), (end * bs).tolist()))
         n = int(nb.sum())
         tok = np.fromiter(chain.from_iterable(spans), np.int64, n * bs).reshape(n, bs)
+        if n and tok.min() < 0:
+            # A negative id is a token not sampled yet (the engine's async scheduling plans the
+            # next step before this one's tokens exist).  Hashing it would index -- and dedupe
+            # onto -- a block whose content is unknown, so each row stops at its first such
+            # block; freeing the request hashes the rest once the tokens are real.
+            local = np.arange(n) - np.repeat(np.cumsum(nb) - nb, nb)
+            first = np.array(nb, copy=True)
+            bad = np.flatnonzero((tok < 0).any(axis=1))
+            np.minimum.at(first, np.repeat(np.arange(len(rows)), nb)[bad], local[bad])
+            full = np.array(full, copy=True)
+            full[rows] = start + first
+            keep = first > 0
+            if keep.any():
+                self._hash_rows(rows[keep], slots, toks, full, dedupe)
+            return
         h = chain_hashes(content_hashes(tok), nb, T.last_hash[s])
         cols = np.arange(n) - np.repeat(np.cumsum(nb) - nb, nb) + np.repeat(start, nb)
         rs = np.repeat(s, nb)

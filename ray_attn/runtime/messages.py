@@ -50,14 +50,31 @@ loads = pickle.loads
 
 @dataclass
 class StepInput:
-    """One step for every rank: ``ray.put`` once, read by all."""
+    """One step for every rank: ``ray.put`` once, read by all.
 
-    plan: Any  # ray_attn.planner.StepPlan
+    Async scheduling (``defer``): the driver plans step N+1 before it has step N's tokens.  Those
+    inputs are placeholders in ``plan.input_token_ids``; ``prev_token_index`` says which input
+    positions they are and ``prev_token_rows`` which row of step N's sampled tokens fills each --
+    the ranks still hold them on the device.  A deferred step is answered with the *previous*
+    deferred step's output (None for the first), so the ranks queue step N+1 on the GPU before
+    they wait for step N.  ``plan=None`` runs nothing and answers the pending output (a flush).
+    """
+
+    plan: Any  # ray_attn.planner.StepPlan, or None to flush a deferred output
     temperatures: np.ndarray  # float32 [B]; 0 = greedy
     seeds: np.ndarray  # int64 [B]; -1 = no seed (the worker's own generator)
     sample_index: np.ndarray  # int32 [B]; tokens generated so far, so a seeded request's n-th draw is fixed
     return_logits: bool = False
     step_id: int = 0
+    defer: bool = False
+    prev_token_index: np.ndarray | None = None  # int32 [K] input positions to fill on the device
+    prev_token_rows: np.ndarray | None = None  # int32 [K] rows of the previous step's tokens
+
+    @classmethod
+    def flush(cls, step_id: int) -> "StepInput":
+        empty = np.zeros(0, np.int32)
+        return cls(plan=None, temperatures=empty.astype(np.float32), seeds=empty.astype(np.int64),
+                   sample_index=empty, step_id=step_id, defer=True)
 
 
 @dataclass

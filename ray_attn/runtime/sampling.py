@@ -9,6 +9,8 @@ sampled requests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -34,28 +36,70 @@ def hash_uniform(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.
     return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
-           sample_index: np.ndarray, generator: torch.Generator | None = None) -> np.ndarray:
-    """Token ids [B]: argmax where temperature is 0, else a draw from softmax(logits / T).
+def _stage(a: np.ndarray, dev: torch.device, put) -> torch.Tensor:
+    """``a`` on ``dev`` through ``put`` (int32 staging, so other dtypes travel as their bits):
+    a non-blocking copy, where ``.to(dev)`` from pageable memory would wait for the whole stream
+    -- and with it for the step that async scheduling keeps running ahead of this one."""
+    if put is None:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+    bits = np.ascontiguousarray(a).view(np.int32)
+    return put(f"sample_{a.dtype.name}", bits).view(getattr(torch, a.dtype.name))
+
+
+@dataclass
+class SamplingTensors:
+    """A step's sampling parameters on the device, for the rows that draw (temperature > 0)."""
+
+    rows: torch.Tensor | None = None  # long [k]; None: every row is greedy
+    temperatures: torch.Tensor | None = None  # float32 [k, 1]
+    seeded_pos: torch.Tensor | None = None  # long [s] positions in ``rows`` with a seed
+    seeds: torch.Tensor | None = None  # int64 [s]
+    index: torch.Tensor | None = None  # long [s] each seeded row's token index
+    free_pos: torch.Tensor | None = None  # long [k - s] positions drawing from the generator
+
+    @classmethod
+    def stage(cls, temperatures: np.ndarray, seeds: np.ndarray, sample_index: np.ndarray,
+              device: torch.device, put=None) -> "SamplingTensors":
+        """Copy what the draw needs to ``device`` (through ``put(name, int32 array)``, i.e.
+        ``StepBuffers.put``, when given): one array per dtype, before the step's forward."""
+        hot = np.nonzero(temperatures > 0)[0]
+        if not hot.size:
+            return cls()
+        seeded = seeds[hot] >= 0
+        ints = np.concatenate([hot, np.nonzero(seeded)[0], np.nonzero(~seeded)[0],
+                               sample_index[hot][seeded]]).astype(np.int32)
+        d = _stage(ints, device, put).long()
+        k, s = len(hot), int(seeded.sum())
+        return cls(rows=d[:k], seeded_pos=d[k:k + s], free_pos=d[k + s:2 * k], index=d[2 * k:],
+                   temperatures=_stage(temperatures[hot].astype(np.float32), device, put)[:, None],
+                   seeds=_stage(seeds[hot][seeded].astype(np.int64), device, put))
+
+
+def sample_on_device(logits: torch.Tensor, st: SamplingTensors,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Token ids [B] (int32, on the logits' device), with no host-device sync: argmax where
+    temperature is 0, else a draw from softmax(logits / T).
 
     A seeded request's n-th token depends only on (seed, n) and its logits -- not on the batch it
     shares, the step it lands in, or the TP size.  Unseeded requests draw from ``generator``.
     """
-    tokens = logits.argmax(dim=-1)
-    hot = np.nonzero(temperatures > 0)[0]
-    if hot.size:
-        dev = logits.device
-        rows = torch.from_numpy(hot).to(dev)
-        u = torch.empty(hot.size, logits.shape[1], device=dev)
-        seeded = seeds[hot] >= 0
-        if seeded.any():
-            s = torch.from_numpy(seeds[hot][seeded].astype(np.int64)).to(dev)
-            i = torch.from_numpy(sample_index[hot][seeded].astype(np.int64)).to(dev)
-            u[torch.from_numpy(np.nonzero(seeded)[0]).to(dev)] = hash_uniform(s, i, logits.shape[1])
-        if not seeded.all():
-            free = torch.from_numpy(np.nonzero(~seeded)[0]).to(dev)
-            u[free] = torch.rand(len(free), logits.shape[1], device=dev, generator=generator).clamp_(1e-7, 1 - 1e-7)
-        temp = torch.from_numpy(temperatures[hot].astype(np.float32)).to(dev)[:, None]
-        gumbel = -torch.log(-torch.log(u))
-        tokens[rows] = (logits[rows].float() / temp + gumbel).argmax(dim=-1)
-    return tokens.to(torch.int32).cpu().numpy()
+    tokens = logits.argmax(dim=-1).to(torch.int32)
+    if st.rows is None:
+        return tokens
+    k, V = len(st.rows), logits.shape[1]
+    u = torch.empty(k, V, device=logits.device)
+    if len(st.seeded_pos):
+        u[st.seeded_pos] = hash_uniform(st.seeds, st.index, V)
+    if len(st.free_pos):
+        u[st.free_pos] = torch.rand(len(st.free_pos), V, device=logits.device,
+                                    generator=generator).clamp_(1e-7, 1 - 1e-7)
+    gumbel = -torch.log(-torch.log(u))
+    tokens[st.rows] = (logits[st.rows].float() / st.temperatures + gumbel).argmax(dim=-1).to(torch.int32)
+    return tokens
+
+
+def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
+           sample_index: np.ndarray, generator: torch.Generator | None = None) -> np.ndarray:
+    """``sample_on_device`` in one call, brought to the host as a numpy int32 array."""
+    st = SamplingTensors.stage(temperatures, seeds, sample_index, logits.device)
+    return sample_on_device(logits, st, generator).cpu().numpy()

@@ -21,7 +21,7 @@ from ray_attn.config import EngineConfig
 from ray_attn.runtime import messages
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.messages import StepInput, StepOutput
-from ray_attn.runtime.sampling import sample
+from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
 
 CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
 
@@ -54,6 +54,12 @@ class AttentionWorker:
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
         self.steps = 0
+        # Async scheduling: the last step's sampled tokens (device) and the deferred output
+        # (event, host tokens, step id, logits) not yet answered.
+        self.last_tokens: torch.Tensor | None = None
+        self.pending: tuple | None = None
+        self._token_host: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
 
     # -- set-up -----------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -156,36 +162,100 @@ class AttentionWorker:
         if wire:
             step = messages.loads(step)
         out = self._run(step)
-        if out is None:
-            return None
-        out.timings["worker_s"] = time.perf_counter() - t0
+        if self.rank != 0:
+            return None  # the driver reads rank 0's answer only
+        if out is not None:
+            out.timings["worker_s"] = time.perf_counter() - t0
         return messages.dumps(out) if wire else out
 
     def _run(self, step: StepInput) -> StepOutput | None:
+        """The step's output -- or, for a deferred step, the previous deferred step's (see
+        ``StepInput``): this step is queued on the device before we wait for that one."""
+        if step.plan is None:
+            return self._take_pending()
+        if not step.defer and self.pending is not None:
+            raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
+                               f"of deferred step {self.pending[2]} was never collected")
         plan = step.plan
         m = plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
         buf = self.buffers
         buf.begin()
         idx = buf.put("logits_indices", plan.logits_indices).long()
+        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put) \
+            if self.rank == 0 else None
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(plan):
                 n = self.graphs.load(plan, buf.put)
+                self._fill_previous_tokens(self.graphs.input_ids, step)
                 buf.end()
                 hidden = self.graphs.replay(n, m.num_reqs, m.use_cascade)
             else:
                 dm = m.to_device(self.device, put=buf.put)
                 ids = buf.put("input_token_ids", plan.input_token_ids).long()
+                self._fill_previous_tokens(ids, step)
                 pos = buf.put("positions", plan.positions).long()
                 buf.end()
                 hidden = self.model(ids, pos, dm)
             self.steps += 1
+            logits = tokens = None
+            if self.rank == 0:
+                logits = self.model.compute_logits(hidden, idx)
+                tokens = sample_on_device(logits, st, self.generator)
+            if step.defer and self.tp > 1:
+                # Every rank embeds the next step's tokens, so every rank needs these.
+                import torch.distributed as dist
+
+                if tokens is None:
+                    tokens = torch.empty(m.num_reqs, dtype=torch.int32, device=self.device)
+                dist.broadcast(tokens, src=0)
+            self.last_tokens = tokens
             if self.rank != 0:
                 return None
-            logits = self.model.compute_logits(hidden, idx)
-            tokens = sample(logits, step.temperatures, step.seeds, step.sample_index, self.generator)
-            return StepOutput(token_ids=tokens, step_id=step.step_id,
-                              logits=logits.float().cpu().numpy() if step.return_logits else None)
+            logits_np = logits.float().cpu().numpy() if step.return_logits else None
+            if not step.defer:
+                return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
+            previous = self._take_pending()
+            self.pending = self._stage_output(tokens) + (step.step_id, logits_np)
+            return previous
+
+    def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
+        """Write the previous step's sampled tokens (still on the device) into this step's
+        placeholder inputs."""
+        if step.prev_token_index is None or not len(step.prev_token_index):
+            return
+        if self.last_tokens is None:
+            raise RuntimeError(f"rank {self.rank}: step {step.step_id} reads the previous step's tokens, "
+                               "but this rank has run no step since it started")
+        i = self.buffers.put("prev_token_index", step.prev_token_index).long()
+        r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
+        ids[i] = self.last_tokens[r].to(ids.dtype)
+
+    def _stage_output(self, tokens: torch.Tensor) -> tuple:
+        """Start the tokens' copy to the host; (event or None, host view).  Two pinned buffers
+        in turn: the previous deferred output may not have been read yet."""
+        if self.device.type != "cuda":
+            return None, tokens.numpy().copy()
+        self._flip ^= 1
+        host = self._token_host[self._flip]
+        if host is None or host.numel() < len(tokens):
+            host = torch.empty(max(2 * len(tokens), 256), dtype=torch.int32, pin_memory=True)
+            self._token_host[self._flip] = host
+        view = host[:len(tokens)]
+        view.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return event, view
+
+    def _take_pending(self) -> StepOutput | None:
+        if self.pending is None:
+            return None
+        event, host, step_id, logits = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        tokens = host if isinstance(host, np.ndarray) else host.numpy().copy()
+        return StepOutput(token_ids=tokens, step_id=step_id, logits=logits)
 
     def profile_step(self, step: StepInput) -> dict:
         """Run one step under the torch profiler; device time by kind of kernel, in microseconds.
