@@ -326,11 +326,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self._plan()
         if plan is None:
-            if self._submitted is None:
-                return []
-            sub, step_in = None, StepInput.flush(self._step_id)  # collect the last deferred step
-        else:
-            sub, step_in = self._submit(plan)
+            return self.flush()
+        sub, step_in = self._submit(plan)
         try:
             out = self.executor.step(step_in)
         except WorkerFailure as e:
@@ -342,6 +339,22 @@ class LLMEngine:
         outputs = [] if done is None else self._apply(done, out)
         self.stats.busy_s += time.perf_counter() - t0
         return outputs
+
+    def flush(self) -> list[RequestOutput]:
+        """Collect the step still out under async scheduling (a no-op otherwise), so that the
+        ranks hold nothing of this engine's; returns what that step made."""
+        if self._submitted is None:
+            return []
+        done, self._submitted = self._submitted, None
+        try:
+            out = self.executor.step(StepInput.flush(self._step_id))
+        except WorkerFailure as e:
+            return self._on_worker_failure(e)
+        return self._apply(done, out)
+
+    def set_async_scheduling(self, on: bool) -> None:
+        self.flush()  # a rank refuses a plain step while a deferred answer is waiting
+        self.async_scheduling = on
 
     def _submit(self, plan) -> tuple[_Submitted, StepInput]:
         """The step's message; each row that samples gets a placeholder token until its output

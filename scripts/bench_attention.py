@@ -49,8 +49,8 @@ def bare_call(kernel: str, meta, cache, q, fp8: bool):
     return None
 
 
-def measure(kernel, kv_dtype, batch, ctx, q_per_seq, dev, dtype):
-    block = 256 if kernel == "fa2" else 16
+def measure(kernel, kv_dtype, batch, ctx, q_per_seq, dev, dtype, block=None):
+    block = block or (256 if kernel == "fa2" else 16)
     fp8 = kv_dtype == "fp8"
     meta, cache, q, k, v = bl.paged_decode_inputs(
         batch, ctx, block, HK, D, dtype, dev, q_per_seq=q_per_seq, num_q_heads=H,
@@ -72,6 +72,8 @@ def measure(kernel, kv_dtype, batch, ctx, q_per_seq, dev, dtype):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--small", action="store_true", help="CPU-sized grid")
+    p.add_argument("--block-sweep", default="16,64,128,256",
+                   help="FA3 page sizes to compare at batch >= 64, context >= 4k ('' to skip)")
     args = p.parse_args(argv)
     dev = bl.device()
     small = args.small or dev.type == "cpu"
@@ -95,6 +97,15 @@ def main(argv=None):
                          bare_GBps=bare and nbytes / bare / 1e9, copy_GBps=copy_bw / 1e9,
                          frac_of_copy=nbytes / ours / copy_bw,
                          overhead_pct=bare and 100 * (ours / bare - 1)))
+    # Page size: FA3 takes any, and short pages mean more page-table reads and shorter
+    # contiguous runs per KV row.  Is 16 (the engine's default) leaving bandwidth behind?
+    sweep = [int(x) for x in args.block_sweep.split(",") if x] if "fa3" in kernels and not small else []
+    for b, c in tqdm([(b, c) for b in (64, 256) for c in (4096, 16384)] if sweep else [], desc="pages"):
+        for block in sweep:
+            ours, bare, nbytes = measure("fa3", "auto", b, c, 1, dev, dtype, block=block)
+            rows.append(dict(mode="decode-pages", kernel="fa3", kv="auto", batch=b, ctx=c, block=block,
+                             ours_us=ours * 1e6, bare_us=bare * 1e6, ours_GBps=nbytes / ours / 1e9,
+                             frac_of_copy=nbytes / ours / copy_bw, bare_frac_of_copy=nbytes / bare / copy_bw))
     for kernel in tqdm(kernels, desc="prefill"):
         for n in prefills:
             ours, bare, _ = measure(kernel, "auto", 1, n, n, dev, dtype)
@@ -110,6 +121,10 @@ def main(argv=None):
     bl.print_table([r for r in rows if r["mode"] == "prefill"],
                    ["kernel", "ctx", "ours_us", "bare_us", "overhead_pct", "ours_TFLOPs", "bare_TFLOPs"],
                    "causal prefill")
+    if sweep:
+        bl.print_table([r for r in rows if r["mode"] == "decode-pages"],
+                       ["batch", "ctx", "block", "ours_us", "bare_us", "frac_of_copy", "bare_frac_of_copy"],
+                       "FA3 decode by page size (bf16)")
     series = {}
     for kernel in kernels:
         for kv in ("auto", "fp8"):

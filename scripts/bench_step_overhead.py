@@ -5,7 +5,14 @@ The same engine runs the same decode batch three ways -- in-process (no Ray), a 
 call, and a Ray compiled graph -- on a deliberately tiny model, so that the step time is mostly
 the machinery.  "added" is each path's step time minus the in-process one.
 
-    python scripts/bench_step_overhead.py [--batch 64] [--steps 100] [--rounds 3] [--model stub|tiny]
+    python scripts/bench_step_overhead.py [--batch 64] [--steps 100] [--rounds 3] [--model stub|tiny|8b]
+        [--async-scheduling off|on|both]
+
+Each path runs synchronously and with async scheduling (``--async-scheduling both``): async
+plans and sends step N+1 while step N runs, so what the machinery costs is hidden behind the
+GPU's work whenever that work takes longer -- which it does not on the tiny model, where the
+step *is* the machinery.  ``--model 8b`` (GPU) runs the Llama-3-8B shape, where a decode step
+is milliseconds of GPU work: there "added" is what a real deployment pays per step.
 
 On CPU the torch attention kernel of even the tiny model takes ~20 ms a step, which buries the
 sub-millisecond machinery in noise, so there the default ``--model stub`` swaps the model for one
@@ -48,7 +55,7 @@ class StubModel:
 def worker_class(model: str):
     from ray_attn.runtime import AttentionWorker
 
-    if model == "tiny":
+    if model != "stub":
         return AttentionWorker
 
     class StubModelWorker(AttentionWorker):
@@ -60,10 +67,15 @@ def worker_class(model: str):
     return StubModelWorker
 
 
-def tiny_config(compiled: bool, device: str) -> EngineConfig:
-    model = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1,
-                        dtype="bfloat16" if device == "cuda" else "float32")
+def tiny_config(compiled: bool, device: str, model: str = "tiny") -> EngineConfig:
+    if model == "8b":
+        from bench_e2e import LLAMA3_8B
+
+        model = ModelConfig(**LLAMA3_8B)
+    else:
+        model = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1,
+                            dtype="bfloat16" if device == "cuda" else "float32")
     return EngineConfig(model=model, cache=CacheConfig(num_blocks=4096),
                         parallel=ParallelConfig(device=device, use_compiled_graph=compiled),
                         max_num_seqs=512, max_num_batched_tokens=16384)
@@ -93,7 +105,7 @@ def decode_step_times(engine: LLMEngine, steps: int) -> dict:
         t0 = time.perf_counter()
         out = call(s)
         call_t.append(time.perf_counter() - t0)
-        worker_t.append(out.timings.get("worker_s", 0.0))
+        worker_t.append(out.timings.get("worker_s", 0.0) if out is not None else 0.0)
         return out
 
     engine.planner.plan, engine.executor.step = timed_plan, timed_call
@@ -129,8 +141,9 @@ def main(argv=None):
     a.add_argument("--batch", type=int, default=64)
     a.add_argument("--steps", type=int, default=100, help="per path and round")
     a.add_argument("--rounds", type=int, default=3)
-    a.add_argument("--model", choices=["stub", "tiny"], default=None,
-                   help="default: stub on CPU, tiny (1 layer) on GPU")
+    a.add_argument("--model", choices=["stub", "tiny", "8b"], default=None,
+                   help="default: stub on CPU, tiny (1 layer) on GPU; 8b: the Llama-3-8B shape")
+    a.add_argument("--async-scheduling", default="both", choices=["off", "on", "both"])
     args = a.parse_args(argv)
     dev = bl.device()
     device = dev.type
@@ -145,13 +158,14 @@ def main(argv=None):
     # turn, because its actor busy-polls the channel while idle, taking a core from the others.
     # On one GPU a cluster's actor holds the device, so there the paths run one after another.
     groups = [[name] for name in paths] if device == "cuda" else [list(paths)]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     best, copy_us = {}, None
     for group in groups:
         engines = {}
         for name in group:
-            cfg = tiny_config(compiled(name), device)
+            cfg = tiny_config(compiled(name), device, model)
             engines[name] = LLMEngine(cfg, paths[name](cfg))
-            start_decode(engines[name], args.batch, args.rounds * args.steps + 10)
+            start_decode(engines[name], args.batch, args.rounds * args.steps * len(modes) + 10)
             if compiled(name):
                 engines[name].executor.uncompile()
         if "in-process (no Ray)" in engines:
@@ -160,17 +174,23 @@ def main(argv=None):
             for name, eng in engines.items():
                 if compiled(name):
                     eng.executor.compile()
-                r = decode_step_times(eng, args.steps)
+                for mode in modes:
+                    eng.set_async_scheduling(mode)
+                    r = decode_step_times(eng, args.steps)
+                    best[name, mode] = min(best.get((name, mode), r), r, key=lambda x: x["step_us"])
+                eng.set_async_scheduling(False)
                 if compiled(name):
                     eng.executor.uncompile()
-                best[name] = min(best.get(name, r), r, key=lambda x: x["step_us"])
         for eng in engines.values():
             eng.executor.shutdown()
-    base = best["in-process (no Ray)"]["step_us"]
-    rows = [dict(path=name, **r, added_us=r["step_us"] - base) for name, r in best.items()]
-    path = bl.save("bench_step_overhead", rows, batch=args.batch, steps=args.steps, rounds=args.rounds,
+    rows = [dict(path=name, async_scheduling=mode, **r,
+                 added_us=r["step_us"] - best["in-process (no Ray)", mode]["step_us"])
+            for (name, mode), r in best.items()]
+    name = "bench_step_overhead" + ("_8b" if model == "8b" else "")
+    path = bl.save(name, rows, batch=args.batch, steps=args.steps, rounds=args.rounds,
                    model=model, plan_device_copy_us=copy_us)
-    bl.print_table(rows, ["path", "step_us", "step_p90_us", "plan_us", "call_us", "worker_us", "added_us"],
+    bl.print_table(rows, ["path", "async_scheduling", "step_us", "step_p90_us", "plan_us", "call_us",
+                          "worker_us", "added_us"],
                    f"decode step, batch {args.batch}, {model} model, TP=1, {device}")
     print(f"plan -> device copy: {copy_us:.1f} us;  wrote {path}")
     import matplotlib
@@ -179,7 +199,8 @@ def main(argv=None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.barh([r["path"] for r in rows], [r["step_us"] / 1e3 for r in rows])
+    ax.barh([f'{r["path"]}{" (async)" if r["async_scheduling"] else ""}' for r in rows],
+            [r["step_us"] / 1e3 for r in rows])
     ax.set_xlabel("median step time (ms)")
     ax.set_title(f"Step overhead, batch {args.batch}, TP=1 ({bl.machine().get('gpu') or 'CPU'})")
     fig.tight_layout()

@@ -2,7 +2,8 @@
 # What we run on the lent GPU machine, in as few calls as possible (see shared/device/README.md):
 #   run(carry=[".device"], command="source .device/env.sh && bash scripts/gpu_suite.sh kernels")
 # Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks + decode profile) |
-# benches (the benchmarks without the tests) | profile | cascade | e2e | tp | all.
+# benches (the benchmarks without the tests) | profile | cascade | e2e | tp | all |
+# async (async-scheduling GPU tests + step overhead, tiny and 8B) | attention (+ profile).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,16 @@ if [[ $stage == kernels || $stage == benches || $stage == all ]]; then
   bench scripts/bench_step_overhead.py --batch 64 --steps 200
 fi
 if [[ $stage == profile || $stage == kernels || $stage == all ]]; then
+  step python3 scripts/profile_decode.py
+fi
+if [[ $stage == async ]]; then  # async scheduling: its GPU tests, then the step cost with and without
+  step python3 -m pytest -m gpu tests/runtime -q -p no:cacheprovider || exit 1
+  bench scripts/bench_step_overhead.py --batch 64 --steps 200 --rounds 2
+  bench scripts/bench_step_overhead.py --model 8b --batch 64 --steps 40 --rounds 2
+  cp benchmarks/results/bench_step_overhead_8b.* "${OUT:-/tmp}"/ 2>/dev/null
+fi
+if [[ $stage == attention ]]; then
+  bench scripts/bench_attention.py
   step python3 scripts/profile_decode.py
 fi
 if [[ $stage == cascade ]]; then

@@ -67,8 +67,14 @@ def main(argv=None):
             eng.step()
         wall = (time.perf_counter() - t0) / args.steps
         eng._plan, ex.step = orig
+        eng.set_async_scheduling(True)  # the same steps, planned while the previous one runs
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        wall_async = (time.perf_counter() - t0) / args.steps
+        eng.set_async_scheduling(False)
         line = (f"batch {B} x ctx {C}: step {wall * 1e3:.2f} ms (planner {plan_t[0] / args.steps * 1e3:.2f}, "
-                f"worker {work_t[0] / args.steps * 1e3:.2f})")
+                f"worker {work_t[0] / args.steps * 1e3:.2f}); async scheduling {wall_async * 1e3:.2f} ms")
         graphs = ex.worker.graphs
         if graphs is not None:
             g = graphs.graphs[graphs.padded_size(B), False]
@@ -90,6 +96,7 @@ def main(argv=None):
         for i in ids:
             eng.abort_request(i)
             eng.release(i)
+        eng.flush()
 
 
 if __name__ == "__main__":

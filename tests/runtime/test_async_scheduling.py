@@ -196,3 +196,41 @@ def test_async_recovers_from_a_dead_rank(ray_local):
         assert engine.planner.stats()["num_used_blocks"] == 0
     finally:
         engine.shutdown()
+
+
+def test_flush_collects_without_scheduling_more_and_mode_can_switch():
+    cfg = with_async(config())
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    rid = eng.add_request(workload()[0], SamplingParams(max_tokens=6))
+    eng.step()
+    eng.step()
+    got = eng.flush()
+    assert [o.request_id for o in got] == [rid] and eng.requests[rid].num_output_tokens == 2
+    assert eng.flush() == [] and eng.stats.steps == 2, "flush runs no new step"
+    eng.set_async_scheduling(False)
+    while eng.has_unfinished_requests():
+        eng.step()
+    _, [(ref, _)] = run(config(), [workload()[0]], [SamplingParams(max_tokens=6)])
+    assert eng.output(rid).output_token_ids == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["auto", "off"])
+def test_async_equals_sync_on_gpu(graphs):
+    """On the GPU the rank fills the placeholders inside the stream, ahead of a replayed graph or
+    an eager forward, and stages sampling without a sync: the tokens must not change."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    base = config(dtype="bfloat16")
+    cfg = base.model_copy(update={"parallel": base.parallel.model_copy(
+        update={"device": "cuda", "cuda_graphs": graphs})})
+    prompts = [p for p in workload(n=6) for _ in range(2)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 3 == 0 else 0.9, seed=i)
+              for i in range(len(prompts))]
+    sync_eng, sync = run(cfg, prompts, params)
+    async_eng, asyn = run(with_async(cfg), prompts, params)
+    assert asyn == sync and len({tuple(t) for t, _ in sync}) > 2
+    assert (async_eng.executor.worker.graphs is not None) == (graphs == "auto")
+    assert async_eng.planner.stats()["num_used_blocks"] == 0
