@@ -129,11 +129,12 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens in one step (chunked prefill splits longer prompts).")
     enable_cascade: bool = Field(True, description="Let the planner choose cascade attention for shared prefixes.")
-    async_scheduling: bool = Field(False, description=(
+    async_scheduling: Optional[bool] = Field(None, description=(
         "Plan and submit step N+1 before step N's tokens are back: the ranks fill those inputs "
         "on the device, and the host's planning, messaging and staging overlap the GPU's work. "
         "Outputs then arrive one step later, and a request that hits a stop token computes one "
-        "token more than it returns."))
+        "token more than it returns. Unset: on when the ranks run on GPUs (on CPU the forward "
+        "runs on the host, so there is nothing to overlap)."))
     num_sms: Optional[int] = Field(None, gt=0, description="SM count for the cascade heuristic; taken from the workers' GPU when unset.")
 
     @model_validator(mode="after")

@@ -201,6 +201,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._step_id = 0
         self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            infos = getattr(executor, "infos", None) or [{}]
+            self.async_scheduling = str(infos[0].get("device", "")).startswith("cuda")
         self._submitted: _Submitted | None = None  # async: the step whose tokens are still out
         self._failures: list[float] = []
         self.dead: str | None = None

@@ -69,6 +69,12 @@ def test_async_equals_sync(case):
     assert all(r.pending == 0 for r in async_eng.requests.values())
 
 
+def test_unset_means_off_on_cpu():
+    cfg = config()
+    assert cfg.async_scheduling is None
+    assert LLMEngine(cfg, InProcessExecutor(cfg)).async_scheduling is False
+
+
 def test_outputs_arrive_one_step_late_and_flush_at_the_end():
     cfg = with_async(config())
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
@@ -229,8 +235,9 @@ def test_async_equals_sync_on_gpu(graphs):
     prompts = [p for p in workload(n=6) for _ in range(2)]
     params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 3 == 0 else 0.9, seed=i)
               for i in range(len(prompts))]
-    sync_eng, sync = run(cfg, prompts, params)
-    async_eng, asyn = run(with_async(cfg), prompts, params)
+    sync_eng, sync = run(with_async(cfg, False), prompts, params)
+    async_eng, asyn = run(cfg, prompts, params)
+    assert async_eng.async_scheduling and not sync_eng.async_scheduling, "unset means on, on a GPU"
     assert asyn == sync and len({tuple(t) for t, _ in sync}) > 2
     assert (async_eng.executor.worker.graphs is not None) == (graphs == "auto")
     assert async_eng.planner.stats()["num_used_blocks"] == 0
