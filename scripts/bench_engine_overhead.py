@@ -30,7 +30,7 @@ class InstantExecutor:
     num_blocks, num_sms, kernel_name, compiled = 1 << 17, 132, "fa3", False
 
     def step(self, step):
-        return StepOutput(token_ids=np.ones(step.plan.num_reqs, np.int32))
+        return StepOutput(token_ids=np.ones(step.plan.num_reqs, np.int32), step_id=step.step_id)
 
     def shutdown(self):
         pass
