@@ -18,11 +18,44 @@ graph was captured for, and the host arguments are fixed upper bounds:
   them a cascade step would run eagerly, bound by launches, and lose to the plain step it was
   meant to beat.
 
+Staging.  Every static int input a graph reads (token ids, positions, slots, lengths, block
+tables, the cascade groups) is a view into ONE int32 device buffer, and a pinned host mirror has
+the same layout.  ``load`` writes the step into the mirror with numpy -- real rows and padding
+rows alike -- and sends each span it touched with one non-blocking copy: one copy for a plain step
+(the per-row vectors and the block table's used rows are adjacent), three for a cascade step.
+Staging each array on its own cost a copy to the device plus a device-side copy into the static
+buffer, and the padding rows a fill each: ~13 operations a plain step, ~25 a cascade one, each a
+launch's worth of host time in a step whose replay is one launch.
+
+- A table's span is rows [0, b) at the full width W (``max_position_embeddings`` over the block
+  size), of which a step uses w columns.  When that would send mostly unused columns (more than
+  ``max_unused`` ints, and at least 3/4 of the span: a narrow step of a long-context model's
+  table runs to megabytes), the table goes compact into a stage area at the buffer's end instead,
+  sent with one more copy, and one device copy puts it in place: one launch, not MBs over PCIe
+  on the stream ahead of the replay.
+- The mirror's contents, not the device's, are the truth: a span goes over whole, so every value
+  in it that the graph reads is written by every ``load`` (padding rows included).  Values it
+  does not read may be stale: rows from ``n`` on (the graph for ``n`` stops there), block-table
+  columns past a row's ``seq_len``, the cascade fields on a plain step.
+- Padding rows get token 0 at position 0 too, not what the mirror kept from an earlier step:
+  under async scheduling a plan's ids may be -1 placeholders that the worker patches on the
+  device only, after ``load`` (``graphs.input_ids[i] = ...``), and the mirror never sees that.
+- Padding rows' block-table rows are not sent: they keep ids an earlier step wrote (or 0), which
+  name existing blocks, and with ``seq_len`` 1 only the first one is read.
+- Token ids and positions are int32 like the rest (``F.embedding`` takes int32 indices, and the
+  RoPE table gather converts them on the device), so they share the buffer.
+- Two mirrors in turn, each with an event recorded after its copies: a mirror is written again
+  only once its last copy has read it (the host may run a step ahead of the device).
+
 On CPU the same padded path runs eagerly (``capture=False``), which is how the tests check the
-padding logic without a GPU.
+padding logic without a GPU; the device buffer is then the mirror itself and nothing is copied,
+unless ``staged=True`` asks for the GPU's two-mirror path with CPU copies (tests use it to check
+the copied spans).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -30,6 +63,24 @@ import torch
 from ray_attn.metadata import FlashAttentionMetadata
 
 MAX_CASCADE_GROUPS = 32
+_ALIGN = 64  # int32 elements (256 bytes, as cudaMalloc aligns): every view starts aligned
+_MIRRORS = 2  # host mirrors used in turn when staged (see the module docstring)
+
+
+def _layout(B: int, G: int, W: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The static int inputs in buffer order.  The per-row vectors come first and are sent whole
+    (a few KiB), so that with the block table's used rows right after them a plain step's whole
+    input is one contiguous span; the cascade tables come last, sent only on cascade steps."""
+    return (("input_ids", (B,)), ("positions", (B,)), ("slot_mapping", (B,)), ("seq_lens", (B,)),
+            ("suffix_kv_lens", (B,)), ("cu_prefix_query_lens", (G + 1,)), ("prefix_kv_lens", (G,)),
+            ("block_table", (B, W)), ("suffix_block_table", (B, W)), ("prefix_block_table", (G, W)),
+            # Compact tables (see ``_table``): each is at most 1/4 of its full-width rows.
+            ("_stage", ((2 * B + G) * W // 4,)))
+
+
+# Values the buffers start with (0 elsewhere): padding-row values, so that any size's graph sees
+# valid metadata from the start (capture's warm-up runs on them).
+_INITIAL = {"slot_mapping": -1, "seq_lens": 1, "suffix_kv_lens": 1, "prefix_kv_lens": 1}
 
 
 def wants_cuda_graphs(parallel, kernel: str) -> bool:
@@ -46,7 +97,21 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_batch: int, device: torch.device, capture: bool = True):
+    # Views into the one int32 device buffer, in ``_layout`` order (set by __init__).  The worker
+    # reads ``input_ids`` and may patch rows of it on the device after ``load``.
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    suffix_kv_lens: torch.Tensor
+    cu_prefix_query_lens: torch.Tensor
+    prefix_kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    suffix_block_table: torch.Tensor
+    prefix_block_table: torch.Tensor
+
+    def __init__(self, model, max_batch: int, device: torch.device, capture: bool = True,
+                 staged: bool | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.model, self.device = model, torch.device(device)
@@ -55,18 +120,39 @@ class DecodeGraphs:
         self.max_seq_len = model.config.max_position_embeddings
         width = -(-self.max_seq_len // model.block_size)
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.slot_mapping = torch.full((B,), -1, **i32)
-        self.seq_lens = torch.ones(B, **i32)
-        self.query_start_loc = torch.arange(B + 1, **i32)
-        self.block_table = torch.zeros(B, width, **i32)
-        G = MAX_CASCADE_GROUPS
-        self.cu_prefix_query_lens = torch.zeros(G + 1, **i32)
-        self.prefix_kv_lens = torch.ones(G, **i32)
-        self.prefix_block_table = torch.zeros(G, width, **i32)
-        self.suffix_kv_lens = torch.ones(B, **i32)
-        self.suffix_block_table = torch.zeros(B, width, **i32)
+        # staged: a separate device buffer fed from host mirrors (needed on CUDA; optional on CPU).
+        self.staged = self.device.type != "cpu" if staged is None else bool(staged)
+        if not self.staged and self.device.type != "cpu":
+            raise ValueError(f"staged=False needs a CPU device (numpy writes the buffer), got {self.device}")
+        self._width = width
+        self._offset: dict[str, tuple[int, tuple[int, ...]]] = {}
+        size = 0
+        for name, shape in _layout(B, MAX_CASCADE_GROUPS, width):
+            size = -(-size // _ALIGN) * _ALIGN
+            self._offset[name] = (size, shape)
+            size += math.prod(shape)
+        pin = self.device.type == "cuda"
+        self._mirrors = [torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+                         for _ in range(_MIRRORS if self.staged else 1)]
+        self._host = [{name: t[o:o + math.prod(shape)].numpy().reshape(shape)
+                       for name, (o, shape) in self._offset.items()} for t in self._mirrors]
+        for h in self._host:
+            for name, value in _INITIAL.items():
+                h[name][:] = value
+        self._buf = torch.empty(size, **i32).copy_(self._mirrors[0]) if self.staged else self._mirrors[0]
+        for name, (o, shape) in self._offset.items():
+            setattr(self, name, self._buf[o:o + math.prod(shape)].view(shape))
+        # One event per mirror, recorded after the copies that read it (CUDA only: elsewhere
+        # the copies are synchronous).
+        self._events = [torch.cuda.Event() for _ in self._mirrors] if pin and self.staged else None
+        self._in_flight = [False] * len(self._mirrors)
+        self._turn = 0
+        # A table whose span would carry more unused ints than this goes compact (``_table``):
+        # 256 KiB is ~5 us of PCIe, about what the device copy that places it costs.
+        self.max_unused = 1 << 16
+        self.last_copies: list[tuple[int, int]] = []  # the [lo, hi) spans the last load sent
+        self.last_compact: list[str] = []  # the tables it sent compact
+        self.query_start_loc = torch.arange(B + 1, **i32)  # never changes: not in the buffer
         self.attn_out = torch.zeros(B, model.num_heads, model.head_size, dtype=model.dtype, device=self.device)
         # Cascade needs the LSE of both passes, which ALiBi models cannot merge (no cascade there).
         self.cascade = model.config.use_alibi is False
@@ -126,33 +212,85 @@ class DecodeGraphs:
     def padded_size(self, b: int) -> int:
         return self.sizes[int(np.searchsorted(self.sizes, b))]
 
-    def load(self, plan, put) -> int:
-        """Copy a decode step into the static buffers; returns the padded size to replay.
-        ``put(name, array)`` stages a numpy array on the device (``StepBuffers.put``)."""
+    def load(self, plan, put=None) -> int:
+        """Write a decode step into the static buffers; returns the padded size to replay.
+
+        The step goes into a host mirror with numpy, then over in one non-blocking copy per span
+        touched (see the module docstring).  ``put`` (``StepBuffers.put``, the worker's per-array
+        staging) is not used: staging each array on its own is the cost this avoids."""
         m = plan.attn
-        b, w = m.num_reqs, m.block_table.shape[1]
+        b = m.num_reqs
         n = self.padded_size(b)
-        self.input_ids[:b].copy_(put("input_token_ids", plan.input_token_ids))
-        self.positions[:b].copy_(put("positions", plan.positions))
-        self.slot_mapping[:b].copy_(put("slot_mapping", m.slot_mapping[:b]))
-        self.seq_lens[:b].copy_(put("seq_lens", m.seq_lens))
-        self.block_table[:b, :w].copy_(put("block_table", m.block_table))
-        if n > b:
-            # A previous, larger step left real slots and lengths in these rows.
-            self.slot_mapping[b:n].fill_(-1)
-            self.seq_lens[b:n].fill_(1)
-            self.suffix_kv_lens[b:n].fill_(1)
+        k, h = self._next_mirror()
+        # Padding rows [b, n) write nowhere (slot -1) and read one token (seq_len 1); they are
+        # written every step because the span sent carries whatever the mirror holds there.
+        _rows(h["input_ids"], b, n, plan.input_token_ids, 0)
+        _rows(h["positions"], b, n, plan.positions, 0)
+        _rows(h["slot_mapping"], b, n, m.slot_mapping[:b], -1)
+        _rows(h["seq_lens"], b, n, m.seq_lens, 1)
+        compact: list[tuple[str, int, int, int]] = []
+        # The per-row vectors, then the block table's rows [0, b) (or nothing more when compact).
+        spans = [(0, self._table(h, "block_table", m.block_table, compact))]
         if m.use_cascade:
             G = len(m.prefix_kv_lens)
-            self.cu_prefix_query_lens[:G + 1].copy_(put("cu_prefix_query_lens", m.cu_prefix_query_lens))
-            self.cu_prefix_query_lens[G + 1:].fill_(b)  # padded groups: no queries
-            self.prefix_kv_lens[:G].copy_(put("prefix_kv_lens", m.prefix_kv_lens))
-            self.prefix_kv_lens[G:].fill_(1)
-            wp, ws = m.prefix_block_table.shape[1], m.suffix_block_table.shape[1]
-            self.prefix_block_table[:G, :wp].copy_(put("prefix_block_table", m.prefix_block_table))
-            self.suffix_kv_lens[:b].copy_(put("suffix_kv_lens", m.suffix_kv_lens))
-            self.suffix_block_table[:b, :ws].copy_(put("suffix_block_table", m.suffix_block_table))
+            cu, pk = h["cu_prefix_query_lens"], h["prefix_kv_lens"]
+            cu[:G + 1] = m.cu_prefix_query_lens
+            cu[G + 1:] = b  # padded groups: no queries, so the prefix pass skips them
+            pk[:G] = m.prefix_kv_lens
+            pk[G:] = 1
+            _rows(h["suffix_kv_lens"], b, n, m.suffix_kv_lens, 1)
+            spans += [(self._offset[name][0], self._table(h, name, a, compact))
+                      for name, a in (("suffix_block_table", m.suffix_block_table),
+                                      ("prefix_block_table", m.prefix_block_table))]
+        if compact:
+            spans.append((self._offset["_stage"][0], _top(compact)))
+        self._send(k, spans)
+        for name, r, c, lo in compact:
+            # Stream-ordered after the copy that brought the stage area over.
+            getattr(self, name)[:r, :c].copy_(self._buf[lo:lo + r * c].view(r, c))
+        self.last_compact = [name for name, *_ in compact]
         return n
+
+    def _table(self, h: dict[str, np.ndarray], name: str, a: np.ndarray, compact: list) -> int:
+        """Write ``a`` [r, c] for the static table ``name``; returns where the table's span to
+        send ends (its start: nothing, when ``a`` went compact).  Rows [0, r) to column c span
+        (r - 1) * W + c ints; when more than ``max_unused`` and 3/4 of those are unused, ``a`` goes
+        packed into the stage area instead and ``compact`` gets (name, r, c, its offset), for
+        ``load`` to send and put in place.  3/4 bounds the stage area at 1/4 of the tables."""
+        r, c = a.shape
+        start = self._offset[name][0]
+        span = (r - 1) * self._width + c if r > 0 and c > 0 else 0
+        if span - r * c > self.max_unused and 4 * r * c <= span:
+            lo = _top(compact) if compact else self._offset["_stage"][0]
+            base = lo - self._offset["_stage"][0]
+            h["_stage"][base:base + r * c] = a.reshape(-1)
+            compact.append((name, r, c, lo))
+            return start
+        h[name][:r, :c] = a
+        return start + span
+
+    def _next_mirror(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The mirror to write this step, once its last copy has read it."""
+        k = self._turn = (self._turn + 1) % len(self._mirrors)
+        if self._in_flight[k]:
+            self._events[k].synchronize()
+            self._in_flight[k] = False
+        return k, self._host[k]
+
+    def _send(self, k: int, spans: list[tuple[int, int]]) -> None:
+        spans = [(lo, hi) for lo, hi in spans if hi > lo]
+        self.last_copies = spans
+        if not self.staged:
+            return  # the mirror is the buffer
+        src = self._mirrors[k]
+        for lo, hi in spans:
+            self._buf[lo:hi].copy_(src[lo:hi], non_blocking=True)
+        if self._events is not None:
+            self._events[k].record(self._stream())
+            self._in_flight[k] = True
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device)  # where copy_ queued the copies
 
     def replay(self, n: int, b: int, cascade: bool = False) -> torch.Tensor:
         """Final hidden states [b, hidden] of the step ``load`` staged (padded to ``n``)."""
@@ -161,3 +299,15 @@ class DecodeGraphs:
             return self._forward(n, cascade)[:b]
         graph.replay()
         return self.outputs[n, cascade][:b]
+
+
+def _top(compact: list[tuple[str, int, int, int]]) -> int:
+    """End of the stage area's used part."""
+    _, r, c, lo = compact[-1]
+    return lo + r * c
+
+
+def _rows(dst: np.ndarray, b: int, n: int, values, pad: int) -> None:
+    """``values`` into rows [0, b) (cast to int32 as numpy copies), ``pad`` into rows [b, n)."""
+    dst[:b] = values
+    dst[b:n] = pad
