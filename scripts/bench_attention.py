@@ -100,7 +100,7 @@ def main(argv=None):
     # Page size: FA3 takes any, and short pages mean more page-table reads and shorter
     # contiguous runs per KV row.  Is 16 (the engine's default) leaving bandwidth behind?
     sweep = [int(x) for x in args.block_sweep.split(",") if x] if "fa3" in kernels and not small else []
-    for b, c in tqdm([(b, c) for b in (64, 256) for c in (4096, 16384)] if sweep else [], desc="pages"):
+    for b, c in tqdm([(b, c) for b in (64, 256) for c in (1024, 4096, 16384)] if sweep else [], desc="pages"):
         for block in sweep:
             ours, bare, nbytes = measure("fa3", "auto", b, c, 1, dev, dtype, block=block)
             rows.append(dict(mode="decode-pages", kernel="fa3", kv="auto", batch=b, ctx=c, block=block,

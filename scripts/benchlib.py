@@ -106,6 +106,15 @@ def copy_bandwidth(nbytes: int, dev: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / t
 
 
+def matmul_flops(dev: torch.device, n: int = 8192) -> float:
+    """FLOP/s of a large square GEMM (bf16 on GPU, float32 on CPU): the compute ceiling."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    n = n if dev.type == "cuda" else 512
+    a = torch.randn(n, n, dtype=dtype, device=dev)
+    b = torch.randn(n, n, dtype=dtype, device=dev)
+    return 2 * n ** 3 / timeit(lambda: a @ b, iters=10)
+
+
 def machine() -> dict:
     info = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
             "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count()}
