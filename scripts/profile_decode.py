@@ -46,7 +46,8 @@ def main(argv=None):
     cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(block_size=16, memory_fraction=0.5,
                                                                  num_blocks=None if gpu else 512),
                        parallel=ParallelConfig(device="cuda" if gpu else "cpu"),
-                       max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 512)
+                       max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 512,
+                       async_scheduling=False)  # timed synchronously first, then async
     ex = InProcessExecutor(cfg)
     eng = LLMEngine(cfg, ex)
     rng = np.random.default_rng(0)

@@ -26,7 +26,9 @@ def config(device="cpu", dtype="float32", block_size=16, num_blocks=128, **model
              max_position_embeddings=1024)
     m.update(model)
     return EngineConfig(model=ModelConfig(**m), cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
-                        parallel=ParallelConfig(device=device), max_num_batched_tokens=512, max_num_seqs=16)
+                        parallel=ParallelConfig(device=device), max_num_batched_tokens=512, max_num_seqs=16,
+                        # step-by-step logits comparisons: each step's output in its own step
+                        async_scheduling=False)
 
 
 class RecordingExecutor(InProcessExecutor):
