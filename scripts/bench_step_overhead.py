@@ -87,6 +87,7 @@ def start_decode(engine: LLMEngine, batch: int, max_tokens: int) -> None:
         engine.add_request(rng.integers(0, 256, 64).tolist(), SamplingParams(max_tokens=max_tokens))
     while any(not r.num_output_tokens for r in engine.requests.values()):
         engine.step()  # prefill
+    engine.flush()
 
 
 def decode_step_times(engine: LLMEngine, steps: int) -> dict:
