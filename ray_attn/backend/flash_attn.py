@@ -176,7 +176,7 @@ class FlashAttentionImpl:
             else:
                 m = attn_metadata
                 args = dict(cu_seqlens_q=m.query_start_loc, max_seqlen_q=m.max_query_len,
-                            seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
+                            seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len, num_splits=m.num_splits,
                             block_table=m.block_table, scheduler_metadata=self._scheduler_metadata(m, q.dtype))
             self.kernel.varlen_paged(q, key_cache, value_cache, output[:n], causal=True,
                                      window_size=self.sliding_window, **args, **common)
@@ -201,7 +201,8 @@ class FlashAttentionImpl:
                 num_heads_q=self.num_heads, num_heads_kv=self.num_kv_heads,
                 head_size=self.head_size, cache_seqlens=m.seq_lens, qkv_dtype=qkv_dtype,
                 cu_seqlens_q=m.query_start_loc, page_size=self.block_size, causal=True,
-                window_size=self.sliding_window, has_softcap=self.logits_soft_cap > 0)
+                window_size=self.sliding_window, has_softcap=self.logits_soft_cap > 0,
+                num_splits=m.num_splits)  # the plan and the call must agree on it
         return m.scheduler_metadata[key]
 
 

@@ -208,7 +208,7 @@ class FlashAttn3Kernel(Kernel):
             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale,
             causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
             k_descale=k_descale, v_descale=v_descale, scheduler_metadata=scheduler_metadata,
-            return_softmax_lse=return_lse)
+            return_softmax_lse=return_lse, num_splits=num_splits)
         o, lse = (res[0], res[1]) if return_lse else (res, None)
         out.copy_(o)
         return lse
@@ -231,14 +231,14 @@ class FlashAttn3Kernel(Kernel):
 
     def scheduler_metadata(self, *, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q,
                            num_heads_kv, head_size, cache_seqlens, qkv_dtype, cu_seqlens_q,
-                           page_size, causal, window_size, has_softcap):
+                           page_size, causal, window_size, has_softcap, num_splits=0):
         from flash_attn_interface import get_scheduler_metadata
 
         window_size = fa3_window(window_size, max_seqlen_q, max_seqlen_k)
         return get_scheduler_metadata(
             batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, head_size,
             cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=cu_seqlens_q, page_size=page_size,
-            causal=causal, window_size=window_size, has_softcap=has_softcap)
+            causal=causal, window_size=window_size, has_softcap=has_softcap, num_splits=num_splits)
 
 
 def fa3_window(window_size: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:

@@ -90,6 +90,17 @@ def wants_cuda_graphs(parallel, kernel: str) -> bool:
     return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and parallel.tensor_parallel_size == 1))
 
 
+def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """FlashAttention 3's KV split count for a decode graph of ``batch`` rows.  A graph is
+    captured with ``max_seqlen_k`` at the model's limit, and FA3 sizes its splits on the host from
+    that bound, as if every row were that long: on an H200 at 256 x 1k that cost 11% (303 -> 336
+    us a layer) and at 64 x 4k 5%.  Once the batch gives every SM a (row, KV head) tile, splitting
+    only adds a combine pass, and one split was the fastest at every such point we measured
+    (``scripts/probe_fa3_splits.py``); below that, FA3's own heuristic (0) keeps long rows
+    spread over the SMs."""
+    return 1 if batch * num_kv_heads >= num_sms else 0
+
+
 def batch_sizes(max_batch: int) -> list[int]:
     """The padded sizes we capture: fine steps where padding would waste most (vLLM's scheme)."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
@@ -153,6 +164,8 @@ class DecodeGraphs:
         self.last_copies: list[tuple[int, int]] = []  # the [lo, hi) spans the last load sent
         self.last_compact: list[str] = []  # the tables it sent compact
         self.query_start_loc = torch.arange(B + 1, **i32)  # never changes: not in the buffer
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 132)
         self.attn_out = torch.zeros(B, model.num_heads, model.head_size, dtype=model.dtype, device=self.device)
         # Cascade needs the LSE of both passes, which ALiBi models cannot merge (no cascade there).
         self.cascade = model.config.use_alibi is False
@@ -166,7 +179,8 @@ class DecodeGraphs:
         m = FlashAttentionMetadata(
             num_actual_tokens=n, max_query_len=1, query_start_loc=self.query_start_loc[:n + 1],
             max_seq_len=self.max_seq_len, seq_lens=self.seq_lens[:n],
-            block_table=self.block_table[:n], slot_mapping=self.slot_mapping[:n])
+            block_table=self.block_table[:n], slot_mapping=self.slot_mapping[:n],
+            num_splits=decode_num_splits(n, self.model.num_kv_heads, self.num_sms))
         if cascade:
             m.use_cascade, m.common_prefix_len, m.max_suffix_kv_len = True, self.max_seq_len, self.max_seq_len
             m.cu_prefix_query_lens, m.prefix_kv_lens = self.cu_prefix_query_lens, self.prefix_kv_lens

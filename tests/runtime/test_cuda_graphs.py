@@ -463,3 +463,16 @@ def test_failed_capture_falls_back_to_eager_unless_asked_for(mode):
     else:
         with pytest.warns(UserWarning, match="CUDA graph capture failed"):
             assert w._capture_graphs() is None
+
+
+def test_decode_graphs_split_kv_only_while_the_batch_leaves_sms_idle():
+    from ray_attn.runtime.cuda_graphs import decode_num_splits
+
+    assert decode_num_splits(16, 8, 132) == 0 and decode_num_splits(17, 8, 132) == 1
+    assert decode_num_splits(256, 1, 132) == 1 and decode_num_splits(1, 8, 132) == 0
+    ex = RecordingExecutor(config())
+    g = ex.worker.graphs
+    kv = ex.worker.model.num_kv_heads
+    for n in g.sizes:
+        assert g.metadata(n).num_splits == decode_num_splits(n, kv, g.num_sms)
+    assert g.metadata(g.sizes[-1], cascade=True).num_splits == decode_num_splits(g.sizes[-1], kv, g.num_sms)
