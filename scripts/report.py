@@ -50,6 +50,12 @@ def main():
                     {"ours_us": num, "bare_us": num, "overhead_pct": lambda v: f"{v:+.1f}%",
                      "ours_GBps": num, "frac_of_copy": pct}))
         print(f"\nDevice copy in the same run: {a['copy_GBps']:,.0f} GB/s (read + write). Batch 1-8 rows are in the JSON.\n")
+        pages = [r for r in a["rows"] if r["mode"] == "decode-pages"]
+        if pages:
+            print("FA3 by page size, same run (bf16; `frac_of_copy` of our step and of the bare call):\n")
+            print(table(pages, ["batch", "ctx", "block", "ours_us", "bare_us", "frac_of_copy", "bare_frac_of_copy"],
+                        {"ours_us": num, "bare_us": num, "frac_of_copy": pct, "bare_frac_of_copy": pct}))
+            print()
         pre = [r for r in a["rows"] if r["mode"] == "prefill"]
         print(table(pre, ["kernel", "ctx", "ours_us", "bare_us", "ours_TFLOPs", "bare_TFLOPs"],
                     {"ours_us": num, "bare_us": num}))
@@ -74,19 +80,27 @@ def main():
         print()
         print(table(c["merge"], ["tokens", "torch_us", "dispatched_us", "dispatched_graph_us", "fused"]))
         print()
-    s = load("bench_step_overhead")
-    if s:
-        print(f"### Step overhead, TP=1, batch {s['batch']} ({s['machine'].get('gpu')}; `python scripts/bench_step_overhead.py`)\n")
-        cols = ["path", "step_us", "step_p90_us", "plan_us", "call_us", "worker_us", "added_us"]
-        print(table(s["rows"], cols, {k: num for k in cols[1:]}))
+    for name, flag in (("bench_step_overhead", ""), ("bench_step_overhead_8b", " --model 8b")):
+        s = load(name)
+        if not s:
+            continue
+        print(f"### Step overhead, TP=1, batch {s['batch']}, {s['model']} model ({s['machine'].get('gpu')}; "
+              f"`python scripts/bench_step_overhead.py{flag}`)\n")
+        cols = ["path", "async_scheduling", "step_us", "step_p90_us", "plan_us", "call_us", "worker_us", "added_us"]
+        print(table(s["rows"], cols, {k: num for k in cols[2:]}))
         print(f"\nPlan arrays to device: {s['plan_device_copy_us']:.0f} us.\n")
     e = load("bench_e2e")
     if e:
         print(f"### End-to-end decode, Llama-3-8B shape, bf16, one H200 (`python scripts/bench_e2e.py`)\n")
-        print(table(e["rows"], ["batch", "ctx", "ours_tok_s", "ours_step_ms", "roofline_step_ms", "frac_of_roofline", "hf_tok_s", "hf_step_ms", "speedup_vs_hf"],
+        print(table(e["rows"], ["batch", "ctx", "ours_tok_s", "ours_step_ms", "sync_step_ms", "roofline_step_ms",
+                                "frac_of_roofline", "frac_of_mem_compute_roofline", "hf_tok_s", "hf_step_ms",
+                                "speedup_vs_hf"],
                     {"ours_tok_s": num, "hf_tok_s": lambda v: num(v) if v > 0 else "n/a",
-                     "frac_of_roofline": pct, "speedup_vs_hf": lambda v: times(v) if v > 0 else "n/a"}))
-        print(f"\nWeights {e['weight_GB']:.1f} GB; copy bandwidth {e['copy_GBps']:,.0f} GB/s; kernel {e['kernel']}.\n")
+                     "frac_of_roofline": pct, "frac_of_mem_compute_roofline": pct,
+                     "speedup_vs_hf": lambda v: times(v) if v > 0 else "n/a"}))
+        gemm = f"; GEMM rate {e['matmul_TFLOPs']:,.0f} TFLOP/s" if e.get("matmul_TFLOPs") else ""
+        print(f"\nWeights {e['weight_GB']:.1f} GB; copy bandwidth {e['copy_GBps']:,.0f} GB/s{gemm}; kernel {e['kernel']}. "
+              "`ours_step_ms` runs with async scheduling, `sync_step_ms` without (same engine, same run).\n")
         print(table(e["shared_prompt"], ["workload", "cascade_enabled", "tok_s", "step_ms", "cascade_steps"],
                     {"tok_s": num}))
         print()
