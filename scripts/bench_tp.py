@@ -55,6 +55,7 @@ def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
            for _ in range(batch)]
     while any(not engine.requests[i].num_output_tokens for i in ids):
         engine.step()
+    engine.flush()  # async scheduling: no step may be out while we plan one by hand
     from ray_attn.planner import ScheduledRequest
 
     # Only what the cache holds at once: at TP=1, 256 x 4k tokens of Llama-3-8B KV (134 GB) do
