@@ -112,8 +112,15 @@ def main():
         print(table(t["rows"], ["tp", "batch", "ctx", "tok_s", "step_ms", "speedup", "efficiency", "resident_reqs", "preemptions", "allreduce_share", "attention_share"],
                     {"allreduce_share": pct, "attention_share": pct, "efficiency": pct,
                      "tok_s": num, "speedup": times}))
-        print("\nTP=1 replays decode steps from CUDA graphs; TP>1 runs them eagerly (`cuda_graphs='auto'`; "
-              "capturing the NCCL all-reduce is untested), so TP=2 is bound by kernel launches at batch 64.")
+        if t.get("cuda_graphs") == "on":
+            print(f"\nRun with `--cuda-graphs on`: TP>1 decode steps are captured too, NCCL all-reduce inside the "
+                  "graph (the default, `auto`, captures at TP=1 only). The correctness rows run float32 on the "
+                  "torch kernel, which is never captured. `allreduce_share` and `attention_share` come from "
+                  "the torch profiler's view of one step; for captured TP>1 steps they are not credible (99% "
+                  "all-reduce at TP=2, batch 64).")
+        else:
+            print("\nTP=1 replays decode steps from CUDA graphs; TP>1 runs them eagerly (`cuda_graphs='auto'`), "
+                  "so TP=2 is bound by kernel launches at batch 64.")
         print()
     p = load("bench_planner")
     if p:
