@@ -147,16 +147,21 @@ def test_padded_cascade_decode_equals_eager_path(executor):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("executor", [RecordingExecutor, StagedExecutor])
-def test_padding_rows_write_nowhere(executor):
+def decode_plan(executor, num_reqs: int):
+    """An engine on ``executor`` past the prefill of ``num_reqs`` requests, and its next (decode)
+    plan, planned but not run: (executor, its DecodeGraphs, the plan)."""
     cfg = config()
     ex = executor(cfg)
-    g = ex.worker.graphs
     eng = LLMEngine(cfg, ex)
-    ids = [eng.add_request(p, SamplingParams(max_tokens=4)) for p in workload()[0][:3]]
+    ids = [eng.add_request(p, SamplingParams(max_tokens=4)) for p in workload()[0][:num_reqs]]
     while not all(eng.requests[i].num_output_tokens for i in ids):
         eng.step()
-    plan = eng._plan()
+    return ex, ex.worker.graphs, eng._plan()
+
+
+@pytest.mark.parametrize("executor", [RecordingExecutor, StagedExecutor])
+def test_padding_rows_write_nowhere(executor):
+    ex, g, plan = decode_plan(executor, 3)
     assert g.can_run(plan) and plan.attn.num_reqs == 3
     poison(g)  # as if a larger step had left real slots, lengths and tokens behind
     n = g.load(plan, ex.worker.buffers.put)
@@ -312,14 +317,7 @@ def test_staged_copies_cover_what_the_step_reads_and_no_more(executor):
     and the block table's rows [0, b) up to column w.  Compact: the per-row vectors, then the
     table packed [b, w] in the stage area, put in place by a device copy.  (Cascade steps' copies
     are counted in ``_mixed_steps``.)"""
-    cfg = config()
-    ex = executor(cfg)
-    g = ex.worker.graphs
-    eng = LLMEngine(cfg, ex)
-    ids = [eng.add_request(p, SamplingParams(max_tokens=4)) for p in workload()[0][:5]]
-    while not all(eng.requests[i].num_output_tokens for i in ids):
-        eng.step()
-    plan = eng._plan()
+    ex, g, plan = decode_plan(executor, 5)
     assert g.can_run(plan) and not plan.attn.use_cascade
     b, w = plan.attn.num_reqs, plan.attn.block_table.shape[1]
     W = g.block_table.shape[1]
