@@ -226,12 +226,12 @@ class DecodeGraphs:
     def padded_size(self, b: int) -> int:
         return self.sizes[int(np.searchsorted(self.sizes, b))]
 
-    def load(self, plan, put=None) -> int:
+    def load(self, plan) -> int:
         """Write a decode step into the static buffers; returns the padded size to replay.
 
         The step goes into a host mirror with numpy, then over in one non-blocking copy per span
-        touched (see the module docstring).  ``put`` (``StepBuffers.put``, the worker's per-array
-        staging) is not used: staging each array on its own is the cost this avoids."""
+        touched (see the module docstring) -- not through the worker's per-array staging
+        (``StepBuffers.put``): staging each array on its own is the cost this avoids."""
         m = plan.attn
         b = m.num_reqs
         n = self.padded_size(b)

@@ -186,7 +186,7 @@ class AttentionWorker:
             if self.rank == 0 else None
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(plan):
-                n = self.graphs.load(plan, buf.put)
+                n = self.graphs.load(plan)
                 self._fill_previous_tokens(self.graphs.input_ids, step)
                 buf.end()
                 hidden = self.graphs.replay(n, m.num_reqs, m.use_cascade)
