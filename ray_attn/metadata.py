@@ -57,11 +57,11 @@ class FlashAttentionMetadata:
 
     # Kernel-specific, ahead-of-time scheduling data (FlashAttention 3); filled on the worker.
     scheduler_metadata: Any = None
+    prefix_scheduler_metadata: Any = None
+    suffix_scheduler_metadata: Any = None
     # FlashAttention 3's KV split count for the plain (non-cascade) pass; 0 = its heuristic.
     # Decode graphs set it (see runtime/cuda_graphs.py: decode_num_splits).
     num_splits: int = 0
-    prefix_scheduler_metadata: Any = None
-    suffix_scheduler_metadata: Any = None
 
     @property
     def num_reqs(self) -> int:

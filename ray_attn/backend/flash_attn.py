@@ -258,13 +258,8 @@ def cascade_attention(
         block_table=m.suffix_block_table, scale=scale, causal=True, window_size=sliding_window,
         softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         scheduler_metadata=m.suffix_scheduler_metadata, return_lse=True)
-    # Every kernel we ship returns [H, T]; normalize_lse is the fallback for one that does not.
-    shape = (num_heads, num_tokens)
-    if prefix_lse.shape != shape:
-        prefix_lse = normalize_lse(prefix_lse, num_heads, num_tokens)
-    if suffix_lse.shape != shape:
-        suffix_lse = normalize_lse(suffix_lse, num_heads, num_tokens)
-    merge_attn_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    merge_attn_states(output, prefix_out, normalize_lse(prefix_lse, num_heads, num_tokens),
+                      suffix_out, normalize_lse(suffix_lse, num_heads, num_tokens))
 
 
 # Token counts up to this get a kept scratch; a bigger batch's kernels dwarf one allocation.
