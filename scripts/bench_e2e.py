@@ -63,9 +63,7 @@ def ours(engine: LLMEngine, batch: int, ctx: int, steps: int, vocab: int, prompt
         prompts = [rng.integers(0, vocab, ctx).tolist() for _ in range(batch)]
         # Long enough that the first requests are still decoding when the last finish prefill.
         params = [SamplingParams(max_tokens=min(2048, engine.config.model.max_position_embeddings - ctx - 1))] * batch
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while any(not engine.requests[i].num_output_tokens for i in ids):
-        engine.step()
+    ids = bl.start_decoding(engine, prompts, params)
     c0 = engine.stats.cascade_steps
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     t0 = time.perf_counter()
@@ -74,10 +72,7 @@ def ours(engine: LLMEngine, batch: int, ctx: int, steps: int, vocab: int, prompt
         n += len(engine.step())
     dt = time.perf_counter() - t0
     cascade = engine.stats.cascade_steps - c0
-    for i in ids:
-        engine.abort_request(i)
-        engine.release(i)
-    engine.flush()  # async scheduling: the aborted requests' last step is still out
+    bl.end_requests(engine, ids)
     return n / dt, dt / steps, cascade
 
 

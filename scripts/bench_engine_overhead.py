@@ -49,11 +49,8 @@ def main(argv=None):
         eng = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, max_num_batched_tokens=8192),
                         InstantExecutor())
         rng = np.random.default_rng(0)
-        for _ in range(batch):
-            eng.add_request(rng.integers(0, 1000, args.ctx).tolist(),
-                            SamplingParams(max_tokens=args.steps + 10))
-        while any(not r.num_output_tokens for r in eng.requests.values()):
-            eng.step()
+        bl.start_decoding(eng, [rng.integers(0, 1000, args.ctx).tolist() for _ in range(batch)],
+                          [SamplingParams(max_tokens=args.steps + 10)] * batch)
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()

@@ -83,10 +83,8 @@ def tiny_config(compiled: bool, device: str, model: str = "tiny") -> EngineConfi
 
 def start_decode(engine: LLMEngine, batch: int, max_tokens: int) -> None:
     rng = np.random.default_rng(0)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, 256, 64).tolist(), SamplingParams(max_tokens=max_tokens))
-    while any(not r.num_output_tokens for r in engine.requests.values()):
-        engine.step()  # prefill
+    bl.start_decoding(engine, [rng.integers(0, 256, 64).tolist() for _ in range(batch)],
+                      [SamplingParams(max_tokens=max_tokens)] * batch)
     engine.flush()
 
 

@@ -51,10 +51,8 @@ def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
     """Device time split of one decode step on rank 0."""
     rng = np.random.default_rng(1)
     # Long enough that no request finishes before the last one is prefilled.
-    ids = [engine.add_request(rng.integers(0, vocab, ctx).tolist(), SamplingParams(max_tokens=2048))
-           for _ in range(batch)]
-    while any(not engine.requests[i].num_output_tokens for i in ids):
-        engine.step()
+    ids = bl.start_decoding(engine, [rng.integers(0, vocab, ctx).tolist() for _ in range(batch)],
+                            [SamplingParams(max_tokens=2048)] * batch)
     engine.flush()  # async scheduling: no step may be out while we plan one by hand
     from ray_attn.planner import ScheduledRequest
 
@@ -71,9 +69,7 @@ def profile_decode(engine: LLMEngine, batch: int, ctx: int, vocab: int) -> dict:
     split = ray.get([w.profile_step.remote(step) for w in engine.executor.workers])[0]
     if was:
         engine.executor.compile()
-    for i in ids:
-        engine.abort_request(i)
-        engine.release(i)
+    bl.end_requests(engine, ids)
     return split, len(reqs)
 
 

@@ -115,6 +115,24 @@ def matmul_flops(dev: torch.device, n: int = 8192) -> float:
     return 2 * n ** 3 / timeit(lambda: a @ b, iters=10)
 
 
+def start_decoding(engine, prompts, params) -> list:
+    """Add the requests and step the engine until each one has its first token: what follows
+    is decode.  Returns their ids."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while any(not engine.requests[i].num_output_tokens for i in ids):
+        engine.step()
+    return ids
+
+
+def end_requests(engine, ids) -> None:
+    """Abort and forget the requests, and collect the step still out under async scheduling,
+    so that the engine is idle for the next point."""
+    for i in ids:
+        engine.abort_request(i)
+        engine.release(i)
+    engine.flush()
+
+
 def machine() -> dict:
     info = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
             "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count()}

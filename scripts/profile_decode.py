@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
 from bench_e2e import LLAMA3_8B, TINY  # noqa: E402
 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
@@ -54,10 +55,8 @@ def main(argv=None):
     for point in args.points.split(","):
         B, C = (int(x) for x in point.split("x"))
         C = C if gpu else min(C, 128)
-        ids = [eng.add_request(rng.integers(0, m["vocab_size"], C).tolist(), SamplingParams(max_tokens=m["max_position_embeddings"] - C - 1))
-               for _ in range(B)]
-        while any(not eng.requests[i].num_output_tokens for i in ids):
-            eng.step()
+        ids = bl.start_decoding(eng, [rng.integers(0, m["vocab_size"], C).tolist() for _ in range(B)],
+                                [SamplingParams(max_tokens=m["max_position_embeddings"] - C - 1)] * B)
         for _ in range(3):
             eng.step()
         plan_t, work_t = [0.0], [0.0]
@@ -94,10 +93,7 @@ def main(argv=None):
             for e in ka[:args.top]:
                 line += f"\n  {e.device_time_total / 1e3:7.3f} ms x{e.count:4d}  {e.key[:100]}"
         print(line, flush=True)
-        for i in ids:
-            eng.abort_request(i)
-            eng.release(i)
-        eng.flush()
+        bl.end_requests(eng, ids)
 
 
 if __name__ == "__main__":
