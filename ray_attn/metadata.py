@@ -62,6 +62,9 @@ class FlashAttentionMetadata:
     # FlashAttention 3's KV split count for the plain (non-cascade) pass; 0 = its heuristic.
     # Decode graphs set it (see runtime/cuda_graphs.py: decode_num_splits).
     num_splits: int = 0
+    # Set once the array values were checked on the host (ray_attn.backend.validate): the worker
+    # checks its numpy plan before the device copy, so no layer has to read device values back.
+    host_checked: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -18,8 +18,19 @@ def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
     return (x.float() / scale).clamp(finfo.min, finfo.max).to(FP8_DTYPE)
 
 
-def _as_float(scale) -> torch.Tensor | float:
-    return scale if not isinstance(scale, torch.Tensor) else scale.float()
+def as_fp8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A float8 view of an fp8 cache.  vLLM allocates fp8 caches as uint8 and views them as float8
+    around each kernel; every write and read here goes through the float8 view, because storing a
+    float into a uint8 tensor converts it to an integer instead of rounding it to e4m3."""
+    return cache.view(FP8_DTYPE) if cache.dtype == torch.uint8 else cache
+
+
+def scale_tensor(scale, device) -> torch.Tensor:
+    """A float32 one-element tensor on ``device`` for a float or tensor scale."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(1)
+        return scale if scale.dtype == torch.float32 and scale.device == device else scale.to(device, torch.float32)
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
 
 
 def reshape_and_cache_flash(
@@ -34,15 +45,21 @@ def reshape_and_cache_flash(
 ) -> None:
     """Store ``key``/``value`` [T, Hk, D] at flat slots ``block * block_size + offset``.
 
-    Slots of -1 are skipped (padding tokens); the caller passes only the real tokens.
+    Slots of -1 are skipped (padding tokens); the caller passes only the real tokens.  With an fp8
+    ``kv_cache_dtype`` the values are divided by ``k_scale``/``v_scale`` (floats or one-element
+    tensors, as on vLLM's layers) and rounded to e4m3; the caches may be float8 or uint8.
     """
+    fp8 = is_fp8_kv_cache(kv_cache_dtype)
+    if fp8:
+        key_cache, value_cache = as_fp8_cache(key_cache), as_fp8_cache(value_cache)
     if key.is_cuda:
         from ray_attn.backend import triton_ops
 
         if triton_ops.available():
             # One kernel that skips -1 slots on the GPU: no boolean mask, so no host sync.
-            triton_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                         is_fp8_kv_cache(kv_cache_dtype), float(k_scale), float(v_scale))
+            ks = scale_tensor(k_scale, key.device) if fp8 else None
+            vs = scale_tensor(v_scale, key.device) if fp8 else None
+            triton_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, fp8, ks, vs)
             return
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
@@ -50,10 +67,11 @@ def reshape_and_cache_flash(
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    if is_fp8_kv_cache(kv_cache_dtype):
+    if fp8:
+        ks, vs = scale_tensor(k_scale, key.device), scale_tensor(v_scale, key.device)
         # Index-copy the raw bytes: not every CPU kernel is implemented for float8 dtypes.
-        flat_k.view(torch.uint8).index_copy_(0, slots, quantize_fp8(key, _as_float(k_scale)).view(torch.uint8))
-        flat_v.view(torch.uint8).index_copy_(0, slots, quantize_fp8(value, _as_float(v_scale)).view(torch.uint8))
+        flat_k.view(torch.uint8).index_copy_(0, slots, quantize_fp8(key, ks).view(torch.uint8))
+        flat_v.view(torch.uint8).index_copy_(0, slots, quantize_fp8(value, vs).view(torch.uint8))
     else:
         flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slots, value.to(flat_v.dtype))

@@ -12,11 +12,11 @@ import enum
 
 import torch
 
-from ray_attn.backend.cache import is_fp8_kv_cache, reshape_and_cache_flash
-from ray_attn.backend.kernels import (FP8_DTYPE, Kernel, LayerKernelSpec, fp8_query, normalize_lse,
+from ray_attn.backend.cache import as_fp8_cache, is_fp8_kv_cache, reshape_and_cache_flash, scale_tensor
+from ray_attn.backend.kernels import (Kernel, LayerKernelSpec, fp8_query, normalize_lse,
                                       select_kernel)
 from ray_attn.backend.merge import merge_attn_states
-from ray_attn.backend.validate import check_forward_inputs
+from ray_attn.backend.validate import check_forward_inputs, complete_seed_cascade
 from ray_attn.metadata import FlashAttentionMetadata
 
 
@@ -54,16 +54,52 @@ class FlashAttentionBackend:
         return FlashAttentionMetadata
 
 
+# vLLM's defaults for calculate_kv_scales (Q/K/V_SCALE_CONSTANT): the first batch's absolute
+# maximum lands at 200 (q, k) or 100 (v) of e4m3's 448, leaving headroom for later, larger values.
+Q_SCALE_CONSTANT, K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 200.0, 100.0
+
+
 class AttentionLayer:
-    """The per-layer state the impl reads: fp8 scales, as on vLLM's ``Attention`` layer."""
+    """The per-layer state the impl reads: fp8 scales, as on vLLM's ``Attention`` layer.
+
+    The impl reads only the tensors ``_k_scale``/``_v_scale``/``_q_scale`` (on the device, so that
+    a captured CUDA graph sees scales computed after capture); the ``*_float`` host copies are kept
+    for callers that read them, as vLLM's layer has both.  A layer object with only the tensors
+    (the seed's) works too.  With ``calculate_kv_scales`` the scales are computed from the first
+    batch that reaches the layer, as vLLM's ``calc_kv_scales`` does, and fixed from then on.
+    """
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, q_scale: float = 1.0,
-                 device="cpu"):
+                 device="cpu", calculate_kv_scales: bool = False):
         self._k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
         self._v_scale = torch.tensor([v_scale], dtype=torch.float32, device=device)
         self._q_scale = torch.tensor([q_scale], dtype=torch.float32, device=device)
-        # Host copies, so that the hot path never reads a scale back from the device.
         self._k_scale_float, self._v_scale_float, self._q_scale_float = k_scale, v_scale, q_scale
+        self.calculate_kv_scales = calculate_kv_scales
+
+    def calc_kv_scales(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        tiny = torch.finfo(torch.float32).tiny  # an all-zero batch must not give a zero scale
+        for t, x, c in ((self._q_scale, query, Q_SCALE_CONSTANT), (self._k_scale, key, K_SCALE_CONSTANT),
+                        (self._v_scale, value, V_SCALE_CONSTANT)):
+            t.copy_((x.abs().amax().float() / c).clamp_min(tiny).reshape(t.shape))
+        # One host read per layer, once: the float copies are for readers, not the hot path.
+        self._q_scale_float, self._k_scale_float, self._v_scale_float = (
+            float(self._q_scale.reshape(-1)[0]), float(self._k_scale.reshape(-1)[0]),
+            float(self._v_scale.reshape(-1)[0]))
+        self.calculate_kv_scales = False
+
+
+def _layer_scales(layer, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v, q) scales as float32 tensors on ``device``, from tensors or, failing those, floats."""
+    out = []
+    for name in ("_k_scale", "_v_scale", "_q_scale"):
+        t = getattr(layer, name, None)
+        if t is None:
+            t = getattr(layer, name + "_float", None)
+        if t is None:
+            raise ValueError(f"an fp8 KV cache needs layer.{name} (a float32 tensor) or layer.{name}_float")
+        out.append(scale_tensor(t, device))
+    return out[0], out[1], out[2]
 
 
 class FlashAttentionImpl:
@@ -149,21 +185,25 @@ class FlashAttentionImpl:
             raise ValueError("FlashAttentionImpl.forward needs a preallocated output buffer")
         if attn_metadata is None:
             return output  # profiling run: nothing to attend over yet
+        if attn_metadata.use_cascade and attn_metadata.prefix_block_table is None:
+            complete_seed_cascade(attn_metadata, self.block_size)
         # Everything that could reject the call is checked before the cache is touched.
         check_forward_inputs(self, query, key, value, kv_cache, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
+        q, descale, scales = query[:n], {}, ()
+        if self.fp8:
+            kv_cache = as_fp8_cache(kv_cache)
+            k_scale, v_scale, q_scale = _layer_scales(layer, query.device)
+            if getattr(layer, "calculate_kv_scales", False) and not _capturing(query):
+                layer.calc_kv_scales(q, key[:n], value[:n])  # before the write that uses them
+            scales = (self.kv_cache_dtype, k_scale, v_scale)
+            descale = dict(k_descale=k_scale, v_descale=v_scale)
+            if self.kernel.quantizes_query:
+                q = fp8_query(q, q_scale)
+                descale["q_descale"] = q_scale
         key_cache, value_cache = kv_cache.unbind(0)
         reshape_and_cache_flash(key[:n], value[:n], key_cache, value_cache,
-                                attn_metadata.slot_mapping[:n], self.kv_cache_dtype,
-                                layer._k_scale_float, layer._v_scale_float)
-        q = query[:n]
-        descale = {}
-        if self.fp8:
-            key_cache, value_cache = key_cache.view(FP8_DTYPE), value_cache.view(FP8_DTYPE)
-            descale = dict(k_descale=layer._k_scale, v_descale=layer._v_scale)
-            if self.kernel.quantizes_query:
-                q = fp8_query(q, layer._q_scale_float)
-                descale["q_descale"] = layer._q_scale
+                                attn_metadata.slot_mapping[:n], *scales)
         use_local = self.use_irope and attn_metadata.local_attn_metadata is not None
         common = dict(scale=self.scale, alibi_slopes=self.alibi_slopes,
                       softcap=self.logits_soft_cap, **descale)
@@ -204,6 +244,10 @@ class FlashAttentionImpl:
                 window_size=self.sliding_window, has_softcap=self.logits_soft_cap > 0,
                 num_splits=m.num_splits)  # the plan and the call must agree on it
         return m.scheduler_metadata[key]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def cascade_attention(

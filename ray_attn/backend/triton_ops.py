@@ -26,8 +26,8 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride, v_stride, k_scale, v_scale,
-                      N: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+    def _cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride, v_stride, k_scale_ptr,
+                      v_scale_ptr, N: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -36,8 +36,10 @@ if triton is not None:
             k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
             v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
             if FP8:
-                k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
-                v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+                # Scales are read on the device: they may be computed there (calculate_kv_scales)
+                # and a captured graph must see their current value.
+                k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
+                v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
             tl.store(kc_ptr + slot * N + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
             tl.store(vc_ptr + slot * N + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
@@ -67,15 +69,22 @@ if triton is not None:
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, fp8: bool,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """``k_scale``/``v_scale``: float32 device tensors of one element (fp8 only).  With ``fp8``
+    the caches must be float8_e4m3fn: the store converts to the cache's element type, and into a
+    uint8 cache that would be an integer conversion, not fp8 rounding."""
     T = slot_mapping.shape[0]
     if T == 0:
         return
     N = key.shape[1] * key.shape[2]
     assert key.stride(2) == 1 and key.stride(1) == key.shape[2], "rows of key must be contiguous"
     assert value.stride(2) == 1 and value.stride(1) == value.shape[2]
+    if fp8:
+        assert key_cache.dtype == value_cache.dtype == torch.float8_e4m3fn, key_cache.dtype
+    else:
+        k_scale = v_scale = slot_mapping  # unused pointers: FP8 is a compile-time branch
     _cache_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),
-                        value.stride(0), float(k_scale), float(v_scale), N=N,
+                        value.stride(0), k_scale, v_scale, N=N,
                         BLOCK=triton.next_power_of_2(N), FP8=fp8)
 
 

@@ -29,8 +29,8 @@ def make_local_attention_virtual_batches(
     k[4], k[8], k[12], k[16], so its rows are pages [2, 3], [4, 5], [6, 7], [8, 9] of its row).
 
     Returns ``(seqlens_q_local, cu_seqlens_q_local, seqlens_k_local, block_table_local)``, all int32.
-    Pages past the end of a block-table row read as 0 (vLLM clips to the last column); the kernel
-    never reads them because ``seqlens_k_local`` stops before.
+    Pages past the end of the table repeat its last column, as vLLM's clip does; the kernel never
+    reads them because ``seqlens_k_local`` stops before.
     """
     C = int(attn_chunk_size)
     if C <= 0 or block_size <= 0 or C % block_size:
@@ -73,15 +73,13 @@ def make_local_attention_virtual_batches(
 
 
 def _chunk_pages(bt: np.ndarray, rows: np.ndarray, first: np.ndarray, pages: int) -> np.ndarray:
-    """``bt[rows[v], first[v] : first[v] + pages]`` for every v, zero past the row's end, in one
-    fancy index over a read-only view of every window of the zero-padded table."""
-    B, W = bt.shape if bt.ndim == 2 else (len(bt), 0)
-    padded = np.zeros((B, W + pages), dtype=np.int32)
-    padded[:, :W] = bt
-    st = padded.strides
-    windows = np.lib.stride_tricks.as_strided(padded, (B, W + 1, pages), (st[0], st[1], st[1]),
-                                              writeable=False)
-    return windows[rows, np.minimum(first, W)]
+    """``bt[rows[v], first[v] + j]`` for ``j < pages``, the column clipped to the table's last one
+    exactly as vLLM does (a chunk that runs past the table repeats the row's last entry)."""
+    W = bt.shape[1] if bt.ndim == 2 else 0
+    if W == 0:
+        return np.zeros((len(rows), pages), dtype=np.int32)
+    cols = np.minimum(np.asarray(first)[:, None] + np.arange(pages), W - 1)
+    return bt[np.asarray(rows)[:, None], cols].astype(np.int32, copy=False)
 
 
 def cdiv_np(a, b):

@@ -179,6 +179,7 @@ class AttentionWorker:
         plan = step.plan
         m = plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        m.host_checked = True  # carried to the device copy: its layers need not read values back
         buf = self.buffers
         buf.begin()
         idx = buf.put("logits_indices", plan.logits_indices).long()

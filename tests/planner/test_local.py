@@ -21,7 +21,9 @@ def brute_force(C, q_lens, k_lens, block_table, bs):
             sq.append(len(chunks[c]))
             sk.append(min(k, (c + 1) * C) - c * C)
             first = c * C // bs
-            row = [block_table[r][j] if j < len(block_table[r]) else 0 for j in range(first, first + C // bs)]
+            # vLLM clips the column index to the table's last column (the seed, exactly)
+            last = len(block_table[r]) - 1
+            row = [block_table[r][min(j, last)] for j in range(first, first + C // bs)]
             rows.append(row)
     return sq, sk, rows
 
@@ -47,10 +49,10 @@ def test_single_chunk_per_request():
     assert tab.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
 
 
-def test_chunk_wider_than_block_table_reads_zero_past_the_row():
+def test_chunk_wider_than_block_table_repeats_the_last_column():
     bt = np.array([[5, 6]], dtype=np.int32)  # 2 pages of 4 tokens; chunk = 4 pages
     sq, cuq, sk, tab = make_local_attention_virtual_batches(16, _qsl([3]), np.array([7]), bt, 4)
-    assert tab.tolist() == [[5, 6, 0, 0]]
+    assert tab.tolist() == [[5, 6, 6, 6]]  # as vLLM's clip(max=W - 1), not zeros
     assert sq.tolist() == [3] and sk.tolist() == [7]
 
 
