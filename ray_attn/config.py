@@ -102,6 +102,10 @@ class CacheConfig(_Strict):
     memory_fraction: float = Field(0.85, gt=0, le=1, description="Share of free device memory for the KV cache when num_blocks is unset.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field("auto", description="'auto' stores K/V in the model dtype; fp8 stores float8 e4m3 with per-layer scales.")
     enable_prefix_caching: bool = Field(True, description="Reuse full KV blocks of identical prefixes across requests.")
+    calculate_kv_scales: bool = Field(False, description=(
+        "With an fp8 KV cache: set each layer's q/k/v scales from the first batch it sees "
+        "(absolute maximum over 200 for q and k, 100 for v, as vLLM's calculate_kv_scales), "
+        "instead of 1.0. The scales are per rank and fixed after that batch."))
 
     @model_validator(mode="after")
     def _check(self):
@@ -129,6 +133,10 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens in one step (chunked prefill splits longer prompts).")
     enable_cascade: bool = Field(True, description="Let the planner choose cascade attention for shared prefixes.")
+    cascade_min_saved_kv_tokens: Optional[int] = Field(None, ge=0, description=(
+        "KV tokens per layer a cascade step must save to be chosen. Unset: the break-even measured "
+        "for the GPU kernels (vLLM's cost model on the torch kernel). 0 cascades whenever it is "
+        "legal (tests and the accuracy gate force it this way)."))
     async_scheduling: Optional[bool] = Field(None, description=(
         "Plan and submit step N+1 before step N's tokens are back: the ranks fill those inputs "
         "on the device, and the host's planning, messaging and staging overlap the GPU's work. "

@@ -153,6 +153,7 @@ class _Submitted:
     num_tokens: int
     cascade: bool
     local: bool
+    cascade_groups: int = 0
 
 
 @dataclass
@@ -161,8 +162,10 @@ class EngineStats:
     tokens_generated: int = 0
     tokens_computed: int = 0
     cascade_steps: int = 0
+    multi_group_cascade_steps: int = 0
     local_steps: int = 0
     preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
     recoveries: int = 0
     last_recovery_s: float | None = None
     busy_s: float = 0.0
@@ -192,7 +195,8 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_cascade=config.enable_cascade, max_model_len=m.max_position_embeddings,
             max_num_reqs_hint=config.max_num_seqs,
-            cascade_min_saved_kv_tokens=cascade_threshold(
+            cascade_min_saved_kv_tokens=config.cascade_min_saved_kv_tokens
+            if config.cascade_min_saved_kv_tokens is not None else cascade_threshold(
                 config, executor.kernel_name, _workers_use_graphs(executor)))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -330,6 +334,7 @@ class LLMEngine:
         plan = self._plan()
         if plan is None:
             return self.flush()
+        self.stats.prefix_cache_hit_tokens += plan.num_prefix_cache_hit_tokens
         sub, step_in = self._submit(plan)
         try:
             out = self.executor.step(step_in)
@@ -388,7 +393,8 @@ class LLMEngine:
                 r.sampled_row = row
         a = plan.attn
         return _Submitted(step_in.step_id, reqs, samples, a.num_actual_tokens, bool(a.use_cascade),
-                          a.local_attn_metadata is not None), step_in
+                          a.local_attn_metadata is not None,
+                          plan.num_cascade_groups if a.use_cascade else 0), step_in
 
     def _apply(self, done: _Submitted, out) -> list[RequestOutput]:
         """Write a step's sampled tokens over their placeholders and finish what is done."""
@@ -414,6 +420,7 @@ class LLMEngine:
         s.steps += 1
         s.tokens_computed += done.num_tokens
         s.cascade_steps += done.cascade
+        s.multi_group_cascade_steps += done.cascade_groups > 1
         s.local_steps += done.local
         return outputs
 

@@ -3,7 +3,9 @@
 #   run(carry=[".device"], command="source .device/env.sh && bash scripts/gpu_suite.sh kernels")
 # Stages: tests | kernels (tests + attention/cascade/step-overhead benchmarks + decode profile) |
 # benches (the benchmarks without the tests) | profile | cascade | e2e | tp | all |
-# async (async-scheduling GPU tests + step overhead, tiny and 8B) | attention (+ profile).
+# async (async-scheduling GPU tests + step overhead, tiny and 8B) | attention (+ profile) |
+# accuracy (every feature through the engine against HF transformers; ACCURACY_ROWS=a,b and
+# ACCURACY_SUFFIX=_tp2 pick rows and the result file).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,11 @@ if [[ $stage == attention ]]; then
 fi
 if [[ $stage == cascade ]]; then
   bench scripts/bench_cascade.py
+fi
+if [[ $stage == accuracy || $stage == all ]]; then  # the correctness gate (scripts/gpu_accuracy.py)
+  step python3 scripts/repro_fp8.py --json benchmarks/results/repro_fp8.json
+  step python3 scripts/gpu_accuracy.py ${ACCURACY_ROWS:+--rows $ACCURACY_ROWS} ${ACCURACY_SUFFIX:+--suffix $ACCURACY_SUFFIX}
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/repro_fp8.json "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == e2e || $stage == all ]]; then
   bench scripts/bench_e2e.py
