@@ -8,7 +8,8 @@ id or length is an illegal memory access that poisons the CUDA context.  So:
 - values (lengths that agree, block ids inside the cache, tables wide enough) are checked once per
   metadata object: directly when it lives on the CPU, through one host copy per step when a caller
   hands us device metadata.  The worker checks its numpy plan before the step's single device copy
-  and marks the metadata ``host_checked``, so its per-layer hot path never syncs.
+  and marks the metadata ``host_checked`` (as do CUDA graphs, whose replays load checked plans),
+  so its per-layer hot path never syncs.
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def check_forward_inputs(impl, query, key, value, kv_cache, m, output) -> None:
     if not 0 <= n <= T:
         raise _bad(f"num_actual_tokens={n} must be within [0, {T}] (the query has {T} tokens)")
     check_metadata_structure(m, query.device, impl.use_irope)
-    if m.use_cascade and not (impl.use_irope and m.local_attn_metadata is not None):
-        left = impl.sliding_window[0]
-        if left >= 0 and m.max_seq_len - 1 > left:
-            raise _bad(f"cascade attention with sliding_window={left + 1} needs every query's window to "
-                       f"cover the shared prefix, but max_seq_len={m.max_seq_len} lets it clip")
-        if impl.alibi_slopes is not None:
-            raise _bad("cascade attention does not support ALiBi (its bias needs absolute "
-                       "positions, which the non-causal prefix pass does not have)")
-    if not getattr(m, "host_checked", False) and not _capturing(query):
+    cascade = m.use_cascade and not (impl.use_irope and m.local_attn_metadata is not None)
+    if cascade and impl.alibi_slopes is not None:
+        raise _bad("cascade attention does not support ALiBi (its bias needs absolute "
+                   "positions, which the non-causal prefix pass does not have)")
+    if m.host_checked or _capturing(query):
+        return  # the planner's plan, checked by the worker (or a graph's placeholders)
+    left = impl.sliding_window[0]
+    if cascade and left >= 0 and m.max_seq_len - 1 > left:
+        raise _bad(f"cascade attention with sliding_window={left + 1} needs every query's window to "
+                   f"cover the shared prefix, but max_seq_len={m.max_seq_len} lets it clip")
+    if not getattr(m, "_values_checked", False):  # once per metadata object, not per layer
         check_metadata_values(m, num_blocks=kv_cache.shape[1], block_size=kv_cache.shape[2])
-        m.host_checked = True
+        m._values_checked = True
 
 
 def _capturing(t: torch.Tensor) -> bool:

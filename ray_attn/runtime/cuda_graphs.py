@@ -180,7 +180,9 @@ class DecodeGraphs:
             num_actual_tokens=n, max_query_len=1, query_start_loc=self.query_start_loc[:n + 1],
             max_seq_len=self.max_seq_len, seq_lens=self.seq_lens[:n],
             block_table=self.block_table[:n], slot_mapping=self.slot_mapping[:n],
-            num_splits=decode_num_splits(n, self.model.num_kv_heads, self.num_sms))
+            num_splits=decode_num_splits(n, self.model.num_kv_heads, self.num_sms),
+            # Placeholders while capturing; at replay the buffers hold a plan the worker checked.
+            host_checked=True)
         if cascade:
             m.use_cascade, m.common_prefix_len, m.max_suffix_kv_len = True, self.max_seq_len, self.max_seq_len
             m.cu_prefix_query_lens, m.prefix_kv_lens = self.cu_prefix_query_lens, self.prefix_kv_lens
