@@ -102,6 +102,19 @@ def test_seeded_sampling_is_reproducible_across_tp(ray_local):
     assert len({tuple(o.output_token_ids) for o in single}) == 3
 
 
+def test_seed_zero_is_a_seed():
+    """Seed 0 must reach the rank as a seed (-1 there means none): two seed-0 copies of a prompt
+    in one batch draw the same tokens, where unseeded copies draw different rows of the rank's
+    generator."""
+    cfg = config()
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in (0, 0, 1, None, None)]
+    outs = LLMEngine(cfg, InProcessExecutor(cfg)).generate([workload()[0]] * len(params), params)
+    zero, zero_again, one, free, free_again = [o.output_token_ids for o in outs]
+    assert zero == zero_again
+    assert zero != one and zero != free
+    assert free != free_again, "draws that ignore the generator would make the check above vacuous"
+
+
 def test_preemption_by_recompute_keeps_tokens_and_frees_everything():
     """A cache far too small for the batch: requests are preempted and recomputed, none dropped."""
     prompts = workload(n=6)

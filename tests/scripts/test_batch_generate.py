@@ -20,6 +20,7 @@ SCRIPT = REPO / "scripts" / "batch_generate.py"
 def write_prompts(path: Path, n: int = 10, seed: int = 21) -> list[dict]:
     bodies = workload(n, 512, seed=seed, max_tokens=9)
     bodies[2]["stop"] = [5, 6]
+    bodies[1]["seed"] = 0  # a seed like any other: dropped as falsy, the line would draw unseeded
     with open(path, "w") as f:
         for i, b in enumerate(bodies):
             f.write(json.dumps(dict(b, id=f"r{i}")) + "\n")
