@@ -130,6 +130,28 @@ def test_preemption_by_recompute_keeps_tokens_and_frees_everything():
     assert not eng.requests and not eng.has_unfinished_requests(), "generate() releases its requests"
 
 
+def test_preempted_request_is_readmitted_before_later_arrivals():
+    """A preempted request goes back to the front of the queue: a request that arrived after it
+    must not overtake it (under a steady stream of arrivals it would never run again)."""
+    rng = np.random.default_rng(5)
+    cfg = config(num_blocks=8)  # 128 tokens: A and B, or one of them and C, never all three
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    eng.add_request(rng.integers(0, 384, 30).tolist(), SamplingParams(max_tokens=60), "A")
+    eng.add_request(rng.integers(0, 384, 30).tolist(), SamplingParams(max_tokens=60), "B")
+    eng.step()
+    eng.add_request(rng.integers(0, 384, 70).tolist(), SamplingParams(max_tokens=4), "C")
+    entered, before = [], {"A", "B"}  # requests in the order they join the running batch
+    while eng.has_unfinished_requests():
+        eng.step()
+        now = {r.request_id for r in eng.running}
+        entered += sorted(now - before)
+        before = now
+    # The growing pair runs out of blocks and B, the newer, is preempted while C waits.
+    assert eng.stats.preemptions == 1 and eng.requests["B"].num_preemptions == 1
+    assert entered == ["B", "C"]
+    assert all(eng.output(i).finish_reason == "length" for i in "ABC")
+
+
 def test_prefix_cache_reuse_across_requests():
     cfg = config()
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
