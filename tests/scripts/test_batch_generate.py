@@ -62,6 +62,10 @@ def test_in_process_output_in_input_order_equals_generate(tmp_path):
     ('{"prompt_token_ids": [1], "colour": 1}', ":2: colour: unknown field"),
     ('{"prompt": "hello"}', ":2: prompt: text prompts need --tokenizer"),
     ('{"prompt_token_ids": [1, 2', ":2: body: malformed JSON"),
+    # Each within the 2048-token context, together over it: the engine would refuse the line
+    # mid-run, after earlier lines were already generated.
+    (json.dumps({"prompt_token_ids": [1] * 1000, "max_tokens": 1100}),
+     ":2: max_tokens: prompt of 1000 tokens + max_tokens=1100 exceeds the model's 2048-token context"),
 ])
 def test_bad_line_stops_before_any_work_naming_line_and_field(tmp_path, line, needle):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
