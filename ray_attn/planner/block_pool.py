@@ -221,12 +221,6 @@ class BlockPool:
                 dups.append((i, c))
         return dups
 
-    def touch_lru(self, block_ids: Sequence[int]) -> None:
-        """Mark evictable blocks as recently used (a lookup that will be claimed soon)."""
-        for b in block_ids:
-            if b in self._evictable:
-                self._evictable.move_to_end(b)
-
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block (they become free); returns how many."""
         n = len(self._evictable)

@@ -197,3 +197,42 @@ def test_merge_attn_states_equals_attention_over_the_union(rng):
     torch.testing.assert_close(out, ob)
     merge_attn_states(out, oa, -inf, ob, -inf)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+@pytest.mark.parametrize("lse_a,lse_b", [(100, 100), (-100, -100), (100, 80), (80, 100)])
+def test_merge_attn_states_is_stable_for_large_float32_lse(device, lse_a, lse_b, rng):
+    """float32 states whose LSEs sit near +-100, where e^lse overflows (e^89 > float32 max) or
+    underflows to subnormals and zero: the merge must still weigh them by their LSE difference.
+    On CUDA a float32 merge without output_lse runs the Triton kernel (when Triton imports)."""
+    T, H, D, K = 6, 4, 32, 48
+    q = torch.randn(T, H, D, generator=rng, dtype=torch.float64)
+    k = torch.randn(K, H, D, generator=rng, dtype=torch.float64)
+    v = torch.randn(K, H, D, generator=rng, dtype=torch.float64)
+    cut = int(torch.randint(1, K - 1, (1,), generator=rng))
+    s = torch.einsum("qhd,khd->hqk", q, k) * D ** -0.5
+    # Shift each half's scores so that its LSE lands within +-2 of the target; a constant shift
+    # leaves that half's softmax alone, so the union of the shifted scores is the exact answer.
+    targets = [c + 4 * torch.rand(H, T, 1, generator=rng, dtype=torch.float64) - 2 for c in (lse_a, lse_b)]
+    halves = [s[..., :cut], s[..., cut:]]
+    halves = [h - torch.logsumexp(h, -1, keepdim=True) + t for h, t in zip(halves, targets)]
+    vs = [v[:cut], v[cut:]]
+    (oa, la), (ob, lb) = [(torch.einsum("hqk,khd->qhd", torch.softmax(h, -1), x), torch.logsumexp(h, -1))
+                          for h, x in zip(halves, vs)]
+    union = torch.cat(halves, -1)
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(union, -1), v)
+    ref_lse = torch.logsumexp(union, -1)
+
+    from ray_attn.backend import merge_attn_states
+    f32 = lambda x: x.to(device, torch.float32).contiguous()
+    out = torch.full((T, H, D), float("nan"), device=device)
+    # The Triton path writes no LSE, so only the torch path is asked for one.
+    out_lse = torch.empty(H, T, device=device) if device == "cpu" else None
+    merge_attn_states(out, f32(oa), f32(la), f32(ob), f32(lb), out_lse)
+    # Rounding an LSE near 100 to float32 moves it by <= 3.8e-6 (half an ulp), so each weight
+    # moves by <= 2e-6 and the output by that times |o_a - o_b| (a few units): ~1e-5.  1e-4
+    # leaves room for float32 arithmetic; an unshifted exp gives NaN, zeros or errors ~1e-2.
+    torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=1e-4)
+    if out_lse is not None:
+        # The merged LSE is a float32 near 100: an ulp is 7.6e-6.
+        torch.testing.assert_close(out_lse.double(), ref_lse, atol=1e-4, rtol=0)

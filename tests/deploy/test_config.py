@@ -84,3 +84,8 @@ def test_request_errors_start_with_the_field(body, field):
     errs = validation_errors(e.value)
     assert errs[0][0] == field
     assert errs[0][1].startswith(f"{field}: ")
+
+
+def test_seed_zero_is_a_seed():
+    # Only a missing seed means "unseeded"; 0 is as valid as any other.
+    assert GenerateRequest.model_validate_json(b'{"prompt_token_ids": [1], "seed": 0}').seed == 0

@@ -81,7 +81,7 @@ def test_concurrent_requests_equal_direct_generate(served, direct_engine):
 
 def test_streaming_sends_tokens_as_made(served, direct_engine):
     body = workload(1, VOCAB, seed=12, max_tokens=12)[0]
-    body.update(temperature=0.7, seed=4242)
+    body.update(temperature=0.7, seed=0)  # seed 0 must reach the engine as a seed, not as None
     want = direct_generate(direct_engine, [body])[0]
     with served.client() as c, c.stream("POST", "/v1/generate", json=dict(body, stream=True)) as r:
         assert r.status_code == 200

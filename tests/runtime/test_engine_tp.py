@@ -102,6 +102,19 @@ def test_seeded_sampling_is_reproducible_across_tp(ray_local):
     assert len({tuple(o.output_token_ids) for o in single}) == 3
 
 
+def test_seed_zero_is_a_seed():
+    """Seed 0 must reach the rank as a seed (-1 there means none): two seed-0 copies of a prompt
+    in one batch draw the same tokens, where unseeded copies draw different rows of the rank's
+    generator."""
+    cfg = config()
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in (0, 0, 1, None, None)]
+    outs = LLMEngine(cfg, InProcessExecutor(cfg)).generate([workload()[0]] * len(params), params)
+    zero, zero_again, one, free, free_again = [o.output_token_ids for o in outs]
+    assert zero == zero_again
+    assert zero != one and zero != free
+    assert free != free_again, "draws that ignore the generator would make the check above vacuous"
+
+
 def test_preemption_by_recompute_keeps_tokens_and_frees_everything():
     """A cache far too small for the batch: requests are preempted and recomputed, none dropped."""
     prompts = workload(n=6)
@@ -115,6 +128,28 @@ def test_preemption_by_recompute_keeps_tokens_and_frees_everything():
     assert all(o.finish_reason == "length" for o in outs)
     assert eng.planner.stats()["num_used_blocks"] == 0
     assert not eng.requests and not eng.has_unfinished_requests(), "generate() releases its requests"
+
+
+def test_preempted_request_is_readmitted_before_later_arrivals():
+    """A preempted request goes back to the front of the queue: a request that arrived after it
+    must not overtake it (under a steady stream of arrivals it would never run again)."""
+    rng = np.random.default_rng(5)
+    cfg = config(num_blocks=8)  # 128 tokens: A and B, or one of them and C, never all three
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    eng.add_request(rng.integers(0, 384, 30).tolist(), SamplingParams(max_tokens=60), "A")
+    eng.add_request(rng.integers(0, 384, 30).tolist(), SamplingParams(max_tokens=60), "B")
+    eng.step()
+    eng.add_request(rng.integers(0, 384, 70).tolist(), SamplingParams(max_tokens=4), "C")
+    entered, before = [], {"A", "B"}  # requests in the order they join the running batch
+    while eng.has_unfinished_requests():
+        eng.step()
+        now = {r.request_id for r in eng.running}
+        entered += sorted(now - before)
+        before = now
+    # The growing pair runs out of blocks and B, the newer, is preempted while C waits.
+    assert eng.stats.preemptions == 1 and eng.requests["B"].num_preemptions == 1
+    assert entered == ["B", "C"]
+    assert all(eng.output(i).finish_reason == "length" for i in "ABC")
 
 
 def test_prefix_cache_reuse_across_requests():

@@ -67,3 +67,39 @@ def test_rank_that_keeps_dying_ends_requests_with_error(ray_local):
             engine.add_request([1, 2, 3])
     finally:
         engine.shutdown()
+
+
+class FlakyExecutor(InProcessExecutor):
+    """One process, no Ray: the next step after ``fail_next = True`` raises as a dead rank's does,
+    and ``recover`` has nothing to restart."""
+
+    fail_next = False
+
+    def step(self, step):
+        if self.fail_next:
+            self.fail_next = False
+            raise WorkerFailure(0, RuntimeError("injected"))
+        return super().step(step)
+
+    def recover(self) -> float:
+        return 0.0
+
+
+def test_recovered_requests_keep_their_order_ahead_of_the_queue():
+    """After a failure the running requests are recomputed first, in the order they ran, and the
+    requests that were waiting stay behind them in theirs."""
+    cfg = config().model_copy(update={"max_num_seqs": 3})  # 3 run, 2 wait
+    prompts = workload(n=5)[:5]
+    reference = LLMEngine(cfg, InProcessExecutor(cfg)).generate(prompts, GREEDY)
+    engine = LLMEngine(cfg, FlakyExecutor(cfg))
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    running, waiting = [r.request_id for r in engine.running], [r.request_id for r in engine.waiting]
+    assert running == ids[:3] and waiting == ids[3:]
+    engine.executor.fail_next = True
+    assert engine.step() == [] and engine.stats.recoveries == 1
+    assert [r.request_id for r in engine.waiting] == running + waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [engine.output(i).output_token_ids for i in ids] == [o.output_token_ids for o in reference]

@@ -50,3 +50,18 @@ def test_seeded_draw_ignores_batch_neighbours_and_greedy_is_argmax():
     other = sample(logits[3:4], temps[3:4], seeds[3:4], idx[3:4] + 1)
     draws = {int(sample(logits[3:4], temps[3:4], seeds[3:4], np.array([k], np.int32))[0]) for k in range(40)}
     assert len(draws) > 1 and other.shape == (1,)  # the index moves the draw
+
+
+def test_seed_zero_is_a_seed(rng):
+    """Seed 0 draws from the hash like any other seed (only -1 means "no seed"), so the rank's
+    generator cannot move its tokens."""
+    R, V = 32, 1000
+    logits = torch.randn(R, V, generator=rng)
+    temps, idx, zero = np.ones(R, np.float32), np.arange(R, dtype=np.int32), np.zeros(R, np.int64)
+    a = sample(logits, temps, zero, idx, torch.Generator().manual_seed(1))
+    b = sample(logits, temps, zero, idx, torch.Generator().manual_seed(2))
+    # Temperature 1 keeps the expected draw to the very ops the sampler runs: equal bit for bit.
+    u = hash_uniform(torch.zeros(R, dtype=torch.int64), torch.from_numpy(idx).long(), V)
+    expected = (logits - torch.log(-torch.log(u))).argmax(-1).numpy()
+    assert np.array_equal(a, expected) and np.array_equal(b, expected)
+    assert not np.array_equal(a, sample(logits, temps, zero + 1, idx))

@@ -20,6 +20,7 @@ SCRIPT = REPO / "scripts" / "batch_generate.py"
 def write_prompts(path: Path, n: int = 10, seed: int = 21) -> list[dict]:
     bodies = workload(n, 512, seed=seed, max_tokens=9)
     bodies[2]["stop"] = [5, 6]
+    bodies[1]["seed"] = 0  # a seed like any other: dropped as falsy, the line would draw unseeded
     with open(path, "w") as f:
         for i, b in enumerate(bodies):
             f.write(json.dumps(dict(b, id=f"r{i}")) + "\n")
@@ -61,6 +62,10 @@ def test_in_process_output_in_input_order_equals_generate(tmp_path):
     ('{"prompt_token_ids": [1], "colour": 1}', ":2: colour: unknown field"),
     ('{"prompt": "hello"}', ":2: prompt: text prompts need --tokenizer"),
     ('{"prompt_token_ids": [1, 2', ":2: body: malformed JSON"),
+    # Each within the 2048-token context, together over it: the engine would refuse the line
+    # mid-run, after earlier lines were already generated.
+    (json.dumps({"prompt_token_ids": [1] * 1000, "max_tokens": 1100}),
+     ":2: max_tokens: prompt of 1000 tokens + max_tokens=1100 exceeds the model's 2048-token context"),
 ])
 def test_bad_line_stops_before_any_work_naming_line_and_field(tmp_path, line, needle):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
