@@ -67,8 +67,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            # the seed travels as an int64 to the ranks; a larger one would fail mid-step
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
 
 PLACEHOLDER = -1  # a token id sampled on the ranks but not yet read back (see LLMEngine.step)

@@ -178,6 +178,8 @@ def test_too_long_request_rejected_others_carry_on():
         eng.add_request([], GREEDY)
     with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         eng.add_request([1, 2], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*63\)"):
+        eng.add_request([1, 2], SamplingParams(seed=2 ** 63))  # an int64 on the ranks
     with pytest.raises(ValueError, match=f"request id {ok!r} is already in use"):
         eng.add_request([1, 2], GREEDY, request_id=ok)
     assert eng.planner.stats() == pool_before and (len(eng.waiting), len(eng.running)) == queued_before
