@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated row names (default: every TP=1 row)")
     ap.add_argument("--suffix", default="", help="result file suffix, e.g. _tp2")
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
+    ap.add_argument("--init", choices=["alive", "hf"], default="alive",
+                    help="weights: re-drawn to keep the model alive (default), or transformers' own init")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     size = hf.GPU_SIZE if gpu else hf.CPU_SIZE
@@ -229,7 +231,8 @@ def main() -> None:
             if row.family not in folders:
                 folders[row.family] = os.path.join(workdir, row.family)
                 hf.write_checkpoint(row.family, folders[row.family], size=size, seed=1,
-                                    dtype=torch.bfloat16 if gpu else torch.float32, window=window)
+                                    dtype=torch.bfloat16 if gpu else torch.float32, window=window,
+                                    init=args.init)
             folder = folders[row.family]
             num_blocks = 4096 if row.cache.get("block_size", 16) == 16 else 256
             cfg = engine_config(row, folder, gpu, num_blocks)
@@ -256,7 +259,7 @@ def main() -> None:
         results.append(res)
         tqdm.write(format_row(res))
     ray.shutdown()
-    out = hf_env(gpu) | dict(margin=MARGIN, max_tokens=MAX_TOKENS, size=size, rows=results)
+    out = hf_env(gpu) | dict(margin=MARGIN, max_tokens=MAX_TOKENS, size=size, init=args.init, rows=results)
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / f"gpu_accuracy{args.suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

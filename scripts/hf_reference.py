@@ -69,12 +69,17 @@ def liven(model: torch.nn.Module, seed: int) -> None:
             p.copy_(x * p.shape[-1] ** -0.5)
 
 
-def write_checkpoint(family: str, folder: str, *, size: dict, seed: int, dtype: torch.dtype, window: int):
+def write_checkpoint(family: str, folder: str, *, size: dict, seed: int, dtype: torch.dtype, window: int,
+                     init: str = "alive"):
+    """``init="hf"`` keeps transformers' own random init (std 0.02): near-tied logits, where any
+    perturbation -- bf16 rounding included -- flips many argmaxes (a baseline, not a gate)."""
     import transformers as tf
 
     cfg = hf_config(family, size, window=window)
+    torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    liven(model, seed)
+    if init == "alive":
+        liven(model, seed)
     model.to(dtype).save_pretrained(folder)
 
 
