@@ -97,7 +97,7 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: need(i["kernel"] == "fa2", f"kernel {i['kernel']}, not fa2") if gpu else None),
         Row("prefix_cache", what="prefix-cache hits (shared prefix served first)", warm_prefix=True,
             expect=lambda s, i: default(s, i) or need(s["prefix_cache_hit_tokens"] > 0, "no prefix-cache hit")),
-        Row("preemption", what="preemption by recompute (small KV pool)", cache=dict(num_blocks=200),
+        Row("preemption", what="preemption by recompute (small KV pool)", cache=dict(num_blocks=200 if gpu else 60),
             expect=lambda s, i: default(s, i) or need(s["preemptions"] > 0, "no preemption")),
         Row("async_off", what="async scheduling off", engine=dict(async_scheduling=False),
             expect=lambda s, i: fa(i) or need(not i["async"], "async still on")),
@@ -190,64 +190,46 @@ class Controls:
         return self.cache[key]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="", help="comma-separated row names (default: every TP=1 row)")
-    ap.add_argument("--suffix", default="", help="result file suffix, e.g. _tp2")
-    ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--init", choices=["alive", "hf"], default="alive",
-                    help="weights: re-drawn to keep the model alive (default), or transformers' own init")
-    args = ap.parse_args()
-    gpu = torch.cuda.is_available()
-    size = hf.GPU_SIZE if gpu else hf.CPU_SIZE
-    window, chunk = (384, 512) if gpu else (40, 48)
-    all_rows = rows(gpu, chunk, size["layers"])
-    names = [n for n in args.rows.split(",") if n] or [r.name for r in all_rows if r.tp == 1]
-    unknown = set(names) - {r.name for r in all_rows}
-    if unknown:
-        sys.exit(f"unknown rows {sorted(unknown)}; choose from {[r.name for r in all_rows]}")
-    selected = [r for r in all_rows if r.name in names]
-    import ray
-    from tqdm.auto import tqdm
+class Gate:
+    """Checkpoints, prompts and HF controls for one machine; ``run(row)`` scores one row."""
 
-    from ray_attn.runtime.cluster import ensure_ray
+    def __init__(self, gpu: bool, workdir: str, init: str = "alive"):
+        self.gpu, self.workdir, self.init = gpu, workdir, init
+        self.size = hf.GPU_SIZE if gpu else hf.CPU_SIZE
+        self.window, self.chunk = (384, 512) if gpu else (40, 48)
+        self.prompts = prompt_sets(self.size["vocab"], gpu)
+        self.controls = Controls(torch.device("cuda" if gpu else "cpu"))
+        self.folders: dict[str, str] = {}
 
-    import transformers
+    def rows(self) -> list[Row]:
+        return rows(self.gpu, self.chunk, self.size["layers"])
 
-    transformers.utils.logging.disable_progress_bar()
-    ensure_ray()
-    device = torch.device("cuda" if gpu else "cpu")
-    prompts = prompt_sets(size["vocab"], gpu)
-    controls = Controls(device)
-    results = []
-    workdir = args.workdir or tempfile.mkdtemp(prefix="ray_attn_accuracy_")
-    folders = {}
-    bar = tqdm(selected, desc="accuracy rows", unit="row")
-    for row in bar:
-        bar.set_postfix_str(row.name)
+    def checkpoint(self, family: str) -> str:
+        if family not in self.folders:
+            folder = self.folders[family] = os.path.join(self.workdir, family)
+            hf.write_checkpoint(family, folder, size=self.size, seed=1, window=self.window, init=self.init,
+                                dtype=torch.bfloat16 if self.gpu else torch.float32)
+        return self.folders[family]
+
+    def run(self, row: Row) -> dict:
         t0 = time.perf_counter()
         res = dict(row=row.name, what=row.what, family=row.family, tp=row.tp, prompts=row.prompts)
         try:
-            if row.family not in folders:
-                folders[row.family] = os.path.join(workdir, row.family)
-                hf.write_checkpoint(row.family, folders[row.family], size=size, seed=1,
-                                    dtype=torch.bfloat16 if gpu else torch.float32, window=window,
-                                    init=args.init)
-            folder = folders[row.family]
-            num_blocks = 4096 if row.cache.get("block_size", 16) == 16 else 256
-            cfg = engine_config(row, folder, gpu, num_blocks)
-            outs, stats, info = run_engine(row, cfg, prompts[row.prompts], prompts["_prefix"])
-            attn_ref = controls.attention(row, cfg)
-            agree = 100 * hf.agreement(controls.fp32(folder, attn_ref), prompts[row.prompts], outs)
-            ctrl = controls.control(folder, attn_ref, attn_ref, row.prompts, prompts[row.prompts])
+            folder = self.checkpoint(row.family)
+            prompts = self.prompts[row.prompts]
+            cfg = engine_config(row, folder, self.gpu, 4096 if row.cache.get("block_size", 16) == 16 else 256)
+            outs, stats, info = run_engine(row, cfg, prompts, self.prompts["_prefix"])
+            c = self.controls
+            attn_ref = c.attention(row, cfg)
+            agree = 100 * hf.agreement(c.fp32(folder, attn_ref), prompts, outs)
+            ctrl = c.control(folder, attn_ref, attn_ref, row.prompts, prompts)
             res.update(agreement=agree, control_bf16=ctrl, kernel=info["kernel"], cuda_graphs=info["cuda_graphs"],
                        async_scheduling=info["async"], stats={k: stats[k] for k in (
                            "steps", "cascade_steps", "multi_group_cascade_steps", "local_steps",
                            "preemptions", "prefix_cache_hit_tokens") if k in stats})
             threshold = ctrl - MARGIN
             if row.fp8:
-                res["control_fp8"] = controls.control(folder, attn_ref, controls.attention(row, cfg, True),
-                                                      row.prompts, prompts[row.prompts])
+                res["control_fp8"] = c.control(folder, attn_ref, c.attention(row, cfg, True), row.prompts, prompts)
                 threshold = res["control_fp8"] - MARGIN
             res["threshold"] = threshold
             why = row.expect(res["stats"], info)
@@ -256,11 +238,43 @@ def main() -> None:
         except Exception as e:  # a row that cannot run is a failed row, not a crashed gate
             res.update(passed=False, note=f"{type(e).__name__}: {e}"[:500])
         res["seconds"] = round(time.perf_counter() - t0, 1)
-        results.append(res)
-        tqdm.write(format_row(res))
+        return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="", help="comma-separated row names (default: every TP=1 row)")
+    ap.add_argument("--suffix", default="", help="result file suffix, e.g. _tp2")
+    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/gpu_accuracy{suffix}.json)")
+    ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
+    ap.add_argument("--init", choices=["alive", "hf"], default="alive",
+                    help="weights: re-drawn to keep the model alive (default), or transformers' own init")
+    args = ap.parse_args()
+    import ray
+    import transformers
+    from tqdm.auto import tqdm
+
+    from ray_attn.runtime.cluster import ensure_ray
+
+    gpu = torch.cuda.is_available()
+    gate = Gate(gpu, args.workdir or tempfile.mkdtemp(prefix="ray_attn_accuracy_"), args.init)
+    all_rows = gate.rows()
+    names = [n for n in args.rows.split(",") if n] or [r.name for r in all_rows if r.tp == 1]
+    unknown = set(names) - {r.name for r in all_rows}
+    if unknown:
+        sys.exit(f"unknown rows {sorted(unknown)}; choose from {[r.name for r in all_rows]}")
+    transformers.utils.logging.disable_progress_bar()
+    ensure_ray()
+    results = []
+    bar = tqdm([r for r in all_rows if r.name in names], desc="accuracy rows", unit="row")
+    for row in bar:
+        bar.set_postfix_str(row.name)
+        results.append(gate.run(row))
+        tqdm.write(format_row(results[-1]))
     ray.shutdown()
-    out = hf_env(gpu) | dict(margin=MARGIN, max_tokens=MAX_TOKENS, size=size, init=args.init, rows=results)
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / f"gpu_accuracy{args.suffix}.json"
+    out = hf_env(gpu) | dict(margin=MARGIN, max_tokens=MAX_TOKENS, size=gate.size, init=args.init, rows=results)
+    path = Path(args.out) if args.out else (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+                                            / f"gpu_accuracy{args.suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     if os.environ.get("OUT"):

@@ -1,0 +1,83 @@
+"""The accuracy gate (scripts/gpu_accuracy.py) on CPU: tiny checkpoints written by transformers,
+the engine on Ray CPU actors with the torch kernel.  Both sides compute float32 there, so a
+correct engine agrees with HF's argmax on (nearly) every token; a gate that passes a broken engine
+is worth nothing, so a row with a wrong RoPE base must fail it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import gpu_accuracy as ga  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory, ray_cpu):
+    return ga.Gate(gpu=False, workdir=str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.fixture(scope="module")
+def ray_cpu():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def rows(gate, *names):
+    by = {r.name: r for r in gate.rows()}
+    return [by[n] for n in names]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption"])
+def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
+    (row,) = rows(gate, name)
+    res = gate.run(row)
+    assert res["passed"], res
+    assert res["agreement"] >= 99.0, res  # float32 on both sides: only near-ties may differ
+    if name == "cascade_multi_group":
+        assert res["stats"]["multi_group_cascade_steps"] > 0
+    if name == "chunked_local":
+        assert res["stats"]["local_steps"] > 0
+    if name == "preemption":
+        assert res["stats"]["preemptions"] > 0
+
+
+@pytest.mark.slow
+def test_a_wrong_model_fails_the_gate(gate):
+    """RoPE base off by 10x: the engine still runs, but it is not the checkpoint's model."""
+    (row,) = rows(gate, "bf16")
+    res = gate.run(replace(row, name="wrong_rope", model={"rope_theta": 50000.0}))
+    assert not res["passed"] and res["agreement"] < res["threshold"], res
+
+
+@pytest.mark.slow
+def test_a_feature_that_did_not_run_fails_the_row(gate):
+    (row,) = rows(gate, "cascade_one_group")
+    res = gate.run(replace(row, engine={"enable_cascade": False}))
+    assert not res["passed"] and res["note"] == "no cascade step", res
+
+
+@pytest.mark.slow
+def test_cli_writes_the_result_file(tmp_path):
+    out = tmp_path / "acc.json"
+    r = subprocess.run([sys.executable, "scripts/gpu_accuracy.py", "--rows", "async_off", "--out", str(out),
+                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    assert [x["row"] for x in saved["rows"]] == ["async_off"] and saved["rows"][0]["passed"]
+    assert "1/1 rows passed" in r.stdout
