@@ -90,7 +90,7 @@ class CausalLM(nn.Module):
 
     def load_weights(self, folder: str) -> None:
         weights.load_checkpoint(self.weight_shards(), folder, tied=self.config.tie_word_embeddings,
-                                model=self.config.architecture)
+                                architecture=self.config.architecture)
 
     def init_random_weights(self, seed: int, std: float | None = None) -> None:
         """The model ``save_random_checkpoint(config, folder, seed)`` writes (on CPU; see

@@ -90,9 +90,9 @@ def _weight_map(folder: str) -> dict[str, str]:
 
 
 def load_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, *, tied: bool = False,
-                    model: str = "model") -> None:
+                    architecture: str = "model") -> None:
     """Copy each shard's slice of its checkpoint tensor in; every check runs before any copy.
-    ``model`` names the architecture in errors."""
+    ``architecture`` names the model in errors."""
     wm = _weight_map(folder)
     missing = [n for n in shards if n not in wm]
     if missing:
@@ -101,7 +101,7 @@ def load_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, *, tied:
     benign = lambda n: n.endswith(IGNORED_SUFFIXES) or (tied and n == "lm_head.weight")
     extra = [n for n in wm if n not in shards and not benign(n)]
     if extra:
-        raise ValueError(f"checkpoint {folder!r} has {len(extra)} tensor(s) this {model} does not "
+        raise ValueError(f"checkpoint {folder!r} has {len(extra)} tensor(s) this {architecture} does not "
                          f"use (a different architecture?): {', '.join(extra[:8])}")
     by_file: dict[str, list[str]] = {}
     for n in shards:
