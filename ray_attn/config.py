@@ -24,6 +24,8 @@ FAMILY_FIXED: dict[str, dict[str, tuple[Callable[[dict], object], str]]] = {
         "use_alibi": (lambda f: True, "MPT's only position signal is ALiBi"),
         "num_key_value_heads": (lambda f: f["num_attention_heads"],
                                 "MPT checkpoints have one KV head per query head"),
+        "intermediate_size": (lambda f: 4 * f["hidden_size"],
+                              "HF transformers' MPT MLP is 4 * d_model wide, whatever expansion_ratio says"),
     },
     "Gemma2ForCausalLM": {"use_alibi": (lambda f: False, "Gemma-2 uses RoPE")},
 }
@@ -42,7 +44,7 @@ class ModelConfig(_Strict):
         "GELU MLP) or Gemma-2 (soft caps, GeGLU, 1 + weight RMSNorms)."))
     vocab_size: int = Field(512, gt=0, description="Vocabulary size.")
     hidden_size: int = Field(256, gt=0, description="Model width.")
-    intermediate_size: int = Field(512, gt=0, description="MLP inner width (MPT: expansion_ratio * d_model).")
+    intermediate_size: int = Field(512, gt=0, description="MLP inner width (MPT: 4 * d_model).")
     num_hidden_layers: int = Field(4, gt=0, description="Decoder layers.")
     num_attention_heads: int = Field(4, gt=0, description="Query heads.")
     num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA when fewer than query heads).")

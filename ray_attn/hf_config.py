@@ -75,9 +75,12 @@ def _mpt_in(hf: dict) -> dict:
         if hf.get(key) is None:
             raise ValueError(f"{arch} config.json lacks {key}")
     d, n = hf["d_model"], hf["n_heads"]
+    # Not expansion_ratio * d_model: HF transformers ignores expansion_ratio and writes (and reads)
+    # a 4 * d_model MLP, so that is what a transformers checkpoint holds.  An llm-foundry
+    # checkpoint of another ratio then fails to load, naming up_proj and both shapes.
     fields = dict(
         vocab_size=hf["vocab_size"], hidden_size=d, num_attention_heads=n, num_key_value_heads=n,
-        num_hidden_layers=hf["n_layers"], intermediate_size=int(hf.get("expansion_ratio", 4) * d),
+        num_hidden_layers=hf["n_layers"], intermediate_size=4 * d,
         max_position_embeddings=hf.get("max_seq_len", 2048),
         rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         tie_word_embeddings=hf.get("tie_word_embeddings", True), use_alibi=True,
@@ -162,15 +165,12 @@ def _mpt_out(c: "ModelConfig") -> dict:
               "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
               "tie_word_embeddings", "use_alibi", "alibi_bias_max", "softmax_scale", "clip_qkv"})
     E, H = c.hidden_size, c.num_attention_heads
-    if c.intermediate_size % E:
-        raise ValueError(f"MptForCausalLM: intermediate_size={c.intermediate_size} must be a multiple of "
-                         f"hidden_size={E} (config.json holds expansion_ratio)")
     if c.head_size * H != E:
         raise ValueError(f"MptForCausalLM: head_dim={c.head_size} must be hidden_size / num_attention_heads "
                          f"= {E / H:g} (config.json derives it)")
     return dict(
         architectures=["MptForCausalLM"], model_type="mpt", vocab_size=c.vocab_size, d_model=E, n_heads=H,
-        n_layers=c.num_hidden_layers, expansion_ratio=c.intermediate_size // E,
+        n_layers=c.num_hidden_layers, expansion_ratio=4,
         max_seq_len=c.max_position_embeddings, layer_norm_epsilon=c.rms_norm_eps, no_bias=True,
         tie_word_embeddings=c.tie_word_embeddings,
         attn_config=dict(attn_type="multihead_attention", alibi=True, alibi_bias_max=_number(c.alibi_bias_max),

@@ -57,8 +57,10 @@ def ours(folder, **kw):
 
 
 def mpt_config(**attn):
+    # expansion_ratio 2: HF ignores it and builds 4 * d_model, and so do we.
     return transformers.MptConfig(d_model=attn.pop("d_model", 128), n_heads=attn.pop("n_heads", 4), n_layers=3,
-                                  vocab_size=128, max_seq_len=128, layer_norm_epsilon=1e-5, attn_config=attn)
+                                  vocab_size=128, max_seq_len=128, layer_norm_epsilon=1e-5, expansion_ratio=2,
+                                  attn_config=attn)
 
 
 def gemma2_config(**kw):
@@ -108,7 +110,7 @@ def test_our_random_checkpoints_load_in_hf(arch, tmp_path):
     extra = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=32,
                  logits_soft_cap=4.0, final_logit_soft_cap=5.0, query_pre_attn_scalar=16.0,
                  num_key_value_heads=2, intermediate_size=256) if arch == "Gemma2ForCausalLM" else \
-        dict(clip_qkv=2.0, intermediate_size=512)  # HF's MPT builds 4 * d_model whatever expansion_ratio says
+        dict(clip_qkv=2.0)
     config = ModelConfig(architecture=arch, vocab_size=128, hidden_size=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=True, **extra)
     save_random_checkpoint(config, str(tmp_path), seed=3)
@@ -126,8 +128,8 @@ def test_our_random_checkpoints_load_in_hf(arch, tmp_path):
 # -- loading at every TP slice ------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["MptForCausalLM", "Gemma2ForCausalLM"])
 def test_checkpoint_round_trip_at_every_tp_slice(arch, tmp_path):
-    config = ModelConfig(architecture=arch, vocab_size=64, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    config = ModelConfig(architecture=arch, vocab_size=64, hidden_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64)
     save_random_checkpoint(config, str(tmp_path), seed=5, num_shards=2)
     for tp in (1, 2, 4):
         for rank in range(tp):
@@ -144,7 +146,7 @@ def test_mpt_wqkv_is_cut_by_heads(tmp_path):
     from safetensors.torch import load_file
 
     config = ModelConfig(architecture="MptForCausalLM", vocab_size=64, hidden_size=128,
-                         intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
+                         num_hidden_layers=1, num_attention_heads=4)
     save_random_checkpoint(config, str(tmp_path), seed=0)
     full = load_file(str(tmp_path / "model.safetensors"))["transformer.blocks.0.attn.Wqkv.weight"]
     q, k, v = full.chunk(3)
@@ -211,13 +213,16 @@ def test_unsupported_configs_are_refused_by_name(config, message, tmp_path):
 
 
 def test_family_fixed_fields():
-    mpt = ModelConfig(architecture="MptForCausalLM", num_attention_heads=8)
-    assert mpt.use_alibi and mpt.num_key_value_heads == 8  # the family's values when unset
+    mpt = ModelConfig(architecture="MptForCausalLM", num_attention_heads=8, hidden_size=512)
+    # the family's values when unset
+    assert mpt.use_alibi and mpt.num_key_value_heads == 8 and mpt.intermediate_size == 2048
     assert ModelConfig.model_validate(mpt.model_dump()) == mpt
     with pytest.raises(ValueError, match=r"needs use_alibi=True, got False \(MPT's only position signal"):
         ModelConfig(architecture="MptForCausalLM", use_alibi=False)
     with pytest.raises(ValueError, match=r"needs num_key_value_heads=4, got 2"):
         ModelConfig(architecture="MptForCausalLM", num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"needs intermediate_size=1024, got 512 \(HF transformers' MPT MLP"):
+        ModelConfig(architecture="MptForCausalLM", intermediate_size=512)
     with pytest.raises(ValueError, match=r"needs use_alibi=False"):
         ModelConfig(architecture="Gemma2ForCausalLM", use_alibi=True)
     with pytest.raises(ValueError, match="softmax_scale=0.1 and query_pre_attn_scalar=16.0 both set"):

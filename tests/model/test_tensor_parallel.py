@@ -26,7 +26,7 @@ CASES = {
     # One KV head on every rank; ALiBi slopes sliced to each rank's query heads.
     "mqa_alibi": dict(num_key_value_heads=1, use_alibi=True),
     # MPT: the fused Wqkv cut by heads into q, k and v pieces; slopes per rank; LayerNorm, GELU MLP.
-    "mpt": dict(architecture="MptForCausalLM", clip_qkv=2.0),
+    "mpt": dict(architecture="MptForCausalLM", clip_qkv=2.0, intermediate_size=512),
     # Gemma-2: KV heads replicated at TP=4, both soft caps, sliding and full layers, GeGLU.
     "gemma2": dict(architecture="Gemma2ForCausalLM", num_key_value_heads=2, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -35,8 +35,9 @@ CASES = {
 
 
 def config(name: str) -> ModelConfig:
-    return ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                       num_attention_heads=4, head_dim=32, max_position_embeddings=256, **CASES[name])
+    base = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                num_attention_heads=4, head_dim=32, max_position_embeddings=256)
+    return ModelConfig(**(base | CASES[name]))
 
 
 def logits(name, **tp):
