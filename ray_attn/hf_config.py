@@ -55,20 +55,20 @@ def _mpt_in(hf: dict) -> dict:
     arch, attn, ffn = "MptForCausalLM", hf.get("attn_config") or {}, hf.get("ffn_config") or {}
     # (setting, its value, the value(s) we compute, why the others are not)
     for name, value, ok, why in (
-            ("attn_config.alibi", attn.get("alibi", True), (True,), "learned position embeddings"),
+            ("attn_config.alibi", attn.get("alibi", True), (True,), "learned position embeddings are not implemented"),
             ("attn_config.attn_type", attn.get("attn_type", "multihead_attention"), ("multihead_attention",),
              "HF transformers' MPT runs multihead_attention only"),
-            ("attn_config.qk_ln", attn.get("qk_ln", False), (False,), "no q/k LayerNorm"),
-            ("attn_config.prefix_lm", attn.get("prefix_lm", False), (False,), "causal attention only"),
-            ("attn_config.rope", attn.get("rope", False), (False,), "MPT here is the ALiBi family"),
+            ("attn_config.qk_ln", attn.get("qk_ln", False), (False,), "q/k LayerNorm is not implemented"),
+            ("attn_config.prefix_lm", attn.get("prefix_lm", False), (False,), "prefix-LM attention is not implemented"),
+            ("attn_config.rope", attn.get("rope", False), (False,), "RoPE MPT variants are not implemented"),
             ("attn_config.sliding_window_size", attn.get("sliding_window_size", -1), (-1, None),
-             "no MPT sliding window"),
-            ("no_bias", hf.get("no_bias", True), (True,), "bias-free linears and norms only"),
-            ("logit_scale", hf.get("logit_scale"), (None,), "unscaled logits, as HF transformers"),
+             "MPT sliding windows are not implemented"),
+            ("no_bias", hf.get("no_bias", True), (True,), "biases are not implemented"),
+            ("logit_scale", hf.get("logit_scale"), (None,), "logit scaling is not implemented; HF transformers ignores it too"),
             ("norm_type", hf.get("norm_type", "low_precision_layernorm"),
-             ("low_precision_layernorm", "layernorm"), "LayerNorm only"),
-            ("ffn_config.ffn_type", ffn.get("ffn_type", "mptmlp"), ("mptmlp",), "the GELU MLP only"),
-            ("ffn_config.ffn_act_fn", ffn.get("ffn_act_fn"), (None,), "exact GELU only")):
+             ("low_precision_layernorm", "layernorm"), "only LayerNorm is implemented"),
+            ("ffn_config.ffn_type", ffn.get("ffn_type", "mptmlp"), ("mptmlp",), "only the GELU MLP (mptmlp) is implemented"),
+            ("ffn_config.ffn_act_fn", ffn.get("ffn_act_fn"), (None,), "only exact GELU is implemented")):
         if value not in ok:
             _refuse(arch, name, value, why)
     for key in ("d_model", "n_heads", "n_layers", "vocab_size"):
@@ -93,17 +93,19 @@ def _gemma2_in(hf: dict) -> dict:
     arch = "Gemma2ForCausalLM"
     act = hf.get("hidden_activation") or hf.get("hidden_act") or GEMMA2_ACTIVATION
     if act != GEMMA2_ACTIVATION:
-        _refuse(arch, "hidden_activation", act, f"GeGLU with {GEMMA2_ACTIVATION} only")
+        _refuse(arch, "hidden_activation", act, f"only GeGLU with {GEMMA2_ACTIVATION} is implemented")
     if hf.get("attention_bias"):
-        _refuse(arch, "attention_bias", True, "bias-free projections only")
+        _refuse(arch, "attention_bias", True, "projection biases are not implemented")
     if hf.get("use_bidirectional_attention"):
-        _refuse(arch, "use_bidirectional_attention", True, "causal attention only")
+        _refuse(arch, "use_bidirectional_attention", True, "only causal attention is implemented")
+    if hf.get("num_hidden_layers") is None:
+        raise ValueError(f"{arch} config.json lacks num_hidden_layers")
     fields = _llama_in(hf)
-    n, window = fields["num_hidden_layers"], hf.get("sliding_window")
+    n = fields["num_hidden_layers"]
     # HF's default pattern when the config has none: sliding on even layers, full on odd ones.
     kinds = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    if not window:  # no window: HF's sliding mask is the causal one
-        kinds = ["full_attention"] * n
+    if "sliding_attention" in kinds and not hf.get("sliding_window"):
+        _refuse(arch, "sliding_window", hf.get("sliding_window"), "its sliding_attention layers need a window")
     fields.update(layer_types=list(kinds), tie_word_embeddings=hf.get("tie_word_embeddings", True),
                   logits_soft_cap=hf.get("attn_logit_softcapping"),
                   final_logit_soft_cap=hf.get("final_logit_softcapping"),

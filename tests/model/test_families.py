@@ -205,6 +205,8 @@ def test_hf_configs_map_onto_ours(tmp_path):
      r"no_bias=False"),
     ({"model_type": "mpt", "n_heads": 2, "n_layers": 1, "vocab_size": 8}, r"lacks d_model"),
     ({"model_type": "gemma2", "hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
+    ({"model_type": "gemma2", "num_hidden_layers": 2, "sliding_window": None},
+     r"sliding_window=None is not supported \(its sliding_attention layers need a window\)"),
 ])
 def test_unsupported_configs_are_refused_by_name(config, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
