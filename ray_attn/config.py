@@ -6,12 +6,29 @@ says why -- before a placement group is reserved or an actor started.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 SUPPORTED_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
+# HF ``architectures`` names with a model family in ray_attn.model (see its registry).
+Architecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "MptForCausalLM", "Gemma2ForCausalLM"]
+ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
+
+# Fields a family's checkpoints fix, as (value given the other fields, why).  Unset, the field
+# takes that value; set to anything else, the config is refused: no checkpoint of the family
+# could hold it.
+FAMILY_FIXED: dict[str, dict[str, tuple[Callable[[dict], object], str]]] = {
+    "MptForCausalLM": {
+        "use_alibi": (lambda f: True, "MPT's only position signal is ALiBi"),
+        "num_key_value_heads": (lambda f: f["num_attention_heads"],
+                                "MPT checkpoints have one KV head per query head"),
+        "intermediate_size": (lambda f: 4 * f["hidden_size"],
+                              "HF transformers' MPT MLP is 4 * d_model wide, whatever expansion_ratio says"),
+    },
+    "Gemma2ForCausalLM": {"use_alibi": (lambda f: False, "Gemma-2 uses RoPE")},
+}
 
 
 class _Strict(BaseModel):
@@ -19,60 +36,72 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """A Llama-style decoder; field names follow Hugging Face's ``LlamaConfig``."""
+    """A decoder of one of the supported families; field names follow Hugging Face's
+    ``LlamaConfig`` (``from_pretrained`` maps MPT's and Gemma-2's names onto them)."""
 
+    architecture: Architecture = Field("LlamaForCausalLM", description=(
+        "HF architectures name, which picks the model family: Llama/Mistral, MPT (ALiBi, LayerNorm, "
+        "GELU MLP) or Gemma-2 (soft caps, GeGLU, 1 + weight RMSNorms)."))
     vocab_size: int = Field(512, gt=0, description="Vocabulary size.")
     hidden_size: int = Field(256, gt=0, description="Model width.")
-    intermediate_size: int = Field(512, gt=0, description="SwiGLU inner width.")
+    intermediate_size: int = Field(512, gt=0, description="MLP inner width (MPT: 4 * d_model).")
     num_hidden_layers: int = Field(4, gt=0, description="Decoder layers.")
     num_attention_heads: int = Field(4, gt=0, description="Query heads.")
     num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA when fewer than query heads).")
     head_dim: Optional[int] = Field(None, description="Per-head size; hidden_size / heads when unset.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     rope_scaling: Optional[dict] = Field(None, description="HF rope_scaling dict (rope_type 'default' or 'llama3'), as in Llama 3.1 checkpoints.")
-    rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    rms_norm_eps: float = Field(1e-5, gt=0, description="Norm epsilon (MPT's layer_norm_epsilon, for its LayerNorms).")
     max_position_embeddings: int = Field(8192, gt=0, description="Longest sequence the model accepts.")
     tie_word_embeddings: bool = Field(False, description="Share the embedding and LM-head weights.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight and activation dtype.")
     sliding_window: Optional[int] = Field(None, gt=0, description="Window in tokens for sliding_attention layers.")
     attention_chunk_size: Optional[int] = Field(None, gt=0, description="Chunk in tokens for chunked_attention (Llama 4 iRoPE) layers.")
     layer_types: Optional[list[LayerType]] = Field(None, description="Attention kind per layer; all full_attention when unset.")
-    logits_soft_cap: Optional[float] = Field(None, gt=0, description="Attention logits soft cap (Gemma-2 style).")
+    logits_soft_cap: Optional[float] = Field(None, gt=0, description="Attention logits soft cap (Gemma-2's attn_logit_softcapping).")
+    final_logit_soft_cap: Optional[float] = Field(None, gt=0, description="Output logits become cap * tanh(logits / cap) (Gemma-2's final_logit_softcapping).")
+    query_pre_attn_scalar: Optional[float] = Field(None, gt=0, description="Attention scale is query_pre_attn_scalar ** -0.5 (Gemma-2); head size when unset.")
+    softmax_scale: Optional[float] = Field(None, gt=0, description="The attention scale itself (MPT's attn_config.softmax_scale); head_size ** -0.5 when unset.")
+    clip_qkv: Optional[float] = Field(None, gt=0, description="Clamp q, k and v to [-clip_qkv, clip_qkv] after the projection (MPT's attn_config.clip_qkv).")
     use_alibi: bool = Field(False, description="ALiBi position bias instead of RoPE.")
+    alibi_bias_max: float = Field(8.0, gt=0, description=(
+        "ALiBi slope of head i (1-based) of n, n rounded up to a power of 2: 2 ** (-alibi_bias_max * i / n) "
+        "(MPT's attn_config.alibi_bias_max; 8 gives the ALiBi paper's slopes)."))
     seed: int = Field(0, description="Seed for random weights when no checkpoint is given.")
 
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @property
+    def attention_scale(self) -> float:
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return (self.query_pre_attn_scalar or self.head_size) ** -0.5
+
     @classmethod
     def from_pretrained(cls, folder: str, **overrides) -> "ModelConfig":
         """The config of an HF-format checkpoint folder (its ``config.json``), so that a model
-        loaded with ``EngineConfig(checkpoint=folder)`` gets the checkpoint's own shapes, RoPE
-        base and scaling, norm epsilon and window.  ``overrides`` win (e.g. ``dtype``)."""
+        loaded with ``EngineConfig(checkpoint=folder)`` gets the checkpoint's own family, shapes,
+        RoPE base and scaling, norm epsilon, windows and caps (``ray_attn.hf_config`` maps each
+        family's names).  ``overrides`` win (e.g. ``dtype``)."""
         import json
         import os
 
+        from ray_attn.hf_config import fields_from_hf
+
         with open(os.path.join(folder, "config.json")) as f:
             hf = json.load(f)
-        arch = hf.get("architectures") or []
-        if arch and not any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in arch):
-            raise ValueError(f"{folder}: architectures={arch} is not a Llama-style decoder")
-        rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
-        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "max_position_embeddings", "tie_word_embeddings", "sliding_window")
-        fields = {k: hf[k] for k in keys if hf.get(k) is not None}
-        fields.setdefault("num_key_value_heads", fields.get("num_attention_heads"))
-        if fields.get("sliding_window") and "layer_types" not in overrides:
-            fields["layer_types"] = ["sliding_attention"] * fields["num_hidden_layers"]
-        fields.update(rope_theta=float(theta), rope_scaling=scaling,
-                      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
-        fields.update(overrides)
-        return cls(**fields)
+        return cls(**(fields_from_hf(hf, folder) | overrides))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fixed = FAMILY_FIXED.get(data.get("architecture", cls.model_fields["architecture"].default), {})
+        given = {name: f.default for name, f in cls.model_fields.items()} | data
+        return data | {name: value(given) for name, (value, _) in fixed.items() if name not in data}
 
     def layer_kinds(self) -> list[str]:
         return list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
@@ -93,6 +122,14 @@ class ModelConfig(_Strict):
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         if "chunked_attention" in kinds and self.attention_chunk_size is None:
             raise ValueError("layer_types has chunked_attention layers but attention_chunk_size is not set")
+        if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
+            raise ValueError(f"softmax_scale={self.softmax_scale} and query_pre_attn_scalar="
+                             f"{self.query_pre_attn_scalar} both set the attention scale; set one")
+        values = dict(self)
+        for name, (value, why) in FAMILY_FIXED.get(self.architecture, {}).items():
+            if values[name] != value(values):
+                raise ValueError(f"architecture={self.architecture} needs {name}={value(values)!r}, "
+                                 f"got {values[name]!r} ({why})")
         return self
 
 

@@ -1,7 +1,11 @@
-"""A tensor-parallel Llama-style decoder built on the FlashAttention backend."""
+"""Tensor-parallel decoders (Llama/Mistral, MPT, Gemma-2) built on the FlashAttention backend."""
 
+from ray_attn.model.base import CausalLM
+from ray_attn.model.gemma2 import Gemma2ForCausalLM
 from ray_attn.model.llama import LlamaForCausalLM
+from ray_attn.model.mpt import MptForCausalLM
+from ray_attn.model.registry import MODELS, build_model, model_class, save_random_checkpoint
 from ray_attn.model.tp import TPGroup
-from ray_attn.model.weights import save_random_checkpoint
 
-__all__ = ["LlamaForCausalLM", "TPGroup", "save_random_checkpoint"]
+__all__ = ["CausalLM", "Gemma2ForCausalLM", "LlamaForCausalLM", "MODELS", "MptForCausalLM", "TPGroup",
+           "build_model", "model_class", "save_random_checkpoint"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,24 +20,47 @@ from ray_attn.model.fused import apply_rope, rms_norm, silu_mul
 from ray_attn.model.tp import TPGroup
 
 
+# How the seeded random model draws a full tensor (``weights.random_full_tensor``): a matrix
+# scaled by 1/sqrt(fan_in), the embedding, a norm weight near 1, or a norm weight near 0 for norms
+# that scale by ``1 + weight`` (Gemma).
+Init = Literal["matrix", "embedding", "norm", "norm_offset"]
+
+
 @dataclass
 class Shard:
     dest: torch.Tensor  # this rank's piece (a view into the parameter)
     full_shape: tuple[int, ...]  # the checkpoint tensor's shape
     dim: int = 0
     start: int = 0
+    init: Init = "matrix"
 
     def index(self) -> tuple[slice, ...]:
         """Where ``dest`` sits inside the full tensor."""
         return (slice(None),) * self.dim + (slice(self.start, self.start + self.dest.shape[self.dim]),)
+
+    def pieces(self) -> list["Shard"]:
+        return [self]
+
+
+@dataclass
+class FusedShard:
+    """This rank's pieces of one checkpoint tensor that stacks several projections (MPT's Wqkv is
+    q, k and v rows in one tensor): each rank's q, k and v rows sit apart in it, so one slice
+    cannot describe them."""
+    parts: list[Shard]  # each with the fused tensor's full_shape and its own start
+    full_shape: tuple[int, ...]
+    init: Init = "matrix"
+
+    def pieces(self) -> list[Shard]:
+        return self.parts
 
 
 def new_param(*shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def replicated(p: torch.Tensor) -> Shard:
-    return Shard(p, tuple(p.shape))
+def replicated(p: torch.Tensor, init: Init = "matrix") -> Shard:
+    return Shard(p, tuple(p.shape), init=init)
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +69,31 @@ class RMSNorm(nn.Module):
         self.weight = new_param(size, dtype=dtype, device=device)
         self.eps = eps
 
+    def shard(self) -> Shard:
+        return replicated(self.weight, "norm")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale after casting back, as HF Llama does (one kernel on CUDA).
         return rms_norm(x, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """``x_hat * (1 + weight)``: Gemma stores the scale's offset from 1 (zero-initialised)."""
+
+    def shard(self) -> Shard:
+        return replicated(self.weight, "norm_offset")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Unlike Llama, the scale multiplies in float32 before the cast back (HF Gemma2RMSNorm).
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(RMSNorm):
+    """LayerNorm with a weight and no bias (MPT's ``no_bias`` checkpoints carry none)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, None, self.eps)
 
 
 def rope_inv_freq(head_size: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -102,6 +149,13 @@ class ColumnParallelLinear(nn.Module):
         offset = sum(self.sizes[:i])
         return Shard(self.weight[offset:offset + rows], (full_rows, self.weight.shape[1]), 0, start)
 
+    def fused_shard(self) -> FusedShard:
+        """The whole weight as pieces of one checkpoint tensor stacking every part's full rows."""
+        full = (sum(full_rows for full_rows, _, _ in self.parts), self.weight.shape[1])
+        before = [sum(full_rows for full_rows, _, _ in self.parts[:i]) for i in range(len(self.parts))]
+        return FusedShard([Shard(s.dest, full, 0, before[i] + s.start)
+                           for i, s in enumerate(map(self.shard, range(len(self.parts))))], full)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
@@ -145,28 +199,42 @@ def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_size: int,
     return ColumnParallelLinear(hidden, parts, dtype=dtype, device=device), h, hk
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate/up fused and column-parallel, down row-parallel."""
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, *, dtype, device):
+
+class MLP(nn.Module):
+    """down(act(up(x))), up column-parallel, down row-parallel; ``gated``: down(act(gate(x)) * up(x))
+    with gate and up in one matmul (SwiGLU for silu, GeGLU for the gelus)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, *, activation: str = "silu",
+                 gated: bool = True, dtype, device):
         super().__init__()
         if intermediate % tp.size:
             raise ValueError(f"tp_size={tp.size} must divide intermediate_size={intermediate}")
         n = intermediate // tp.size
         part = (intermediate, tp.rank * n, n)
-        self.gate_up = ColumnParallelLinear(hidden, [part, part], dtype=dtype, device=device)
+        self.gated, self.activation = gated, activation
+        self.act = ACTIVATIONS[activation]
+        self.gate_up = ColumnParallelLinear(hidden, [part] * (2 if gated else 1), dtype=dtype, device=device)
         self.down = RowParallelLinear(intermediate, hidden, tp.rank * n, n, tp, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)))
+        h = self.gate_up(x)
+        if not self.gated:
+            return self.down(self.act(h))
+        if self.activation == "silu":
+            return self.down(silu_mul(h))  # one kernel on CUDA
+        gate, up = h.chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
 
-def alibi_slopes(num_heads: int) -> list[float]:
-    """The ALiBi paper's slopes, with its interpolation for head counts that are not a power of 2."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
-    slopes = [base ** i for i in range(1, closest + 1)]
-    if closest != num_heads:
-        extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
-        slopes += [extra ** i for i in range(1, 2 * (num_heads - closest), 2)]
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> list[float]:
+    """ALiBi slopes ``2 ** (-bias_max * i / n)``, i = 1..n, for n the power of 2 at or above
+    ``num_heads``; a head count that is not a power of 2 takes the even-indexed slopes first, then
+    the odd ones.  This is MPT's ``alibi_bias_max`` form (HF ``build_mpt_alibi_tensor``); with
+    bias_max 8 it is the ALiBi paper's interpolation."""
+    n = 2 ** math.ceil(math.log2(num_heads))
+    slopes = [2.0 ** (-bias_max * i / n) for i in range(1, n + 1)]
+    if n != num_heads:
+        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
     return slopes

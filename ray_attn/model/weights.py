@@ -1,7 +1,9 @@
 """HF-format safetensors in and out, and the seeded random weights the tests and demo run on.
 
 A checkpoint is read tensor by tensor through ``safe_open(...).get_slice``, so a rank reads only
-its own slice of each sharded weight from disk, never the whole model.
+its own slice of each sharded weight from disk, never the whole model.  Everything here works on
+a model's ``weight_shards()`` (checkpoint name -> where this rank's piece sits), so it knows no
+model family; ``registry.save_random_checkpoint`` builds the model that describes one.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ray_attn.config import ModelConfig
-from ray_attn.model.layers import Shard
+from ray_attn.hf_config import hf_config_dict  # noqa: F401 -- its home before the families
+from ray_attn.model.layers import FusedShard, Init, Shard
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -23,9 +25,9 @@ SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def random_full_tensor(name: str, shape, seed: int, *, std: float | None = None, tied: bool = False,
-                       device="cpu") -> torch.Tensor:
-    """The full float32 tensor ``name`` of the seeded random model.
+def random_full_tensor(name: str, shape, seed: int, *, init: Init = "matrix", std: float | None = None,
+                       tied: bool = False, device="cpu") -> torch.Tensor:
+    """The full float32 tensor ``name`` of the seeded random model; ``init`` is its ``Shard.init``.
 
     Seeded per name, so it does not depend on the order tensors are made in, nor on the TP size.
     The numbers depend on the device's generator: CPU and CUDA give different (equally valid) models.
@@ -37,45 +39,34 @@ def random_full_tensor(name: str, shape, seed: int, *, std: float | None = None,
     """
     g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     t = torch.randn(tuple(shape), generator=g, dtype=torch.float32, device=device)
-    if name.endswith("norm.weight"):
+    if init == "norm":
         return t.mul_(0.05).add_(1.0)  # near 1, but not exactly, so a skipped or misplaced norm shows
+    if init == "norm_offset":
+        return t.mul_(0.05)  # the norm scales by 1 + weight: near 1 again
     if std is None:
-        std = 1.0 if name == "model.embed_tokens.weight" and not tied else shape[-1] ** -0.5
+        std = 1.0 if init == "embedding" and not tied else shape[-1] ** -0.5
     return t.mul_(std)
 
 
-def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF names and full shapes of every tensor in a checkpoint of ``config``."""
-    from ray_attn.model.llama import LlamaForCausalLM
-
-    model = LlamaForCausalLM(config, device="meta", kernel="torch")
+def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
+    """HF names and full shapes of every tensor in a checkpoint of ``model`` (any rank, any
+    device, ``meta`` included: only its ``weight_shards()`` are read)."""
     return {name: s.full_shape for name, s in model.weight_shards().items()}
 
 
-def hf_config_dict(config: ModelConfig) -> dict:
-    c = config.model_dump(exclude={"seed", "dtype"}, exclude_none=True)
-    c.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-             head_dim=config.head_size, attention_bias=False, mlp_bias=False,
-             dtype=config.dtype, torch_dtype=config.dtype,  # transformers 5 reads dtype, 4 torch_dtype
-             rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
-                              **(config.rope_scaling or {})})
-    return c
-
-
-def save_random_checkpoint(config: ModelConfig, folder: str, seed: int, *, std: float | None = None,
-                           num_shards: int = 1) -> None:
-    """config.json plus the seeded random weights as HF-named safetensors (sharded with an index
-    file when ``num_shards > 1``); ``init_random_weights(seed)`` on CPU gives the same model."""
+def write_random_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, seed: int, *, dtype: str,
+                            std: float | None = None, tied: bool = False, num_shards: int = 1) -> None:
+    """The full tensors of ``shards`` (a model's ``weight_shards()``, on any device: only names,
+    shapes and inits are read) as seeded random safetensors, sharded with an index file when
+    ``num_shards > 1``."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config_dict(config), f, indent=2)
-    dtype = getattr(torch, config.dtype)
-    names = list(checkpoint_shapes(config).items())
+    names = list(shards.items())
     per = -(-len(names) // num_shards)
     weight_map = {}
     for i in range(num_shards):
         fname = SINGLE_FILE if num_shards == 1 else f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: random_full_tensor(n, s, seed, std=std, tied=config.tie_word_embeddings).to(dtype) for n, s in names[i * per:(i + 1) * per]}
+        part = {n: random_full_tensor(n, s.full_shape, seed, init=s.init, std=std, tied=tied).to(getattr(torch, dtype))
+                for n, s in names[i * per:(i + 1) * per]}
         save_file(part, os.path.join(folder, fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
     if num_shards > 1:
@@ -98,8 +89,10 @@ def _weight_map(folder: str) -> dict[str, str]:
     return wm
 
 
-def load_checkpoint(shards: dict[str, Shard], folder: str, *, tied: bool = False) -> None:
-    """Copy each shard's slice of its checkpoint tensor in; every check runs before any copy."""
+def load_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, *, tied: bool = False,
+                    architecture: str = "model") -> None:
+    """Copy each shard's slice of its checkpoint tensor in; every check runs before any copy.
+    ``architecture`` names the model in errors."""
     wm = _weight_map(folder)
     missing = [n for n in shards if n not in wm]
     if missing:
@@ -108,7 +101,7 @@ def load_checkpoint(shards: dict[str, Shard], folder: str, *, tied: bool = False
     benign = lambda n: n.endswith(IGNORED_SUFFIXES) or (tied and n == "lm_head.weight")
     extra = [n for n in wm if n not in shards and not benign(n)]
     if extra:
-        raise ValueError(f"checkpoint {folder!r} has {len(extra)} tensor(s) this Llama model does not "
+        raise ValueError(f"checkpoint {folder!r} has {len(extra)} tensor(s) this {architecture} does not "
                          f"use (a different architecture?): {', '.join(extra[:8])}")
     by_file: dict[str, list[str]] = {}
     for n in shards:
@@ -123,4 +116,6 @@ def load_checkpoint(shards: dict[str, Shard], folder: str, *, tied: bool = False
     for fname, names in by_file.items():
         with safe_open(os.path.join(folder, fname), framework="pt") as f:
             for n in names:
-                shards[n].dest.copy_(f.get_slice(n)[shards[n].index()])
+                tensor = f.get_slice(n)
+                for piece in shards[n].pieces():
+                    piece.dest.copy_(tensor[piece.index()])

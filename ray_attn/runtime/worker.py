@@ -81,7 +81,7 @@ class AttentionWorker:
                                 world_size=self.tp, timeout=datetime.timedelta(seconds=120))
 
     def load_model(self) -> dict:
-        from ray_attn.model import LlamaForCausalLM
+        from ray_attn.model import build_model
 
         cfg = self.config
         group = None
@@ -89,7 +89,7 @@ class AttentionWorker:
             import torch.distributed as dist
             group = dist.group.WORLD
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(
+            self.model = build_model(
                 cfg.model, tp_rank=self.rank, tp_size=self.tp, tp_group=group, device=self.device,
                 block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
                 kernel=cfg.parallel.kernel)

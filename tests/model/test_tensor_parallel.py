@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_attn.config import ModelConfig
-from ray_attn.model import LlamaForCausalLM
+from ray_attn.model import LlamaForCausalLM, build_model
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 
 SEED = 7
@@ -25,17 +25,24 @@ CASES = {
                       logits_soft_cap=5.0),
     # One KV head on every rank; ALiBi slopes sliced to each rank's query heads.
     "mqa_alibi": dict(num_key_value_heads=1, use_alibi=True),
+    # MPT: the fused Wqkv cut by heads into q, k and v pieces; slopes per rank; LayerNorm, GELU MLP.
+    "mpt": dict(architecture="MptForCausalLM", clip_qkv=2.0, intermediate_size=512),
+    # Gemma-2: KV heads replicated at TP=4, both soft caps, sliding and full layers, GeGLU.
+    "gemma2": dict(architecture="Gemma2ForCausalLM", num_key_value_heads=2, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   logits_soft_cap=4.0, final_logit_soft_cap=5.0, query_pre_attn_scalar=24.0),
 }
 
 
 def config(name: str) -> ModelConfig:
-    return ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                       num_attention_heads=4, head_dim=32, max_position_embeddings=256, **CASES[name])
+    base = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                num_attention_heads=4, head_dim=32, max_position_embeddings=256)
+    return ModelConfig(**(base | CASES[name]))
 
 
 def logits(name, **tp):
     cfg = config(name)
-    model = LlamaForCausalLM(cfg, block_size=BLOCK_SIZE, **tp)
+    model = build_model(cfg, block_size=BLOCK_SIZE, **tp)
     model.init_random_weights(SEED)
     chunk = cfg.attention_chunk_size
     return torch.cat(run_schedule(model, random_tokens(cfg.vocab_size), SCHEDULE, chunk=chunk))

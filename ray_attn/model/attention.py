@@ -1,0 +1,61 @@
+"""The self-attention every family shares: fused q/k/v projection, optional RoPE, the paged
+FlashAttention backend, output projection.
+
+What differs between families is configuration, not code: the scale (``ModelConfig.attention_scale``),
+ALiBi slopes, soft cap, q/k/v clipping and the layer's kind (full, sliding, chunked) all come from
+``ModelConfig``; checkpoint names are the family's business (its ``layer_shards``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ray_attn.backend.flash_attn import AttentionLayer, FlashAttentionImpl
+from ray_attn.config import ModelConfig
+from ray_attn.model.layers import RotaryEmbedding, RowParallelLinear, alibi_slopes, qkv_parallel
+from ray_attn.model.tp import TPGroup
+
+
+class ParallelAttention(nn.Module):
+    """Query heads split over ranks, KV heads split or replicated (``qkv_parallel``); o_proj is
+    row-parallel, so the layer's output is all-reduced."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, *, dtype, device,
+                 block_size, kv_cache_dtype, kernel):
+        super().__init__()
+        H, D = config.num_attention_heads, config.head_size
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            config.hidden_size, H, config.num_key_value_heads, D, tp, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(H * D, config.hidden_size, tp.rank * self.num_heads * D,
+                                        self.num_heads * D, tp, dtype=dtype, device=device)
+        self.head_size = D
+        self.clip_qkv = config.clip_qkv
+        kind = config.layer_kinds()[layer_idx]
+        slopes = None
+        if config.use_alibi:
+            first = tp.rank * self.num_heads
+            slopes = alibi_slopes(H, config.alibi_bias_max)[first:first + self.num_heads]
+        self.impl = FlashAttentionImpl(
+            self.num_heads, D, config.attention_scale, self.num_kv_heads, slopes,
+            config.sliding_window if kind == "sliding_attention" else None, kv_cache_dtype,
+            logits_soft_cap=config.logits_soft_cap, use_irope=kind == "chunked_attention",
+            dtype=dtype, block_size=block_size, device=device, kernel=kernel)
+        self.attn_layer = AttentionLayer(device=device)
+
+    def forward(self, x, cos_sin, kv_cache, attn_metadata, out):
+        T, D, nq, nk = x.shape[0], self.head_size, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qk, v = qkv.split([(nq + nk) * D, nk * D], dim=-1)
+        qk = qk.view(T, nq + nk, D)
+        if cos_sin is not None:
+            qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k heads rotated in one pass
+        q, k = qk.split([nq, nk], dim=1)
+        self.impl.forward(self.attn_layer, q, k, v.view(T, nk, D), kv_cache, attn_metadata, out)
+        return self.o_proj(out.view(T, nq * D))
+
+    def qkv_shards(self, prefix: str, names=("q_proj", "k_proj", "v_proj")) -> dict:
+        """Checkpoints with separate q/k/v tensors (Llama, Gemma)."""
+        return {f"{prefix}{n}.weight": self.qkv_proj.shard(i) for i, n in enumerate(names)}
+
