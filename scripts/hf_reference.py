@@ -39,8 +39,8 @@ def hf_config(family: str, size: dict, *, window: int, chunk: int | None = None)
                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                hidden_activation="gelu_pytorch_tanh")
     if family == "mpt":
-        return tf.MptConfig(d_model=s["hidden"], n_heads=s["heads"], n_layers=s["layers"],
-                            expansion_ratio=s["inter"] / s["hidden"], max_seq_len=s["max_pos"],
+        # HF's MPT builds (and writes) a 4 * d_model MLP whatever expansion_ratio says.
+        return tf.MptConfig(d_model=s["hidden"], n_heads=s["heads"], n_layers=s["layers"], max_seq_len=s["max_pos"],
                             vocab_size=s["vocab"], attn_config={"alibi": True, "alibi_bias_max": 8})
     raise ValueError(f"unknown family {family!r}")
 

@@ -25,6 +25,7 @@ from ray_attn.backend.flash_attn import FlashAttentionBackend
 from ray_attn.config import ModelConfig
 from ray_attn.metadata import FlashAttentionMetadata
 from ray_attn.model import weights
+from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.layers import RMSNorm, RotaryEmbedding, Shard, new_param, replicated
 from ray_attn.model.tp import TPGroup
 
@@ -104,6 +105,14 @@ class CausalLM(nn.Module):
             del full  # one full tensor at a time, so an 8B model initialises in place on the GPU
 
     # -- KV cache ---------------------------------------------------------------------------
+    def set_calculate_kv_scales(self, on: bool = True) -> None:
+        """Have every layer take its fp8 scales from the next batch it sees (vLLM's
+        calculate_kv_scales).  The worker turns this on after capturing CUDA graphs, so that the
+        capture's warm-up runs (placeholder inputs) do not set the scales."""
+        for m in self.modules():
+            if isinstance(m, ParallelAttention):
+                m.attn_layer.calculate_kv_scales = on
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return FlashAttentionBackend.get_kv_cache_shape(num_blocks, self.block_size,
                                                         self.num_kv_heads, self.head_size)

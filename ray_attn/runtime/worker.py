@@ -100,6 +100,8 @@ class AttentionWorker:
         self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.model.allocate_kv_cache(self.num_blocks)
         self.graphs = self._capture_graphs()
+        if cfg.cache.calculate_kv_scales:
+            self.model.set_calculate_kv_scales()  # after capture: its warm-ups must not set them
         return self.device_info()
 
     def _capture_graphs(self):

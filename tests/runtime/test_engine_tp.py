@@ -220,3 +220,28 @@ def test_admitting_more_than_the_cache_holds_backs_off_instead_of_failing():
             if o.finished:
                 done[o.request_id] = o.output_token_ids
     assert [done[i] for i in ids] == [o.output_token_ids for o in ref]
+
+
+def test_calculate_kv_scales_come_from_the_first_step_and_stay():
+    """vLLM's calculate_kv_scales through the engine: each layer's fp8 scales are set from the
+    first batch (its absolute maxima over the scale constants), then fixed; without the option
+    they stay at 1.0."""
+    def run(calc):
+        base = config()
+        cfg = base.model_copy(update={"cache": CacheConfig(num_blocks=96, kv_cache_dtype="fp8",
+                                                           calculate_kv_scales=calc)})
+        eng = LLMEngine(cfg, InProcessExecutor(cfg))
+        prompts = workload()
+        eng.generate(prompts[:2], GREEDY)
+        layers = [m.attn_layer for m in eng.executor.worker.model.modules() if hasattr(m, "attn_layer")]
+        first = [(a._k_scale_float, a._v_scale_float, a._q_scale_float) for a in layers]
+        eng.generate(prompts[2:], GREEDY)
+        return layers, first, [(a._k_scale_float, a._v_scale_float, a._q_scale_float) for a in layers]
+
+    layers, first, later = run(True)
+    assert len(layers) == 3 and not any(a.calculate_kv_scales for a in layers)
+    assert all(s != 1.0 and s > 0 for trio in first for s in trio)
+    assert len(set(first)) == 3, "each layer has its own scales"
+    assert later == first, "scales are fixed after the first batch"
+    _, first, _ = run(False)
+    assert all(s == 1.0 for trio in first for s in trio)
