@@ -7,7 +7,11 @@ host-side arguments, so every input lives in a static buffer here, padded to the
 graph was captured for, and the host arguments are fixed upper bounds:
 
 - ``max_query_len`` is 1 and ``query_start_loc`` is ``arange``: only pure decode steps qualify;
-  prefill and chunked-local steps run eagerly (their shapes vary step to step).
+  prefill steps run eagerly (their shapes vary step to step).
+- Chunked-local layers (Llama 4's iRoPE) read a decode step's virtual batches, which are its rows
+  again (each query sits in one chunk): ``local_seqused_k`` [B] and ``local_block_table`` [B,
+  chunk pages], with ``local_max_seq_len`` bounded by the chunk.  A plan with no local metadata
+  (every key still in chunk 0) gets the rows' own lengths and first pages.
 - ``max_seq_len`` is the model's ``max_position_embeddings``.  The kernels bound each row by
   ``seq_lens`` (FA3 sizes its KV splits on the device from them), so the bound costs nothing.
 - Padding rows write nowhere (slot -1) and attend over one token of an existing block; their
@@ -56,38 +60,41 @@ the copied spans).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from ray_attn.metadata import FlashAttentionMetadata
+from ray_attn.metadata import FlashAttentionMetadata, LocalAttentionMetadata
 
 MAX_CASCADE_GROUPS = 32
 _ALIGN = 64  # int32 elements (256 bytes, as cudaMalloc aligns): every view starts aligned
 _MIRRORS = 2  # host mirrors used in turn when staged (see the module docstring)
 
 
-def _layout(B: int, G: int, W: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The static int inputs in buffer order.  The per-row vectors come first and are sent whole
-    (a few KiB), so that with the block table's used rows right after them a plain step's whole
-    input is one contiguous span; the cascade tables come last, sent only on cascade steps."""
+def _layout(B: int, G: int, W: int, P: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The static int inputs in buffer order.  The per-row vectors (and the chunked-local table,
+    [B, P] with P = 0 for models without chunked layers) come first and are sent whole (a few
+    KiB), so that with the block table's used rows right after them a plain step's whole input is
+    one contiguous span; the cascade tables come last, sent only on cascade steps."""
     return (("input_ids", (B,)), ("positions", (B,)), ("slot_mapping", (B,)), ("seq_lens", (B,)),
             ("suffix_kv_lens", (B,)), ("cu_prefix_query_lens", (G + 1,)), ("prefix_kv_lens", (G,)),
-            ("block_table", (B, W)), ("suffix_block_table", (B, W)), ("prefix_block_table", (G, W)),
+            ("local_seqused_k", (B,)), ("local_block_table", (B, P)), ("block_table", (B, W)), ("suffix_block_table", (B, W)), ("prefix_block_table", (G, W)),
             # Compact tables (see ``_table``): each is at most 1/4 of its full-width rows.
             ("_stage", ((2 * B + G) * W // 4,)))
 
 
 # Values the buffers start with (0 elsewhere): padding-row values, so that any size's graph sees
 # valid metadata from the start (capture's warm-up runs on them).
-_INITIAL = {"slot_mapping": -1, "seq_lens": 1, "suffix_kv_lens": 1, "prefix_kv_lens": 1}
+_INITIAL = {"slot_mapping": -1, "seq_lens": 1, "suffix_kv_lens": 1, "prefix_kv_lens": 1,
+            "local_seqused_k": 1}
 
 
 def wants_cuda_graphs(parallel, kernel: str) -> bool:
     """Whether a rank captures decode graphs (given a GPU): the flash kernels only, since the torch
-    reference kernel reads lengths on the host; under 'auto' at TP=1 only."""
-    mode = parallel.cuda_graphs
-    return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and parallel.tensor_parallel_size == 1))
+    reference kernel reads lengths on the host; 'auto' and 'on' at any TP size (TP=2 with NCCL
+    inside the graphs gives HF's tokens: scripts/gpu_accuracy.py, rows tp2_*)."""
+    return kernel in ("fa3", "fa2") and parallel.cuda_graphs != "off"
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -120,6 +127,8 @@ class DecodeGraphs:
     block_table: torch.Tensor
     suffix_block_table: torch.Tensor
     prefix_block_table: torch.Tensor
+    local_seqused_k: torch.Tensor
+    local_block_table: torch.Tensor
 
     def __init__(self, model, max_batch: int, device: torch.device, capture: bool = True,
                  staged: bool | None = None):
@@ -136,9 +145,12 @@ class DecodeGraphs:
         if not self.staged and self.device.type != "cpu":
             raise ValueError(f"staged=False needs a CPU device (numpy writes the buffer), got {self.device}")
         self._width = width
+        cfg = model.config
+        self.chunk = cfg.attention_chunk_size if "chunked_attention" in cfg.layer_kinds() else None
+        pages = self.chunk // model.block_size if self.chunk else 0
         self._offset: dict[str, tuple[int, tuple[int, ...]]] = {}
         size = 0
-        for name, shape in _layout(B, MAX_CASCADE_GROUPS, width):
+        for name, shape in _layout(B, MAX_CASCADE_GROUPS, width, pages):
             size = -(-size // _ALIGN) * _ALIGN
             self._offset[name] = (size, shape)
             size += math.prod(shape)
@@ -183,6 +195,11 @@ class DecodeGraphs:
             num_splits=decode_num_splits(n, self.model.num_kv_heads, self.num_sms),
             # Placeholders while capturing; at replay the buffers hold a plan the worker checked.
             host_checked=True)
+        if self.chunk:
+            m.local_attn_metadata = LocalAttentionMetadata(
+                local_query_start_loc=m.query_start_loc, local_seqused_k=self.local_seqused_k[:n],
+                local_block_table=self.local_block_table[:n], local_max_query_len=1,
+                local_max_seq_len=self.chunk)
         if cascade:
             m.use_cascade, m.common_prefix_len, m.max_suffix_kv_len = True, self.max_seq_len, self.max_seq_len
             m.cu_prefix_query_lens, m.prefix_kv_lens = self.cu_prefix_query_lens, self.prefix_kv_lens
@@ -216,10 +233,14 @@ class DecodeGraphs:
     def can_run(self, plan) -> bool:
         m = plan.attn
         b, width = m.num_reqs, self.block_table.shape[1]
-        ok = (m.local_attn_metadata is None and m.max_query_len == 1
+        loc = m.local_attn_metadata
+        ok = (m.max_query_len == 1
               and m.num_actual_tokens == b and 0 < b <= self.sizes[-1]
               and len(plan.input_token_ids) == b and m.max_seq_len <= self.max_seq_len
               and m.block_table.shape[1] <= width)
+        if ok and loc is not None:  # decode: one virtual batch per row, one chunk's pages
+            ok = (self.chunk is not None and len(loc.local_seqused_k) == b
+                  and loc.local_block_table.shape[1] <= self.local_block_table.shape[1])
         if ok and m.use_cascade:
             ok = (self.cascade and len(m.prefix_kv_lens) <= MAX_CASCADE_GROUPS
                   and m.prefix_block_table.shape[1] <= width and m.suffix_block_table.shape[1] <= width)
@@ -244,6 +265,14 @@ class DecodeGraphs:
         _rows(h["positions"], b, n, plan.positions, 0)
         _rows(h["slot_mapping"], b, n, m.slot_mapping[:b], -1)
         _rows(h["seq_lens"], b, n, m.seq_lens, 1)
+        if self.chunk:
+            loc = m.local_attn_metadata
+            if loc is None:  # every key in chunk 0: the rows themselves, from their first page
+                pages = self.local_block_table.shape[1]
+                loc = SimpleNamespace(local_seqused_k=m.seq_lens, local_block_table=m.block_table[:, :pages])
+            _rows(h["local_seqused_k"], b, n, loc.local_seqused_k, 1)
+            t = loc.local_block_table
+            h["local_block_table"][:b, :t.shape[1]] = t  # padding rows keep ids of existing blocks
         compact: list[tuple[str, int, int, int]] = []
         # The per-row vectors, then the block table's rows [0, b) (or nothing more when compact).
         spans = [(0, self._table(h, "block_table", m.block_table, compact))]

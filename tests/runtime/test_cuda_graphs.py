@@ -147,6 +147,22 @@ def test_padded_cascade_decode_equals_eager_path(executor):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+LOCAL = dict(layer_types=["chunked_attention", "full_attention", "chunked_attention"], attention_chunk_size=32)
+
+
+@pytest.mark.parametrize("executor", GRAPH_EXECUTORS)
+def test_padded_local_decode_equals_eager_path(executor):
+    """Chunked-local layers (chunk 32: most rows span several chunks, some lie in chunk 0) read a
+    decode step's virtual batches from the static buffers."""
+    cfg = config(**LOCAL)
+    ref_tokens, ref = run(PlainExecutor, cfg)
+    tokens, ex = run(executor, cfg)
+    assert ex.graph_steps >= 10
+    assert tokens == ref_tokens
+    for a, b in zip(ex.logits, ref.logits):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
 def decode_plan(executor, num_reqs: int):
     """An engine on ``executor`` past the prefill of ``num_reqs`` requests, and its next (decode)
     plan, planned but not run: (executor, its DecodeGraphs, the plan)."""
@@ -402,6 +418,17 @@ def test_captured_graphs_match_eager_on_gpu():
         RecordingExecutor.capture = False
     _, ref = run(PlainExecutor, cfg, shared_prefix_workload, force_cascade=True)
     assert ex.cascade_graph_steps >= 3
+    _check_close(ex, ref)
+    # And a model with chunked-local layers.
+    cfg = config(device="cuda", dtype="bfloat16", block_size=block, hidden_size=512,
+                 num_attention_heads=8, num_key_value_heads=2, **(LOCAL | dict(attention_chunk_size=block * 2)))
+    RecordingExecutor.capture = True
+    try:
+        _, ex = run(RecordingExecutor, cfg)
+    finally:
+        RecordingExecutor.capture = False
+    _, ref = run(PlainExecutor, cfg)
+    assert ex.worker.graphs.graphs and ex.graph_steps >= 10
     _check_close(ex, ref)
 
 
