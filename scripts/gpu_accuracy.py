@@ -103,7 +103,8 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: fa(i) or need(not i["async"], "async still on")),
         Row("graphs_off", what="CUDA graphs off (eager decode)", parallel=dict(cuda_graphs="off"),
             expect=lambda s, i: fa(i) or need(not i["cuda_graphs"], "graphs still on")),
-        Row("tp2_graphs", what="TP=2, CUDA graphs (cuda_graphs='auto')", tp=2, expect=default),
+        Row("tp2_graphs", what="TP=2, CUDA graphs on (NCCL inside)", tp=2, parallel=dict(cuda_graphs="on"),
+            expect=default),
         Row("tp2_eager", what="TP=2, CUDA graphs off", tp=2, parallel=dict(cuda_graphs="off"),
             expect=lambda s, i: fa(i)),
     ]

@@ -53,15 +53,15 @@ def accuracy():
                             if k != "steps" and v and k in ("cascade_steps", "multi_group_cascade_steps",
                                                           "local_steps", "preemptions", "prefix_cache_hit_tokens"))
             rows.append(dict(row=r["row"], checks=r["what"], kernel=r.get("kernel"), graphs=r.get("cuda_graphs"),
-                             async_=r.get("async_scheduling"), agreement=r.get("agreement"),
+                             **{"async": r.get("async_scheduling")}, agreement=r.get("agreement"),
                              control=r.get("control_fp8", r.get("control_bf16")), needs=r.get("threshold"),
                              evidence=ran or "", result="pass" if r["passed"] else f"FAIL {r.get('note', '')}"))
     run = runs[0]
     print(f"### Correctness on GPU ({run['device']}, {run['date']}, transformers {run['transformers']}; "
           "`python scripts/gpu_accuracy.py`)\n")
     pc = lambda v: f"{v:.1f}%"
-    print(table(rows, ["row", "checks", "kernel", "graphs", "async_", "agreement", "control", "needs", "evidence", "result"],
-                {"agreement": pc, "control": pc, "needs": pc}).replace("async_", "async"))
+    print(table(rows, ["row", "checks", "kernel", "graphs", "async", "agreement", "control", "needs", "evidence", "result"],
+                {"agreement": pc, "control": pc, "needs": pc}))
     print()
 
 
