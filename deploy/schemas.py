@@ -25,9 +25,7 @@ class _Strict(BaseModel):
 def default_engine_config() -> EngineConfig:
     """A small random-weight model with two real TP workers on CPU: light enough for 2 cores."""
     return EngineConfig(
-        model=ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                          seed=1234),
+        model=ModelConfig.from_name("serve-cpu"),
         cache=CacheConfig(num_blocks=512, block_size=16),
         parallel=ParallelConfig(tensor_parallel_size=2, device="cpu", num_cpus_per_worker=0.5),
         max_num_seqs=32, max_num_batched_tokens=1024)

@@ -14,9 +14,7 @@ def demo_config(tp: int, device: str, compiled: bool, num_blocks: int | None):
     from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 
     # Llama-4-like interleave: chunked-local layers with a full-attention layer between them.
-    model = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=4, attention_chunk_size=1024,
-                        layer_types=["chunked_attention", "full_attention"] * 2, seed=1234)
+    model = ModelConfig.from_name("demo-llama4")
     return EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks, block_size=16),
                         parallel=ParallelConfig(tensor_parallel_size=tp, device=device,
                                                 use_compiled_graph=compiled),

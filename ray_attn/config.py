@@ -80,6 +80,13 @@ class ModelConfig(_Strict):
         return (self.query_pre_attn_scalar or self.head_size) ** -0.5
 
     @classmethod
+    def from_name(cls, name: str, **overrides) -> "ModelConfig":
+        """A named shape from ``MODEL_PRESETS``, with ``overrides`` on top."""
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+        return cls(**(MODEL_PRESETS[name] | overrides))
+
+    @classmethod
     def from_pretrained(cls, folder: str, **overrides) -> "ModelConfig":
         """The config of an HF-format checkpoint folder (its ``config.json``), so that a model
         loaded with ``EngineConfig(checkpoint=folder)`` gets the checkpoint's own family, shapes,
@@ -131,6 +138,30 @@ class ModelConfig(_Strict):
                 raise ValueError(f"architecture={self.architecture} needs {name}={value(values)!r}, "
                                  f"got {values[name]!r} ({why})")
         return self
+
+
+# Named model shapes (gpt-fast's ``transformer_configs``): benchmarks, the demo and the Serve
+# app's default model start from these, so that each shape is written once.  Random weights unless
+# an EngineConfig names a checkpoint.
+MODEL_PRESETS: dict[str, dict] = {
+    # Llama-3-8B's shape: what the GPU benchmarks measure.
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                       max_position_embeddings=16384, dtype="bfloat16"),
+    # The CPU stand-in for it in the same benchmarks.
+    "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, dtype="float32"),
+    # One small layer: a step that is nothing but the step machinery (bench_step_overhead).
+    "one-layer": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1),
+    # Llama-4-like interleave of chunked-local and full layers: `ray-attn demo`.
+    "demo-llama4": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, attention_chunk_size=1024,
+                        layer_types=["chunked_attention", "full_attention"] * 2, seed=1234),
+    # The Serve app's default: light enough for two TP workers on a 2-core CPU.
+    "serve-cpu": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, seed=1234),
+}
 
 
 class CacheConfig(_Strict):

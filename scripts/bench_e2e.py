@@ -24,15 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
-from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                 max_position_embeddings=16384, dtype="bfloat16")
-TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-            dtype="float32")
 
 
 def weight_bytes(m: dict) -> int:
@@ -147,7 +141,7 @@ def main(argv=None):
         return
     dev = bl.device()
     gpu = dev.type == "cuda"
-    m = LLAMA3_8B if gpu else TINY
+    m = MODEL_PRESETS["llama-3-8b" if gpu else "tiny"]
     grid = ([(1, 1024), (1, 8192), (32, 1024), (32, 4096), (64, 1024), (64, 4096), (128, 1024),
              (256, 1024)] if gpu else [(1, 128), (8, 128), (8, 512)])
     hf_grid = [(1, 1024), (32, 1024), (64, 1024), (32, 4096)] if gpu else [(1, 128), (8, 128)]

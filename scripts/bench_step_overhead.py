@@ -69,13 +69,9 @@ def worker_class(model: str):
 
 def tiny_config(compiled: bool, device: str, model: str = "tiny") -> EngineConfig:
     if model == "8b":
-        from bench_e2e import LLAMA3_8B
-
-        model = ModelConfig(**LLAMA3_8B)
+        model = ModelConfig.from_name("llama-3-8b")
     else:
-        model = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1,
-                            dtype="bfloat16" if device == "cuda" else "float32")
+        model = ModelConfig.from_name("one-layer", dtype="bfloat16" if device == "cuda" else "float32")
     return EngineConfig(model=model, cache=CacheConfig(num_blocks=4096),
                         parallel=ParallelConfig(device=device, use_compiled_graph=compiled),
                         max_num_seqs=512, max_num_batched_tokens=16384)

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
-from bench_e2e import LLAMA3_8B, TINY, ours  # noqa: E402
+from bench_e2e import ours  # noqa: E402
 
-from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 from ray_attn.runtime import StepInput  # noqa: E402
 
@@ -84,7 +84,7 @@ def main(argv=None):
     ngpu = torch.cuda.device_count() if gpu else 0
     max_tp = args.max_tp or (ngpu if gpu else 2)
     tps = [t for t in (1, 2, 4, 8) if t <= max_tp]
-    m = LLAMA3_8B if gpu else TINY
+    m = MODEL_PRESETS["llama-3-8b" if gpu else "tiny"]
     # Correctness in float32: bf16 all-reduce order moves logits by a few bf16 steps, which can
     # flip a greedy near-tie; float32 runs the torch kernel on the GPU.
     m32 = dict(m, dtype="float32", num_hidden_layers=4 if gpu else m["num_hidden_layers"])

@@ -20,9 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
-from bench_e2e import LLAMA3_8B, TINY  # noqa: E402
 
-from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
 from ray_attn.runtime import InProcessExecutor  # noqa: E402
 
@@ -43,7 +42,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
-    m = LLAMA3_8B if gpu else TINY
+    m = MODEL_PRESETS["llama-3-8b" if gpu else "tiny"]
     cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(block_size=16, memory_fraction=0.5,
                                                                  num_blocks=None if gpu else 512),
                        parallel=ParallelConfig(device="cuda" if gpu else "cpu"),

@@ -137,3 +137,13 @@ def test_config_replicates_kv_heads_when_fewer_than_tp():
 def test_config_rejects_unknown_fields():
     with pytest.raises(ValueError, match="hidden_sise"):
         ModelConfig(hidden_sise=64)
+
+
+def test_model_presets_build_and_unknown_names_are_refused():
+    from ray_attn.config import MODEL_PRESETS
+
+    for name in MODEL_PRESETS:
+        assert ModelConfig.from_name(name) == ModelConfig(**MODEL_PRESETS[name])
+    assert ModelConfig.from_name("llama-3-8b", num_hidden_layers=2).num_hidden_layers == 2
+    with pytest.raises(ValueError, match="unknown model preset 'llama-9'.*'llama-3-8b'"):
+        ModelConfig.from_name("llama-9")
