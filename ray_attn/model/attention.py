@@ -55,7 +55,9 @@ class ParallelAttention(nn.Module):
         self.impl.forward(self.attn_layer, q, k, v.view(T, nk, D), kv_cache, attn_metadata, out)
         return self.o_proj(out.view(T, nq * D))
 
-    def qkv_shards(self, prefix: str, names=("q_proj", "k_proj", "v_proj")) -> dict:
-        """Checkpoints with separate q/k/v tensors (Llama, Gemma)."""
-        return {f"{prefix}{n}.weight": self.qkv_proj.shard(i) for i, n in enumerate(names)}
+    def hf_shards(self, prefix: str) -> dict:
+        """Checkpoints with separate q/k/v/o tensors under HF's Llama names (Llama, Gemma)."""
+        s = {f"{prefix}{n}.weight": self.qkv_proj.shard(i) for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
+        s[prefix + "o_proj.weight"] = self.o_proj.shard()
+        return s
 

@@ -56,11 +56,7 @@ class Gemma2ForCausalLM(CausalLM):
     def layer_shards(self, i, layer):
         p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
         return {
-            **a.qkv_shards(p + "self_attn."),
-            p + "self_attn.o_proj.weight": a.o_proj.shard(),
-            p + "mlp.gate_proj.weight": m.gate_up.shard(0),
-            p + "mlp.up_proj.weight": m.gate_up.shard(1),
-            p + "mlp.down_proj.weight": m.down.shard(),
+            **a.hf_shards(p + "self_attn."), **m.hf_shards(p + "mlp."),
             **{p + n + ".weight": getattr(layer, n).shard() for n in (
                 "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")},

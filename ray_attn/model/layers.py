@@ -218,6 +218,11 @@ class MLP(nn.Module):
         self.gate_up = ColumnParallelLinear(hidden, [part] * (2 if gated else 1), dtype=dtype, device=device)
         self.down = RowParallelLinear(intermediate, hidden, tp.rank * n, n, tp, dtype=dtype, device=device)
 
+    def hf_shards(self, prefix: str) -> dict:
+        """A gated MLP under HF's Llama names (gate_proj, up_proj, down_proj)."""
+        return {prefix + "gate_proj.weight": self.gate_up.shard(0), prefix + "up_proj.weight": self.gate_up.shard(1),
+                prefix + "down_proj.weight": self.down.shard()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
         if not self.gated:

@@ -44,11 +44,7 @@ class LlamaForCausalLM(CausalLM):
     def layer_shards(self, i, layer):
         p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
         return {
-            **a.qkv_shards(p + "self_attn."),
-            p + "self_attn.o_proj.weight": a.o_proj.shard(),
-            p + "mlp.gate_proj.weight": m.gate_up.shard(0),
-            p + "mlp.up_proj.weight": m.gate_up.shard(1),
-            p + "mlp.down_proj.weight": m.down.shard(),
+            **a.hf_shards(p + "self_attn."), **m.hf_shards(p + "mlp."),
             p + "input_layernorm.weight": layer.input_layernorm.shard(),
             p + "post_attention_layernorm.weight": layer.post_attention_layernorm.shard(),
         }

@@ -399,37 +399,30 @@ def test_captured_graphs_match_eager_on_gpu():
     from ray_attn.backend.kernels import _has_module
 
     block = 16 if _has_module("flash_attn_interface") else 256
-    cfg = config(device="cuda", dtype="bfloat16", block_size=block,
-                 hidden_size=512, num_attention_heads=8, num_key_value_heads=2)
-    RecordingExecutor.capture = True
-    try:
-        _, ex = run(RecordingExecutor, cfg)
-    finally:
-        RecordingExecutor.capture = False
-    _, ref = run(PlainExecutor, cfg)
+    gpu = dict(device="cuda", dtype="bfloat16", block_size=block, hidden_size=512, num_attention_heads=8,
+               num_key_value_heads=2)
+    ex, ref = _captured_and_eager(config(**gpu))
     assert ex.worker.graphs.graphs, "nothing was captured"
     assert ex.graph_steps >= 10
     _check_close(ex, ref)
     # And cascade decode steps, replayed from their own graphs.
-    RecordingExecutor.capture = True
-    try:
-        _, ex = run(RecordingExecutor, cfg, shared_prefix_workload, force_cascade=True)
-    finally:
-        RecordingExecutor.capture = False
-    _, ref = run(PlainExecutor, cfg, shared_prefix_workload, force_cascade=True)
+    ex, ref = _captured_and_eager(config(**gpu), shared_prefix_workload, force_cascade=True)
     assert ex.cascade_graph_steps >= 3
     _check_close(ex, ref)
     # And a model with chunked-local layers.
-    cfg = config(device="cuda", dtype="bfloat16", block_size=block, hidden_size=512,
-                 num_attention_heads=8, num_key_value_heads=2, **(LOCAL | dict(attention_chunk_size=block * 2)))
-    RecordingExecutor.capture = True
-    try:
-        _, ex = run(RecordingExecutor, cfg)
-    finally:
-        RecordingExecutor.capture = False
-    _, ref = run(PlainExecutor, cfg)
+    ex, ref = _captured_and_eager(config(**gpu, **(LOCAL | dict(attention_chunk_size=block * 2))))
     assert ex.worker.graphs.graphs and ex.graph_steps >= 10
     _check_close(ex, ref)
+
+
+def _captured_and_eager(cfg, work=workload, force_cascade=False):
+    """The same run with decode graphs captured, and with no graph runner at all."""
+    RecordingExecutor.capture = True
+    try:
+        _, ex = run(RecordingExecutor, cfg, work, force_cascade)
+    finally:
+        RecordingExecutor.capture = False
+    return ex, run(PlainExecutor, cfg, work, force_cascade)[1]
 
 
 def _check_close(ex, ref):
