@@ -188,7 +188,7 @@ class ParallelConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where workers run; 'auto' uses GPUs when the cluster has them.")
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per rank's bundle.")
     use_compiled_graph: bool = Field(False, description="Drive steady-state steps through a Ray compiled graph.")
-    cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="Replay pure-decode steps from captured CUDA graphs (GPU workers only); 'auto' captures at tensor_parallel_size 1, 'on' at any size.")
+    cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="Replay pure-decode steps from captured CUDA graphs (GPU workers with a flash kernel), at any tensor_parallel_size; 'auto' runs eagerly if a capture fails, 'on' raises, 'off' never captures.")
     cuda_graph_max_batch: int = Field(256, gt=0, description="Largest decode batch that replays a CUDA graph (capped at max_num_seqs); larger steps run eagerly.")
     ray_address: Optional[str] = Field(None, description="Ray cluster to join; None starts or joins via RAY_ADDRESS.")
 

@@ -140,7 +140,7 @@ def main():
                      "tok_s": num, "speedup": times}))
         if t.get("cuda_graphs") == "on":
             print(f"\nRun with `--cuda-graphs on`: TP>1 decode steps are captured too, NCCL all-reduce inside the "
-                  "graph (the default, `auto`, captures at TP=1 only). The correctness rows run float32 on the "
+                  "graph (since 2026-11-30 the default, `auto`, does the same). The correctness rows run float32 on the "
                   "torch kernel, which is never captured. `allreduce_share` and `attention_share` come from "
                   "the torch profiler's view of one step; for captured TP>1 steps they are not credible (99% "
                   "all-reduce at TP=2, batch 64).")

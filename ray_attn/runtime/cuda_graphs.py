@@ -92,10 +92,10 @@ _INITIAL = {"slot_mapping": -1, "seq_lens": 1, "suffix_kv_lens": 1, "prefix_kv_l
 
 def wants_cuda_graphs(parallel, kernel: str) -> bool:
     """Whether a rank captures decode graphs (given a GPU): the flash kernels only, since the torch
-    reference kernel reads lengths on the host; under 'auto' at TP=1 only, until the TP=2 rows of
-    scripts/gpu_accuracy.py (tp2_graphs) have passed on two GPUs."""
-    mode = parallel.cuda_graphs
-    return kernel in ("fa3", "fa2") and (mode == "on" or (mode == "auto" and parallel.tensor_parallel_size == 1))
+    reference kernel reads lengths on the host; 'auto' and 'on' at any TP size (TP=2 decode steps
+    captured with the NCCL all-reduce inside give HF's tokens: scripts/gpu_accuracy.py, row
+    tp2_graphs). 'on' differs from 'auto' in failing loudly when a capture fails."""
+    return kernel in ("fa3", "fa2") and parallel.cuda_graphs != "off"
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:

@@ -328,10 +328,10 @@ def test_engine_threshold_is_kv_bytes_per_layer():
     fp8 = EngineConfig(model=llama8b, cache=CacheConfig(kv_cache_dtype="fp8"),
                        parallel=ParallelConfig(cuda_graphs="off"))
     assert cascade_threshold(fp8, "fa3") == 2 * 262144
-    graphed = EngineConfig(model=llama8b)  # auto: graphs at TP=1
+    graphed = EngineConfig(model=llama8b)  # auto: graphs
     assert cascade_threshold(graphed, "fa3") == (96 << 20) // (2 * 8 * 128 * 2) == 24576
     tp2 = EngineConfig(model=llama8b, parallel=ParallelConfig(tensor_parallel_size=2))
-    assert cascade_threshold(tp2, "fa3") == (1 << 30) // (2 * 4 * 128 * 2)  # auto: eager at TP>1
+    assert cascade_threshold(tp2, "fa3") == (96 << 20) // (2 * 4 * 128 * 2)  # auto: graphs at TP>1 too
     assert cascade_threshold(graphed, "torch") is None
     # What the ranks report wins over the config's rule (a failed capture runs eagerly).
     assert cascade_threshold(graphed, "fa3", graphs=False) == 262144
