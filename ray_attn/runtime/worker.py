@@ -7,9 +7,7 @@ or per CPU slot), and ``InProcessExecutor`` runs it in the driver's own process.
 from __future__ import annotations
 
 import collections
-import datetime
 import os
-import socket
 import time
 import warnings
 
@@ -19,17 +17,12 @@ import torch
 from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
 from ray_attn.runtime import messages
+from ray_attn.runtime import rendezvous
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
 
 CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class AttentionWorker:
@@ -64,30 +57,18 @@ class AttentionWorker:
     # -- set-up -----------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
         """Where rank 0 serves the collective group's rendezvous."""
-        import ray
-
-        return ray.util.get_node_ip_address(), free_port()
+        return rendezvous.group_address()
 
     def init_distributed(self, host: str, port: int) -> None:
         if self.tp == 1:
             return
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # A bounded timeout, so that a rank whose peer died errors out instead of hanging forever.
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.tp, timeout=datetime.timedelta(seconds=120))
+        rendezvous.join_group(host, port, self.rank, self.tp, self.device)
 
     def load_model(self) -> dict:
         from ray_attn.model import build_model
 
         cfg = self.config
-        group = None
-        if self.tp > 1:
-            import torch.distributed as dist
-            group = dist.group.WORLD
+        group = rendezvous.tp_group(self.tp)
         with torch.device(self.device):
             self.model = build_model(
                 cfg.model, tp_rank=self.rank, tp_size=self.tp, tp_group=group, device=self.device,
