@@ -19,6 +19,7 @@ from ray_attn.config import EngineConfig
 from ray_attn.runtime import messages
 from ray_attn.runtime import rendezvous
 from ray_attn.runtime.buffers import StepBuffers
+from ray_attn.runtime.deferred import DeferredOutput, TokenStaging
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
 
@@ -47,12 +48,11 @@ class AttentionWorker:
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
         self.steps = 0
-        # Async scheduling: the last step's sampled tokens (device) and the deferred output
-        # (event, host tokens, step id, logits) not yet answered.
+        # Async scheduling: the last step's sampled tokens, kept on the device for the next
+        # step's inputs, and the deferred step whose output rank 0 has not answered yet.
         self.last_tokens: torch.Tensor | None = None
-        self.pending: tuple | None = None
-        self._token_host: list[torch.Tensor | None] = [None, None]
-        self._flip = 0
+        self.deferred: DeferredOutput | None = None
+        self.token_staging = TokenStaging(self.device)
 
     # -- set-up -----------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -155,10 +155,10 @@ class AttentionWorker:
         """The step's output -- or, for a deferred step, the previous deferred step's (see
         ``StepInput``): this step is queued on the device before we wait for that one."""
         if step.plan is None:
-            return self._take_pending()
-        if not step.defer and self.pending is not None:
+            return self._collect_deferred()
+        if not step.defer and self.deferred is not None:
             raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
-                               f"of deferred step {self.pending[2]} was never collected")
+                               f"of deferred step {self.deferred.step_id} was never collected")
         plan = step.plan
         m = plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
@@ -199,8 +199,8 @@ class AttentionWorker:
             logits_np = logits.float().cpu().numpy() if step.return_logits else None
             if not step.defer:
                 return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
-            previous = self._take_pending()
-            self.pending = self._stage_output(tokens) + (step.step_id, logits_np)
+            previous = self._collect_deferred()
+            self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np)
             return previous
 
     def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
@@ -215,31 +215,10 @@ class AttentionWorker:
         r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
         ids[i] = self.last_tokens[r].to(ids.dtype)
 
-    def _stage_output(self, tokens: torch.Tensor) -> tuple:
-        """Start the tokens' copy to the host; (event or None, host view).  Two pinned buffers
-        in turn: the previous deferred output may not have been read yet."""
-        if self.device.type != "cuda":
-            return None, tokens.numpy().copy()
-        self._flip ^= 1
-        host = self._token_host[self._flip]
-        if host is None or host.numel() < len(tokens):
-            host = torch.empty(max(2 * len(tokens), 256), dtype=torch.int32, pin_memory=True)
-            self._token_host[self._flip] = host
-        view = host[:len(tokens)]
-        view.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return event, view
-
-    def _take_pending(self) -> StepOutput | None:
-        if self.pending is None:
-            return None
-        event, host, step_id, logits = self.pending
-        self.pending = None
-        if event is not None:
-            event.synchronize()
-        tokens = host if isinstance(host, np.ndarray) else host.numpy().copy()
-        return StepOutput(token_ids=tokens, step_id=step_id, logits=logits)
+    def _collect_deferred(self) -> StepOutput | None:
+        """The deferred step's output (waiting for its tokens), which is then answered."""
+        deferred, self.deferred = self.deferred, None
+        return None if deferred is None else deferred.collect()
 
     def profile_step(self, step: StepInput) -> dict:
         """Run one step under the torch profiler; device time by kind of kernel, in microseconds.
