@@ -21,6 +21,7 @@ from ray_attn.runtime import rendezvous
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.deferred import DeferredOutput, TokenStaging
 from ray_attn.runtime.messages import StepInput, StepOutput
+from ray_attn.runtime.profiling import time_by_kernel_kind
 from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
 
 CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
@@ -221,29 +222,9 @@ class AttentionWorker:
         return None if deferred is None else deferred.collect()
 
     def profile_step(self, step: StepInput) -> dict:
-        """Run one step under the torch profiler; device time by kind of kernel, in microseconds.
-
-        Used by the TP benchmark to split a step into all-reduce, attention and the rest."""
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            self._run(step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        totals = {"all_reduce": 0.0, "attention": 0.0, "other": 0.0}
-        for ev in prof.key_averages():
-            t = ev.device_time_total if self.device.type == "cuda" else ev.self_cpu_time_total
-            name = ev.key.lower()
-            if self.device.type == "cuda" and "CUDA" not in str(getattr(ev, "device_type", "")):
-                continue  # CPU ops: their kernels are counted as kernel events
-            if "allreduce" in name or "all_reduce" in name or "nccl" in name:
-                totals["all_reduce"] += t
-            elif "flash" in name or "attn" in name or "fwd" in name:
-                totals["attention"] += t
-            elif self.device.type == "cuda":
-                totals["other"] += t
-        return totals
+        """Run one step under the torch profiler; its time by kind of kernel, in microseconds
+        (``profiling.time_by_kernel_kind``).  The TP benchmark calls it on every rank."""
+        return time_by_kernel_kind(lambda: self._run(step), self.device)
 
     def refs_seen(self) -> list[str]:
         return list(self.seen_refs)
