@@ -156,53 +156,85 @@ class AttentionWorker:
         """The step's output -- or, for a deferred step, the previous deferred step's (see
         ``StepInput``): this step is queued on the device before we wait for that one."""
         if step.plan is None:
-            return self._collect_deferred()
-        if not step.defer and self.deferred is not None:
-            raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
-                               f"of deferred step {self.deferred.step_id} was never collected")
-        plan = step.plan
-        m = plan.attn
-        check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
-        m.host_checked = True  # carried to the device copy: its layers need not read values back
-        buf = self.buffers
-        buf.begin()
-        idx = buf.put("logits_indices", plan.logits_indices).long()
-        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put) \
-            if self.rank == 0 else None
+            return self._collect_deferred()  # a flush: nothing to run
+        self._check(step)
+        self.buffers.begin()  # ended by _forward, once the last input is on its way
+        logits_indices, sampling = self._stage_sampling_inputs(step)
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.can_run(plan):
-                n = self.graphs.load(plan)
-                self._fill_previous_tokens(self.graphs.input_ids, step)
-                buf.end()
-                hidden = self.graphs.replay(n, m.num_reqs, m.use_cascade)
-            else:
-                dm = m.to_device(self.device, put=buf.put)
-                ids = buf.put("input_token_ids", plan.input_token_ids).long()
-                self._fill_previous_tokens(ids, step)
-                pos = buf.put("positions", plan.positions).long()
-                buf.end()
-                hidden = self.model(ids, pos, dm)
+            hidden = self._forward(step)
             self.steps += 1
-            logits = tokens = None
-            if self.rank == 0:
-                logits = self.model.compute_logits(hidden, idx)
-                tokens = sample_on_device(logits, st, self.generator)
+            tokens, logits = self._sample(hidden, logits_indices, sampling)
             if step.defer and self.tp > 1:
-                # Every rank embeds the next step's tokens, so every rank needs these.
-                import torch.distributed as dist
-
-                if tokens is None:
-                    tokens = torch.empty(m.num_reqs, dtype=torch.int32, device=self.device)
-                dist.broadcast(tokens, src=0)
+                tokens = self._broadcast_tokens(tokens, step.plan.attn.num_reqs)
             self.last_tokens = tokens
             if self.rank != 0:
                 return None
-            logits_np = logits.float().cpu().numpy() if step.return_logits else None
-            if not step.defer:
-                return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
-            previous = self._collect_deferred()
-            self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np)
-            return previous
+            return self._answer(step, tokens, logits)
+
+    def _check(self, step: StepInput) -> None:
+        """Refuse a step that would lose an answer or read outside the cache, before any of it
+        is queued."""
+        if not step.defer and self.deferred is not None:
+            raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
+                               f"of deferred step {self.deferred.step_id} was never collected")
+        m = step.plan.attn
+        check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        m.host_checked = True  # carried to the device copy: its layers need not read values back
+
+    def _stage_sampling_inputs(self, step: StepInput) -> tuple[torch.Tensor, SamplingTensors | None]:
+        """Send what sampling reads: the hidden-state rows to turn into logits, and rank 0's
+        sampling parameters (the other ranks do not sample)."""
+        buf = self.buffers
+        idx = buf.put("logits_indices", step.plan.logits_indices).long()
+        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put) \
+            if self.rank == 0 else None
+        return idx, st
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The step's hidden states: a captured decode graph replayed when one fits the step,
+        else the model run eagerly."""
+        plan, buf = step.plan, self.buffers
+        m = plan.attn
+        if self.graphs is not None and self.graphs.can_run(plan):
+            n = self.graphs.load(plan)
+            self._fill_previous_tokens(self.graphs.input_ids, step)
+            buf.end()
+            return self.graphs.replay(n, m.num_reqs, m.use_cascade)
+        dm = m.to_device(self.device, put=buf.put)
+        ids = buf.put("input_token_ids", plan.input_token_ids).long()
+        self._fill_previous_tokens(ids, step)
+        pos = buf.put("positions", plan.positions).long()
+        buf.end()
+        return self.model(ids, pos, dm)
+
+    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
+                sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0's (tokens, logits), on the device; (None, None) on the other ranks: their
+        logits would be the same (the LM head is replicated), and only rank 0 answers."""
+        if self.rank != 0:
+            return None, None
+        logits = self.model.compute_logits(hidden, logits_indices)
+        return sample_on_device(logits, sampling, self.generator), logits
+
+    def _broadcast_tokens(self, tokens: torch.Tensor | None, num_reqs: int) -> torch.Tensor:
+        """Rank 0's tokens on every rank.  The step after a deferred one reads them on the
+        device (``_fill_previous_tokens``), and every rank embeds that step's inputs."""
+        import torch.distributed as dist
+
+        if tokens is None:
+            tokens = torch.empty(num_reqs, dtype=torch.int32, device=self.device)
+        dist.broadcast(tokens, src=0)
+        return tokens
+
+    def _answer(self, step: StepInput, tokens: torch.Tensor, logits: torch.Tensor) -> StepOutput | None:
+        """Rank 0's answer: this step's output, or, for a deferred step, the previous deferred
+        step's, waited for only now that this step is queued behind it."""
+        logits_np = logits.float().cpu().numpy() if step.return_logits else None
+        if not step.defer:
+            return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
+        previous = self._collect_deferred()
+        self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np)
+        return previous
 
     def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens (still on the device) into this step's
