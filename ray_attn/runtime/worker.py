@@ -1,7 +1,13 @@
 """One tensor-parallel rank: a KV-cache shard, a model shard, and the whole step in one call.
 
-``AttentionWorker`` is a plain class; ``AttentionCluster`` runs it as a Ray actor (one per GPU,
-or per CPU slot), and ``InProcessExecutor`` runs it in the driver's own process.
+The driver sends each rank one message per step (no RPC per layer), so everything a step does on
+a rank -- inputs to the device, the forward, sampling, the answer -- happens inside
+``execute_step``; ``_run`` is its outline.  ``AttentionWorker`` is a plain class;
+``AttentionCluster`` runs it as a Ray actor (one per GPU, or per CPU slot), and
+``InProcessExecutor`` runs it in the driver's own process.  What a rank needs but is not the
+step lives beside it: forming the TP group (``rendezvous``), deferred answers and their pinned
+host buffers (``deferred``), the input buffers (``buffers``), decode graphs (``cuda_graphs``),
+and the kernel-time split (``profiling``).
 """
 
 from __future__ import annotations
@@ -16,8 +22,7 @@ import torch
 
 from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
-from ray_attn.runtime import messages
-from ray_attn.runtime import rendezvous
+from ray_attn.runtime import messages, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.deferred import DeferredOutput, TokenStaging
 from ray_attn.runtime.messages import StepInput, StepOutput
@@ -28,6 +33,10 @@ CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the 
 
 
 class AttentionWorker:
+    """One rank.  Its public methods are what the driver calls on the actor (``cluster.py``,
+    scripts, tests): ``address``, ``init_distributed``, ``load_model``, ``device_info``,
+    ``ping``, ``execute_step``, ``profile_step``, ``refs_seen``, ``read_kv``."""
+
     def __init__(self, config: EngineConfig | dict, rank: int = 0):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
         self.rank = rank
@@ -43,8 +52,7 @@ class AttentionWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.tp, 1)))
         self.model = None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
-        # The last step refs this rank read (tests check that every rank reads the same one);
-        # bounded, so a long-running server does not grow it forever.
+        # Bounded, so that a long-running server does not grow it forever (see ``refs_seen``).
         self.seen_refs: collections.deque[str] = collections.deque(maxlen=1024)
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
@@ -61,11 +69,14 @@ class AttentionWorker:
         return rendezvous.group_address()
 
     def init_distributed(self, host: str, port: int) -> None:
+        """Join the TP group at rank 0's address; a single rank has no group to join."""
         if self.tp == 1:
             return
         rendezvous.join_group(host, port, self.rank, self.tp, self.device)
 
     def load_model(self) -> dict:
+        """This rank's model shard and its KV cache, then the decode graphs that hold the cache's
+        addresses.  Called after ``init_distributed``: a TP shard is built on the group."""
         from ray_attn.model import build_model
 
         cfg = self.config
@@ -103,6 +114,8 @@ class AttentionWorker:
             return None
 
     def _blocks_from_memory(self) -> int:
+        """As many KV blocks as ``memory_fraction`` of the memory left after the weights holds.
+        On CPU that memory is the host's, shared by its ranks and with everything else on it."""
         per_block = self.model.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -116,6 +129,7 @@ class AttentionWorker:
         return blocks
 
     def device_info(self) -> dict:
+        """What the driver learns of this rank; it sizes the planner by the smallest ``num_blocks``."""
         info = {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
                 "kernel": self.model.kernel_name if self.model else None,
                 "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None}
@@ -128,6 +142,7 @@ class AttentionWorker:
         return info
 
     def ping(self) -> int:
+        """Health check: the actor answers it even during a long step (``max_concurrency=2``)."""
         return self.rank
 
     # -- the step -----------------------------------------------------------------------------
@@ -207,6 +222,18 @@ class AttentionWorker:
         buf.end()
         return self.model(ids, pos, dm)
 
+    def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
+        """Write the previous step's sampled tokens into this step's placeholder inputs, on the
+        device: the driver planned this step without them, and need not wait for them."""
+        if step.prev_token_index is None or not len(step.prev_token_index):
+            return
+        if self.last_tokens is None:
+            raise RuntimeError(f"rank {self.rank}: step {step.step_id} reads the previous step's tokens, "
+                               "but this rank has run no step since it started")
+        i = self.buffers.put("prev_token_index", step.prev_token_index).long()
+        r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
+        ids[i] = self.last_tokens[r].to(ids.dtype)
+
     def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
                 sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Rank 0's (tokens, logits), on the device; (None, None) on the other ranks: their
@@ -236,29 +263,19 @@ class AttentionWorker:
         self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np)
         return previous
 
-    def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
-        """Write the previous step's sampled tokens (still on the device) into this step's
-        placeholder inputs."""
-        if step.prev_token_index is None or not len(step.prev_token_index):
-            return
-        if self.last_tokens is None:
-            raise RuntimeError(f"rank {self.rank}: step {step.step_id} reads the previous step's tokens, "
-                               "but this rank has run no step since it started")
-        i = self.buffers.put("prev_token_index", step.prev_token_index).long()
-        r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
-        ids[i] = self.last_tokens[r].to(ids.dtype)
-
     def _collect_deferred(self) -> StepOutput | None:
         """The deferred step's output (waiting for its tokens), which is then answered."""
         deferred, self.deferred = self.deferred, None
         return None if deferred is None else deferred.collect()
 
+    # -- diagnostics --------------------------------------------------------------------------
     def profile_step(self, step: StepInput) -> dict:
         """Run one step under the torch profiler; its time by kind of kernel, in microseconds
         (``profiling.time_by_kernel_kind``).  The TP benchmark calls it on every rank."""
         return time_by_kernel_kind(lambda: self._run(step), self.device)
 
     def refs_seen(self) -> list[str]:
+        """The step refs this rank read (tests check that every rank reads the same one)."""
         return list(self.seen_refs)
 
     def read_kv(self, layer: int, block_ids: list[int]) -> np.ndarray:
