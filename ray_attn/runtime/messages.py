@@ -57,7 +57,8 @@ class StepInput:
     positions they are and ``prev_token_rows`` which row of step N's sampled tokens fills each --
     the ranks still hold them on the device.  A deferred step is answered with the *previous*
     deferred step's output (None for the first), so the ranks queue step N+1 on the GPU before
-    they wait for step N.  ``plan=None`` runs nothing and answers the pending output (a flush).
+    they wait for step N.  ``plan=None`` runs nothing and answers the last deferred step (a
+    flush).
     """
 
     plan: Any  # ray_attn.planner.StepPlan, or None to flush a deferred output

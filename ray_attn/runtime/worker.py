@@ -1,15 +1,19 @@
 """One tensor-parallel rank: a KV-cache shard, a model shard, and the whole step in one call.
 
-``AttentionWorker`` is a plain class; ``AttentionCluster`` runs it as a Ray actor (one per GPU,
-or per CPU slot), and ``InProcessExecutor`` runs it in the driver's own process.
+The driver sends each rank one message per step (no RPC per layer), so everything a step does on
+a rank -- inputs to the device, the forward, sampling, the answer -- happens inside
+``execute_step``; ``_run`` is its outline.  ``AttentionWorker`` is a plain class;
+``AttentionCluster`` runs it as a Ray actor (one per GPU, or per CPU slot), and
+``InProcessExecutor`` runs it in the driver's own process.  What a rank needs but is not the
+step lives beside it: forming the TP group (``rendezvous``), deferred answers and their pinned
+host buffers (``deferred``), the input buffers (``buffers``), decode graphs (``cuda_graphs``),
+and the kernel-time split (``profiling``).
 """
 
 from __future__ import annotations
 
 import collections
-import datetime
 import os
-import socket
 import time
 import warnings
 
@@ -18,21 +22,21 @@ import torch
 
 from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
-from ray_attn.runtime import messages
+from ray_attn.runtime import messages, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
+from ray_attn.runtime.deferred import DeferredOutput, TokenStaging
 from ray_attn.runtime.messages import StepInput, StepOutput
+from ray_attn.runtime.profiling import time_by_kernel_kind
 from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
 
 CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class AttentionWorker:
+    """One rank.  Its public methods are what the driver calls on the actor (``cluster.py``,
+    scripts, tests): ``address``, ``init_distributed``, ``load_model``, ``device_info``,
+    ``ping``, ``execute_step``, ``profile_step``, ``refs_seen``, ``read_kv``."""
+
     def __init__(self, config: EngineConfig | dict, rank: int = 0):
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
         self.rank = rank
@@ -48,46 +52,35 @@ class AttentionWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.tp, 1)))
         self.model = None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
-        # The last step refs this rank read (tests check that every rank reads the same one);
-        # bounded, so a long-running server does not grow it forever.
+        # Bounded, so that a long-running server does not grow it forever (see ``refs_seen``).
         self.seen_refs: collections.deque[str] = collections.deque(maxlen=1024)
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
         self.steps = 0
-        # Async scheduling: the last step's sampled tokens (device) and the deferred output
-        # (event, host tokens, step id, logits) not yet answered.
+        # Async scheduling: the last step's sampled tokens, kept on the device for the next
+        # step's inputs, and the deferred step whose output rank 0 has not answered yet.
         self.last_tokens: torch.Tensor | None = None
-        self.pending: tuple | None = None
-        self._token_host: list[torch.Tensor | None] = [None, None]
-        self._flip = 0
+        self.deferred: DeferredOutput | None = None
+        self.token_staging = TokenStaging(self.device)
 
     # -- set-up -----------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
         """Where rank 0 serves the collective group's rendezvous."""
-        import ray
-
-        return ray.util.get_node_ip_address(), free_port()
+        return rendezvous.group_address()
 
     def init_distributed(self, host: str, port: int) -> None:
+        """Join the TP group at rank 0's address; a single rank has no group to join."""
         if self.tp == 1:
             return
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # A bounded timeout, so that a rank whose peer died errors out instead of hanging forever.
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.tp, timeout=datetime.timedelta(seconds=120))
+        rendezvous.join_group(host, port, self.rank, self.tp, self.device)
 
     def load_model(self) -> dict:
+        """This rank's model shard and its KV cache, then the decode graphs that hold the cache's
+        addresses.  Called after ``init_distributed``: a TP shard is built on the group."""
         from ray_attn.model import build_model
 
         cfg = self.config
-        group = None
-        if self.tp > 1:
-            import torch.distributed as dist
-            group = dist.group.WORLD
+        group = rendezvous.tp_group(self.tp)
         with torch.device(self.device):
             self.model = build_model(
                 cfg.model, tp_rank=self.rank, tp_size=self.tp, tp_group=group, device=self.device,
@@ -121,6 +114,8 @@ class AttentionWorker:
             return None
 
     def _blocks_from_memory(self) -> int:
+        """As many KV blocks as ``memory_fraction`` of the memory left after the weights holds.
+        On CPU that memory is the host's, shared by its ranks and with everything else on it."""
         per_block = self.model.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -134,6 +129,7 @@ class AttentionWorker:
         return blocks
 
     def device_info(self) -> dict:
+        """What the driver learns of this rank; it sizes the planner by the smallest ``num_blocks``."""
         info = {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
                 "kernel": self.model.kernel_name if self.model else None,
                 "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None}
@@ -146,6 +142,7 @@ class AttentionWorker:
         return info
 
     def ping(self) -> int:
+        """Health check: the actor answers it even during a long step (``max_concurrency=2``)."""
         return self.rank
 
     # -- the step -----------------------------------------------------------------------------
@@ -174,57 +171,60 @@ class AttentionWorker:
         """The step's output -- or, for a deferred step, the previous deferred step's (see
         ``StepInput``): this step is queued on the device before we wait for that one."""
         if step.plan is None:
-            return self._take_pending()
-        if not step.defer and self.pending is not None:
-            raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
-                               f"of deferred step {self.pending[2]} was never collected")
-        plan = step.plan
-        m = plan.attn
-        check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
-        m.host_checked = True  # carried to the device copy: its layers need not read values back
-        buf = self.buffers
-        buf.begin()
-        idx = buf.put("logits_indices", plan.logits_indices).long()
-        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put) \
-            if self.rank == 0 else None
+            return self._collect_deferred()  # a flush: nothing to run
+        self._check(step)
+        self.buffers.begin()  # ended by _forward, once the last input is on its way
+        logits_indices, sampling = self._stage_sampling_inputs(step)
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.can_run(plan):
-                n = self.graphs.load(plan)
-                self._fill_previous_tokens(self.graphs.input_ids, step)
-                buf.end()
-                hidden = self.graphs.replay(n, m.num_reqs, m.use_cascade)
-            else:
-                dm = m.to_device(self.device, put=buf.put)
-                ids = buf.put("input_token_ids", plan.input_token_ids).long()
-                self._fill_previous_tokens(ids, step)
-                pos = buf.put("positions", plan.positions).long()
-                buf.end()
-                hidden = self.model(ids, pos, dm)
+            hidden = self._forward(step)
             self.steps += 1
-            logits = tokens = None
-            if self.rank == 0:
-                logits = self.model.compute_logits(hidden, idx)
-                tokens = sample_on_device(logits, st, self.generator)
+            tokens, logits = self._sample(hidden, logits_indices, sampling)
             if step.defer and self.tp > 1:
-                # Every rank embeds the next step's tokens, so every rank needs these.
-                import torch.distributed as dist
-
-                if tokens is None:
-                    tokens = torch.empty(m.num_reqs, dtype=torch.int32, device=self.device)
-                dist.broadcast(tokens, src=0)
+                tokens = self._broadcast_tokens(tokens, step.plan.attn.num_reqs)
             self.last_tokens = tokens
             if self.rank != 0:
                 return None
-            logits_np = logits.float().cpu().numpy() if step.return_logits else None
-            if not step.defer:
-                return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
-            previous = self._take_pending()
-            self.pending = self._stage_output(tokens) + (step.step_id, logits_np)
-            return previous
+            return self._answer(step, tokens, logits)
+
+    def _check(self, step: StepInput) -> None:
+        """Refuse a step that would lose an answer or read outside the cache, before any of it
+        is queued."""
+        if not step.defer and self.deferred is not None:
+            raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
+                               f"of deferred step {self.deferred.step_id} was never collected")
+        m = step.plan.attn
+        check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        m.host_checked = True  # carried to the device copy: its layers need not read values back
+
+    def _stage_sampling_inputs(self, step: StepInput) -> tuple[torch.Tensor, SamplingTensors | None]:
+        """Send what sampling reads: the hidden-state rows to turn into logits, and rank 0's
+        sampling parameters (the other ranks do not sample)."""
+        buf = self.buffers
+        idx = buf.put("logits_indices", step.plan.logits_indices).long()
+        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put) \
+            if self.rank == 0 else None
+        return idx, st
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The step's hidden states: a captured decode graph replayed when one fits the step,
+        else the model run eagerly."""
+        plan, buf = step.plan, self.buffers
+        m = plan.attn
+        if self.graphs is not None and self.graphs.can_run(plan):
+            n = self.graphs.load(plan)
+            self._fill_previous_tokens(self.graphs.input_ids, step)
+            buf.end()
+            return self.graphs.replay(n, m.num_reqs, m.use_cascade)
+        dm = m.to_device(self.device, put=buf.put)
+        ids = buf.put("input_token_ids", plan.input_token_ids).long()
+        self._fill_previous_tokens(ids, step)
+        pos = buf.put("positions", plan.positions).long()
+        buf.end()
+        return self.model(ids, pos, dm)
 
     def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
-        """Write the previous step's sampled tokens (still on the device) into this step's
-        placeholder inputs."""
+        """Write the previous step's sampled tokens into this step's placeholder inputs, on the
+        device: the driver planned this step without them, and need not wait for them."""
         if step.prev_token_index is None or not len(step.prev_token_index):
             return
         if self.last_tokens is None:
@@ -234,58 +234,48 @@ class AttentionWorker:
         r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
         ids[i] = self.last_tokens[r].to(ids.dtype)
 
-    def _stage_output(self, tokens: torch.Tensor) -> tuple:
-        """Start the tokens' copy to the host; (event or None, host view).  Two pinned buffers
-        in turn: the previous deferred output may not have been read yet."""
-        if self.device.type != "cuda":
-            return None, tokens.numpy().copy()
-        self._flip ^= 1
-        host = self._token_host[self._flip]
-        if host is None or host.numel() < len(tokens):
-            host = torch.empty(max(2 * len(tokens), 256), dtype=torch.int32, pin_memory=True)
-            self._token_host[self._flip] = host
-        view = host[:len(tokens)]
-        view.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return event, view
+    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
+                sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0's (tokens, logits), on the device; (None, None) on the other ranks: their
+        logits would be the same (the LM head is replicated), and only rank 0 answers."""
+        if self.rank != 0:
+            return None, None
+        logits = self.model.compute_logits(hidden, logits_indices)
+        return sample_on_device(logits, sampling, self.generator), logits
 
-    def _take_pending(self) -> StepOutput | None:
-        if self.pending is None:
-            return None
-        event, host, step_id, logits = self.pending
-        self.pending = None
-        if event is not None:
-            event.synchronize()
-        tokens = host if isinstance(host, np.ndarray) else host.numpy().copy()
-        return StepOutput(token_ids=tokens, step_id=step_id, logits=logits)
+    def _broadcast_tokens(self, tokens: torch.Tensor | None, num_reqs: int) -> torch.Tensor:
+        """Rank 0's tokens on every rank.  The step after a deferred one reads them on the
+        device (``_fill_previous_tokens``), and every rank embeds that step's inputs."""
+        import torch.distributed as dist
 
+        if tokens is None:
+            tokens = torch.empty(num_reqs, dtype=torch.int32, device=self.device)
+        dist.broadcast(tokens, src=0)
+        return tokens
+
+    def _answer(self, step: StepInput, tokens: torch.Tensor, logits: torch.Tensor) -> StepOutput | None:
+        """Rank 0's answer: this step's output, or, for a deferred step, the previous deferred
+        step's, waited for only now that this step is queued behind it."""
+        logits_np = logits.float().cpu().numpy() if step.return_logits else None
+        if not step.defer:
+            return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
+        previous = self._collect_deferred()
+        self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np)
+        return previous
+
+    def _collect_deferred(self) -> StepOutput | None:
+        """The deferred step's output (waiting for its tokens), which is then answered."""
+        deferred, self.deferred = self.deferred, None
+        return None if deferred is None else deferred.collect()
+
+    # -- diagnostics --------------------------------------------------------------------------
     def profile_step(self, step: StepInput) -> dict:
-        """Run one step under the torch profiler; device time by kind of kernel, in microseconds.
-
-        Used by the TP benchmark to split a step into all-reduce, attention and the rest."""
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            self._run(step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        totals = {"all_reduce": 0.0, "attention": 0.0, "other": 0.0}
-        for ev in prof.key_averages():
-            t = ev.device_time_total if self.device.type == "cuda" else ev.self_cpu_time_total
-            name = ev.key.lower()
-            if self.device.type == "cuda" and "CUDA" not in str(getattr(ev, "device_type", "")):
-                continue  # CPU ops: their kernels are counted as kernel events
-            if "allreduce" in name or "all_reduce" in name or "nccl" in name:
-                totals["all_reduce"] += t
-            elif "flash" in name or "attn" in name or "fwd" in name:
-                totals["attention"] += t
-            elif self.device.type == "cuda":
-                totals["other"] += t
-        return totals
+        """Run one step under the torch profiler; its time by kind of kernel, in microseconds
+        (``profiling.time_by_kernel_kind``).  The TP benchmark calls it on every rank."""
+        return time_by_kernel_kind(lambda: self._run(step), self.device)
 
     def refs_seen(self) -> list[str]:
+        """The step refs this rank read (tests check that every rank reads the same one)."""
         return list(self.seen_refs)
 
     def read_kv(self, layer: int, block_ids: list[int]) -> np.ndarray:
