@@ -18,38 +18,22 @@ import numpy as np
 
 from ray_attn.config import EngineConfig
 from ray_attn.planner import OutOfBlocksError, Planner
+from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts import them from here)
+    CASCADE_BREAK_EVEN_BYTES,
+    CASCADE_BREAK_EVEN_BYTES_GRAPHED,
+    cascade_threshold,
+)
 from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams
 from ray_attn.runtime.cluster import WorkerFailure
-from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
 from ray_attn.runtime.messages import StepInput
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
-
-
-# On the H200 a FlashAttention cascade layer launched eagerly costs about what reading 1 GiB of
-# KV costs; replayed from a CUDA graph (decode steps) its launches are free and the break-even
-# falls to ~100 MiB (scripts/bench_cascade.py, benchmarks/NOTES.md).  Below it, plain wins.
-CASCADE_BREAK_EVEN_BYTES = 1 << 30
-CASCADE_BREAK_EVEN_BYTES_GRAPHED = 96 << 20
 
 
 def _workers_use_graphs(executor) -> bool | None:
     """What the ranks reported after loading (a capture can fail and fall back to eager)."""
     infos = getattr(executor, "infos", None)
     return infos[0].get("cuda_graphs") if infos else None
-
-
-def cascade_threshold(config: EngineConfig, kernel: str, graphs: bool | None = None) -> int | None:
-    """KV tokens a cascade must save per layer on this rank, for the measured policy on GPU
-    kernels; None (vLLM's cost model) for the torch kernel, where no measurement applies."""
-    if kernel not in ("fa3", "fa2"):
-        return None
-    m, tp = config.model, config.parallel.tensor_parallel_size
-    kv_heads = max(m.num_key_value_heads // tp, 1)
-    elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
-    graphs = wants_cuda_graphs(config.parallel, kernel) if graphs is None else graphs
-    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if graphs else CASCADE_BREAK_EVEN_BYTES
-    return budget // (2 * kv_heads * m.head_size * elem)
 
 
 class EngineDeadError(RuntimeError):
