@@ -4,32 +4,35 @@ Each step the scheduler fills a token budget -- running requests first (a decode
 the next chunk of a long prompt), then waiting ones -- and the planner turns that into one
 ``StepPlan``.  When the KV pool cannot hold the step, the newest running request is preempted:
 its blocks are freed and it is recomputed later from its token history, so nothing is dropped.
+
+The parts live apart, as in nano-vllm: what a request is (``request.py``), who runs in a step
+(``scheduler.py``), when a cascade pays (``planner/cascade.py``).  This module is what is left
+to drive them: it owns the steps in flight to the ranks and their tokens, recovers from ranks
+that die, and offers the batch API.  The names that moved stay importable from here.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from ray_attn.config import EngineConfig
-from ray_attn.planner import OutOfBlocksError, Planner, ScheduledRequest
+from ray_attn.planner import OutOfBlocksError, Planner
+from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts import them from here)
+    CASCADE_BREAK_EVEN_BYTES,
+    CASCADE_BREAK_EVEN_BYTES_GRAPHED,
+    cascade_threshold,
+)
+from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams
 from ray_attn.runtime.cluster import WorkerFailure
-from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
 from ray_attn.runtime.messages import StepInput
+from ray_attn.scheduler import Scheduler
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
-
-
-# On the H200 a FlashAttention cascade layer launched eagerly costs about what reading 1 GiB of
-# KV costs; replayed from a CUDA graph (decode steps) its launches are free and the break-even
-# falls to ~100 MiB (scripts/bench_cascade.py, benchmarks/NOTES.md).  Below it, plain wins.
-CASCADE_BREAK_EVEN_BYTES = 1 << 30
-CASCADE_BREAK_EVEN_BYTES_GRAPHED = 96 << 20
 
 
 def _workers_use_graphs(executor) -> bool | None:
@@ -38,110 +41,8 @@ def _workers_use_graphs(executor) -> bool | None:
     return infos[0].get("cuda_graphs") if infos else None
 
 
-def cascade_threshold(config: EngineConfig, kernel: str, graphs: bool | None = None) -> int | None:
-    """KV tokens a cascade must save per layer on this rank, for the measured policy on GPU
-    kernels; None (vLLM's cost model) for the torch kernel, where no measurement applies."""
-    if kernel not in ("fa3", "fa2"):
-        return None
-    m, tp = config.model, config.parallel.tensor_parallel_size
-    kv_heads = max(m.num_key_value_heads // tp, 1)
-    elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
-    graphs = wants_cuda_graphs(config.parallel, kernel) if graphs is None else graphs
-    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if graphs else CASCADE_BREAK_EVEN_BYTES
-    return budget // (2 * kv_heads * m.head_size * elem)
-
-
 class EngineDeadError(RuntimeError):
     """The ranks kept failing; the engine ended its requests and accepts no more."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            # the seed travels as an int64 to the ranks; a larger one would fail mid-step
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-
-
-PLACEHOLDER = -1  # a token id sampled on the ranks but not yet read back (see LLMEngine.step)
-
-
-@dataclass
-class Request:
-    request_id: str
-    token_ids: list[int]  # the prompt, then every generated token: one list, grown in place
-    num_prompt_tokens: int
-    params: SamplingParams
-    # Tokens submitted for sampling and not yet read back: the last ``pending`` entries of
-    # ``token_ids`` are PLACEHOLDER.  0 or 1 between steps; 2 while async scheduling has step N+1
-    # submitted and step N's output not yet applied.
-    pending: int = 0
-    sampled_row: int = -1  # its row in the last step that samples it
-    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
-    error: str | None = None
-    num_preemptions: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    # The same object goes to the planner every step, with the same growing token list: that is
-    # what its fast path recognises, and no step copies a request's tokens.
-    sched: ScheduledRequest = field(init=False)
-
-    def __post_init__(self):
-        self.sched = ScheduledRequest(self.request_id, self.token_ids, None)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.token_ids[: len(self.token_ids) - self.pending]
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens: len(self.token_ids) - self.pending]
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Generated tokens read back so far."""
-        return len(self.token_ids) - self.num_prompt_tokens - self.pending
-
-    @property
-    def last_token_in_flight(self) -> bool:
-        """Its final token (by max_tokens) is being sampled: nothing more to schedule."""
-        return self.pending > 0 and len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens
-
-    def drop_pending(self) -> None:
-        if self.pending:
-            del self.token_ids[-self.pending:]
-            self.pending = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """A request's state.  From ``step()``: ``new_token_ids`` is what this step made, and the
-    prompt and full output are filled only on the step the request finishes (copying them every
-    step would cost O(length) per request).  ``output(id)`` always fills them."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -200,8 +101,7 @@ class LLMEngine:
             if config.cascade_min_saved_kv_tokens is not None else cascade_threshold(
                 config, executor.kernel_name, _workers_use_graphs(executor)))
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.scheduler = Scheduler(config, self.planner)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._step_id = 0
@@ -212,6 +112,15 @@ class LLMEngine:
         self._submitted: _Submitted | None = None  # async: the step whose tokens are still out
         self._failures: list[float] = []
         self.dead: str | None = None
+
+    # The scheduler's queues, read by servers (deploy/loop.py) and tests.
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -242,7 +151,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt, len(prompt), params)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -252,76 +161,41 @@ class LLMEngine:
         self._finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     # -- one step -----------------------------------------------------------------------------
-    def _schedule(self, admit: int | None = None) -> tuple[list[Request], int]:
-        """Requests for this step, with their new-token counts in ``self._num_new``, and how many
-        of them come from the front of the queue (at most ``admit``; None: as many as fit).  The
-        queues are left as they are: ``_plan`` admits those requests once the planner took them."""
-        budget = self.config.max_num_batched_tokens
-        batch, self._num_new = [], {}
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.last_token_in_flight:
-                continue
-            left = len(req.token_ids) - self.planner.num_computed_tokens(req.request_id)
-            n = min(left, budget)
-            batch.append(req)
-            self._num_new[req.request_id] = n
-            budget -= n
-        admitted = 0
-        limit = len(self.waiting) if admit is None else min(admit, len(self.waiting))
-        for req in self.waiting:
-            if admitted >= limit or budget <= 0 or len(batch) >= self.config.max_num_seqs:
-                break
-            if req.pending:
-                break  # preempted while its token was out: recompute once the token is back
-            tokens = req.token_ids
-            hit = self.planner.num_cached_tokens(tokens) if self.planner.enable_prefix_caching else 0
-            n = min(len(tokens) - hit, budget)
-            batch.append(req)
-            self._num_new[req.request_id] = n
-            budget -= n
-            admitted += 1
-        return batch, admitted
-
     def _plan(self):
-        """Plan the step, preempting (by recompute) until the pool can hold it."""
-        admit = None
+        """Plan the step, preempting (by recompute) until the pool can hold it.
+
+        The retry loop lives here, not in the Scheduler, because it is where the scheduler's
+        proposal meets the planner's verdict: the Scheduler proposes from its queues and never
+        sees an OutOfBlocksError or a StepPlan, and a preemption counts in the engine's stats."""
+        scheduler, admit = self.scheduler, None
         while True:
-            batch, admitted = self._schedule(admit)
-            if not batch:
+            out = scheduler.schedule(admit)
+            if not out.reqs:
                 return None
             sched = []
-            for r in batch:
-                r.sched.num_new_tokens = self._num_new[r.request_id]
+            for r, n in zip(out.reqs, out.num_new_tokens):
+                r.sched.num_new_tokens = n
                 sched.append(r.sched)
             try:
                 plan = self.planner.plan(sched)
             except OutOfBlocksError:
                 # The planner changed nothing: first admit one request fewer from the queue, and
                 # only with none left to drop preempt a running one.
-                if admitted > 1 or (admitted and self.running):
+                admitted = out.num_admitted
+                if admitted > 1 or (admitted and scheduler.running):
                     admit = admitted - 1
                     continue
-                if not self.running:
+                if not scheduler.running:
                     raise
-                self._preempt_one()
+                scheduler.preempt_one()
+                self.stats.preemptions += 1
                 admit = 0  # else the victim would be re-admitted into the same step
                 continue
-            for _ in range(admitted):
-                self.running.append(self.waiting.popleft())
+            scheduler.admit(out.num_admitted)
             return plan
-
-    def _preempt_one(self) -> None:
-        victim = self.running.pop()  # the newest: it has the least work to redo
-        if self.planner.has_request(victim.request_id):
-            self.planner.free(victim.request_id)
-        victim.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(victim)
 
     def step(self) -> list[RequestOutput]:
         """Plan and run one step; returns what the requests gained.
@@ -430,26 +304,22 @@ class LLMEngine:
         MAX_FAILURES_PER_MINUTE failures, end the requests with the error instead."""
         now = time.monotonic()
         self._failures = [t for t in self._failures if now - t < 60] + [now]
-        victims = list(self.running)
         # The tokens still out died with the ranks; the requests go on from what came back.
-        for req in victims + list(self.waiting):
+        for req in itertools.chain(self.running, self.waiting):
             req.drop_pending()
         self._submitted = None
         # The KV cache died with the ranks: nothing held in blocks can be trusted any more.
-        for req in victims:
-            if self.planner.has_request(req.request_id):
-                self.planner.free(req.request_id)
+        # The running requests go first in line again, in their old order.
+        self.scheduler.requeue_running()
         self.planner.reset_prefix_cache()
-        self.running = []
         if len(self._failures) >= MAX_FAILURES_PER_MINUTE:
             self.dead = str(failure)
             msg = (f"{len(self._failures)} worker failures within a minute; last: {failure}")
             outs = []
-            for req in victims + list(self.waiting):
+            for req in list(self.waiting):  # the running ones first, as they were requeued
                 self._finish(req, "error", msg)
                 outs.append(self.output(req.request_id))
             return outs
-        self.waiting.extendleft(reversed(victims))  # first in line again, in their old order
         self.stats.last_recovery_s = self.executor.recover()
         self.stats.recoveries += 1
         return []
@@ -457,12 +327,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
         req.drop_pending()
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        if self.planner.has_request(req.request_id):
-            self.planner.free(req.request_id)
+        self.scheduler.remove(req)
 
     # -- batch API ----------------------------------------------------------------------------
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,

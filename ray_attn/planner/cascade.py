@@ -1,4 +1,5 @@
-"""Cascade attention decisions: vLLM's heuristic, prefix-group detection, and the multi-group model.
+"""Cascade attention decisions: vLLM's heuristic, prefix-group detection, the multi-group model,
+and the measured break-even (``cascade_threshold``) that the engine hands the planner.
 
 Cascade attention splits a batch's attention into one non-causal pass over a shared prefix (read
 once per group of requests instead of once per request), one causal pass over each request's own
@@ -8,8 +9,12 @@ suffix, and a merge of the two by their log-sum-exp.  With one group this is vLL
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ray_attn.config import EngineConfig
 
 # vLLM's thresholds (flash_attn.py, ``use_cascade_attention``): arbitrary but shared, so that a
 # single-group batch is decided exactly as vLLM decides it.
@@ -380,3 +385,27 @@ def fill_cascade_metadata(attn, bt, nblocks, seq, q, labels, prefix_blocks, ref_
     attn.suffix_block_table = windows[np.arange(B), shift]
     attn.max_suffix_kv_len = int(attn.suffix_kv_lens.max())
     return prefix_part
+
+
+# On the H200 a FlashAttention cascade layer launched eagerly costs about what reading 1 GiB of
+# KV costs; replayed from a CUDA graph (decode steps) its launches are free and the break-even
+# falls to ~100 MiB (scripts/bench_cascade.py, benchmarks/NOTES.md).  Below it, plain wins.
+CASCADE_BREAK_EVEN_BYTES = 1 << 30
+CASCADE_BREAK_EVEN_BYTES_GRAPHED = 96 << 20
+
+
+def cascade_threshold(config: EngineConfig, kernel: str, graphs: bool | None = None) -> int | None:
+    """KV tokens a cascade must save per layer on this rank, for the measured policy on GPU
+    kernels; None (vLLM's cost model) for the torch kernel, where no measurement applies."""
+    if kernel not in ("fa3", "fa2"):
+        return None
+    m, tp = config.model, config.parallel.tensor_parallel_size
+    kv_heads = max(m.num_key_value_heads // tp, 1)
+    elem = 1 if config.cache.kv_cache_dtype != "auto" else (4 if m.dtype == "float32" else 2)
+    if graphs is None:
+        # Imported here: the planner stays importable without the runtime package (torch, ray).
+        from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
+
+        graphs = wants_cuda_graphs(config.parallel, kernel)
+    budget = CASCADE_BREAK_EVEN_BYTES_GRAPHED if graphs else CASCADE_BREAK_EVEN_BYTES
+    return budget // (2 * kv_heads * m.head_size * elem)

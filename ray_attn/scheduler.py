@@ -1,0 +1,116 @@
+"""Who runs in a step: the waiting queue, the running list, and the token budget between them.
+
+Split from the engine as nano-vllm splits its ``Scheduler`` from its ``LLMEngine``: the engine
+talks to the ranks and owns the tokens in flight; the scheduler only decides, from its queues and
+what the planner already holds of each request, which requests a step carries and how many tokens
+each gets.  It proposes a step (``schedule``) without committing it, because the planner may
+still refuse it for want of KV blocks; the engine then asks again with fewer admissions or after
+``preempt_one``, and ``admit`` commits the proposal the planner took.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ray_attn.config import EngineConfig
+from ray_attn.planner import Planner
+from ray_attn.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's proposal, like vLLM's ``SchedulerOutput``.
+
+    ``reqs`` in row order: running requests first, then ``num_admitted`` from the front of the
+    waiting queue (the last ``num_admitted`` of ``reqs``; still waiting until ``admit``).
+    ``num_new_tokens[i]`` is what ``reqs[i]`` computes this step -- a parallel list rather than
+    vLLM's dict by request id, since the planner consumes it in row order and a step should not
+    hash every request id twice."""
+
+    reqs: list[Request]
+    num_new_tokens: list[int]
+    num_admitted: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, planner: Planner):
+        # The planner is read for how far each request got (computed tokens, prefix-cache hits)
+        # and written only to free the blocks of a request that leaves the running list.
+        self.planner = planner
+        self.max_num_batched_tokens = config.max_num_batched_tokens  # the config is frozen
+        self.max_num_seqs = config.max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, admit: int | None = None) -> SchedulerOutput:
+        """Fill the token budget: every running request first (a decode token, or its prompt's
+        next chunk), then waiting ones in order -- at most ``admit`` of them (None: as many as
+        fit).  Changes nothing: ``admit`` commits the admissions once the planner took the step."""
+        budget = self.max_num_batched_tokens
+        reqs: list[Request] = []
+        num_new: list[int] = []
+        planner = self.planner
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.last_token_in_flight:
+                continue
+            n = min(len(req.token_ids) - planner.num_computed_tokens(req.request_id), budget)
+            reqs.append(req)
+            num_new.append(n)
+            budget -= n
+        admitted = 0
+        limit = len(self.waiting) if admit is None else min(admit, len(self.waiting))
+        for req in self.waiting:
+            if admitted >= limit or budget <= 0 or len(reqs) >= self.max_num_seqs:
+                break
+            if req.pending:
+                break  # preempted while its token was out: recompute once the token is back
+            tokens = req.token_ids
+            hit = planner.num_cached_tokens(tokens) if planner.enable_prefix_caching else 0
+            n = min(len(tokens) - hit, budget)
+            reqs.append(req)
+            num_new.append(n)
+            budget -= n
+            admitted += 1
+        return SchedulerOutput(reqs, num_new, admitted)
+
+    def admit(self, n: int) -> None:
+        """The planner took the step: its ``n`` admissions leave the queue for the running list."""
+        for _ in range(n):
+            self.running.append(self.waiting.popleft())
+
+    def preempt_one(self) -> Request:
+        """Free the newest running request's blocks and put it at the front of the queue, to be
+        recomputed from its token history: the newest has the least work to redo."""
+        victim = self.running.pop()
+        if self.planner.has_request(victim.request_id):
+            self.planner.free(victim.request_id)
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def requeue_running(self) -> None:
+        """The KV cache is gone (the ranks died): every running request frees its blocks and goes
+        back to the front of the queue, in its old order, to be recomputed first."""
+        for req in self.running:
+            if self.planner.has_request(req.request_id):
+                self.planner.free(req.request_id)
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+
+    def remove(self, req: Request) -> None:
+        """A request ended: off whichever queue holds it, and its blocks back to the pool."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.planner.has_request(req.request_id):
+            self.planner.free(req.request_id)
