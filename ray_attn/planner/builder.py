@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from operator import attrgetter, getitem, itemgetter
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -54,6 +54,33 @@ def _positive(name, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise PlannerConfigError(f"{name} must be a positive int, got {v!r}")
     return int(v)
+
+
+class _BatchOrder(NamedTuple):
+    """One order of a planned batch: the engine's objects, their ids and their table slots."""
+
+    scheduled: list
+    ids: list
+    slots: np.ndarray
+
+
+class _LastBatch(NamedTuple):
+    """The last plan's batch, kept so that the same batch next step (steady decode) skips the id
+    lookups: the engine may schedule it in its own order or in the plan's (cascade groups
+    contiguous); both are the same when the plan did not reorder."""
+
+    as_scheduled: _BatchOrder
+    as_planned: _BatchOrder
+
+
+class _CascadeMemo(NamedTuple):
+    """A decode batch's reusable cascade verdict, for the next decode step of the same batch (same
+    ``slots`` object: it comes from ``_LastBatch``)."""
+
+    slots: np.ndarray
+    choice: CascadeChoice
+    perm: np.ndarray | None  # rows of ``slots`` -> the plan's order; None: already in order
+    prefix_part: tuple | None  # fill_cascade_metadata's step-independent part, when cascading
 
 
 class Planner(Admission):
@@ -103,7 +130,9 @@ class Planner(Admission):
         if token_buckets is not None:
             self.token_buckets = np.array(sorted(_positive("token bucket", b) for b in token_buckets))
         self.use_alibi = bool(use_alibi)
-        self._cascade_cache: tuple = ()
+        # The running batch's reusable cascade verdicts: one per order the engine may schedule it
+        # in (see _CascadeMemo); () when none.
+        self._cascade_cache: tuple[_CascadeMemo, ...] = ()
         self._enable_cascade = bool(enable_cascade)
         self._multi_group_cascade = bool(multi_group_cascade)
         # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
@@ -116,11 +145,7 @@ class Planner(Admission):
         self.table = RequestTable(_positive("max_num_reqs_hint", max_num_reqs_hint))
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._ones = np.ones(0, dtype=np.int32)
-        # The last plan's ids and slots, in input order and in plan order: when the engine schedules
-        # the same ids again (steady decode) the dict lookups are skipped.
-        self._prev: tuple | None = None
-        # ((slots of a batch, its reusable CascadeChoice, its permutation, its prefix part), ...)
-        self._cascade_cache = ()
+        self._prev: _LastBatch | None = None
         self.prefix_cache_queries = 0  # prompt tokens of new requests looked up
         self.prefix_cache_hits = 0  # of which found in the cache
 
@@ -311,19 +336,17 @@ class Planner(Admission):
         prev = self._prev
         if prev is None or not scheduled or type(scheduled[0]).__eq__ is not object.__eq__:
             return None, None
-        if scheduled == prev[0]:
-            return prev[1], prev[2]
-        if scheduled == prev[3]:
-            return prev[4], prev[5]
+        for order in prev:
+            if scheduled == order.scheduled:
+                return order.ids, order.slots
         return None, None
 
     def _same_ids(self, ids):
-        prev = self._prev
-        if prev is not None:
-            if ids == prev[1]:
-                return prev[2]
-            if ids == prev[4]:
-                return prev[5]
+        """The previous plan's slots when ``ids`` are its ids in its input or plan order, else None."""
+        if self._prev is not None:
+            for order in self._prev:
+                if ids == order.ids:
+                    return order.slots
         return None
 
     # ------------------------------------------------------------------------------------ decode
@@ -373,9 +396,9 @@ class Planner(Admission):
         max_seq = int(seq.max()) if B else 0
         reuse = reuse_perm = reuse_part = None
         if decode:
-            for key, cached_choice, cached_perm, cached_part in self._cascade_cache:
-                if key is slots:
-                    reuse, reuse_perm, reuse_part = cached_choice, cached_perm, cached_part
+            for memo in self._cascade_cache:
+                if memo.slots is slots:
+                    reuse, reuse_perm, reuse_part = memo.choice, memo.perm, memo.prefix_part
         choice = decide_cascade(self.cascade_config, bt, computed, q, max_seq,
                                 maybe_shared=self.pool.num_shared_blocks > 0, reuse=reuse)
         labels, ref_rows, perm = choice.labels, choice.ref_rows, None
@@ -449,10 +472,10 @@ class Planner(Admission):
         self._cascade_cache = ()
         if choice.reusable and decode:
             part = part if choice.use else None
-            self._cascade_cache = ((in_slots, choice, perm, part),)
+            self._cascade_cache = (_CascadeMemo(in_slots, choice, perm, part),)
             if perm is not None:
                 grouped = CascadeChoice(True, choice.reason, labels, choice.prefix_blocks, ref_rows, True)
-                self._cascade_cache += ((slots, grouped, None, part),)
+                self._cascade_cache += (_CascadeMemo(slots, grouped, None, part),)
         C = self.attention_chunk_size
         if C is not None and max_seq > C:  # else every key is in chunk 0: local == causal
             sq, cuq, sk, tab = make_local_attention_virtual_batches(C, qsl, seq, bt, bs)
@@ -478,5 +501,6 @@ class Planner(Admission):
         # commit: the step's tokens count as computed (their KV is written when the step runs)
         T.num_computed[slots] = seq
         objs = list(scheduled)
-        self._prev = (objs, in_ids, in_slots, objs if perm is None else _permuted(objs, perm), ids, slots)
+        self._prev = _LastBatch(_BatchOrder(objs, in_ids, in_slots),
+                                _BatchOrder(objs if perm is None else _permuted(objs, perm), ids, slots))
         return plan
