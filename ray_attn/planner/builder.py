@@ -16,7 +16,6 @@ planner exactly as it was.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from operator import attrgetter, getitem, itemgetter
 from typing import Hashable, NamedTuple, Sequence
 
@@ -24,22 +23,13 @@ import numpy as np
 
 from ray_attn.metadata import FlashAttentionMetadata, LocalAttentionMetadata
 
-from .block_pool import BlockPool
 from .cascade import CascadeChoice, CascadeConfig, decide_cascade, fill_cascade_metadata
-from .errors import (
-    DoubleFreeError,
-    InvalidRequestError,
-    OutOfBlocksError,
-    PlannerConfigError,
-    UnknownRequestError,
-)
-from .admission import Admission
+from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
+from .kv_cache import KVCacheManager
 from .local import make_local_attention_virtual_batches
 from .plan import ScheduledRequest, StepPlan
-from .slots import RequestTable
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; workers report the real count (``set_num_sms``)
-_REMEMBER_FREED = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 _get_id = attrgetter("req_id")
 _get_toks = attrgetter("token_ids")
@@ -83,7 +73,7 @@ class _CascadeMemo(NamedTuple):
     prefix_part: tuple | None  # fill_cascade_metadata's step-independent part, when cascading
 
 
-class Planner(Admission):
+class Planner:
     """Driver-side planner of one model replica (numpy only).
 
     Engine protocol: ``plan(scheduled)`` every step (it admits unknown ids as new requests, takes
@@ -141,13 +131,12 @@ class Planner(Admission):
         self._update_cascade_config()
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
-        self.pool = BlockPool(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching)
-        self.table = RequestTable(_positive("max_num_reqs_hint", max_num_reqs_hint))
-        self._freed: OrderedDict[Hashable, None] = OrderedDict()
+        self.kv = KVCacheManager(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching,
+                                 _positive("max_num_reqs_hint", max_num_reqs_hint), self.max_model_len)
+        # the manager's, shared (never rebound): the step path reads the table, tests the rest
+        self.pool, self.table, self._freed = self.kv.pool, self.kv.table, self.kv.freed
         self._ones = np.ones(0, dtype=np.int32)
         self._prev: _LastBatch | None = None
-        self.prefix_cache_queries = 0  # prompt tokens of new requests looked up
-        self.prefix_cache_hits = 0  # of which found in the cache
 
     def _split(self, positions):
         """(block index, offset in block) of token positions."""
@@ -222,12 +211,7 @@ class Planner(Admission):
         return req_id in self.table.slot_of
 
     def _slot(self, req_id: Hashable) -> int:
-        slot = self.table.slot_of.get(req_id)
-        if slot is None:
-            if req_id in self._freed:
-                raise DoubleFreeError(f"request {req_id!r} was already freed")
-            raise UnknownRequestError(f"unknown request id {req_id!r}")
-        return slot
+        return self.kv.slot(req_id)
 
     def num_computed_tokens(self, req_id: Hashable) -> int:
         return int(self.table.num_computed[self._slot(req_id)])
@@ -238,8 +222,15 @@ class Planner(Admission):
 
     def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
         """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""
-        max_blocks = self._max_hit_blocks(len(token_ids), num_new_tokens)
-        return len(self.pool.lookup(token_ids, max_blocks)[0]) * self.block_size
+        return self.kv.num_cached_tokens(token_ids, num_new_tokens)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv.prefix_cache_queries  # prompt tokens of new requests looked up
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv.prefix_cache_hits  # of which found in the cache
 
     def stats(self) -> dict:
         return {
@@ -257,40 +248,28 @@ class Planner(Admission):
         """Whether ``plan(scheduled)`` would find the blocks it needs (no state change).  Other bad
         input still raises."""
         try:
-            self._prepare(scheduled)
+            self.kv.prepare(scheduled)
         except OutOfBlocksError:
             return False
         return True
 
     def blocks_needed(self, scheduled: Sequence[ScheduledRequest]) -> int:
         """Blocks ``plan(scheduled)`` would allocate (no state change)."""
-        return int(self._prepare(scheduled, check_capacity=False).need.sum())
+        return int(self.kv.prepare(scheduled, check_capacity=False).need.sum())
 
     def allocate(self, req_id: Hashable, token_ids, num_new_tokens: int | None = None) -> int:
         """Reserve blocks for ``num_new_tokens`` more tokens of one request (admitting it with its
         prefix-cache hit when new).  Returns its computed tokens (for a new one, the cache hit).
         A later ``plan`` that schedules these tokens allocates nothing more for them."""
-        b = self._prepare([ScheduledRequest(req_id, token_ids, num_new_tokens)])
-        self._commit_alloc(b)
+        b = self.kv.prepare([ScheduledRequest(req_id, token_ids, num_new_tokens)])
+        self.kv.admit_and_allocate(b)
         return int(self.table.num_computed[b.slots[0]])
 
     def free(self, req_id: Hashable) -> None:
         """Release a finished or preempted request's blocks; full ones stay in the prefix cache."""
-        slot = self._slot(req_id)  # raises UnknownRequestError / DoubleFreeError
-        self._prev = None  # the cached batch may hold this slot
+        self.kv.free(req_id)  # raises UnknownRequestError / DoubleFreeError
+        self._prev = None  # the remembered batch held this slot
         self._cascade_cache = ()
-        T = self.table
-        if self.pool.enable_prefix_caching and T.tokens[slot] is not None:
-            # index the blocks decode steps filled (lazy), so that they outlive the request
-            full = min(int(T.num_computed[slot]), len(T.tokens[slot])) // self.block_size
-            if full > T.num_hashed[slot]:
-                self._hash_rows(np.zeros(1, np.intp), np.array([slot]), [T.tokens[slot]], np.array([full]),
-                                dedupe=False)
-        _, blocks = T.remove(req_id)
-        self.pool.release(blocks)
-        self._freed[req_id] = None
-        if len(self._freed) > _REMEMBER_FREED:
-            self._freed.popitem(last=False)
 
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block; returns how many."""
@@ -315,18 +294,14 @@ class Planner(Admission):
             slots = self._same_ids(ids)
         if slots is not None and ids and raw_new.count(1) == len(ids):
             return self._plan_decode(scheduled, ids, toks, slots)
-        b = self._prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
+        b = self.kv.prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
         num_new_blocks = int(b.need.sum())
-        self._commit_alloc(b)
+        self.kv.admit_and_allocate(b)
         plan = self._assemble(scheduled, b.ids, b.slots, b.computed, b.num_new,
                               self.table.num_blocks[b.slots], b.input_ids)
         plan.num_prefix_cache_hit_tokens = b.hit_tokens
         plan.num_new_blocks = num_new_blocks
-        if self.pool.enable_prefix_caching:  # index the blocks this step fills
-            full = (b.computed + b.num_new) // self.block_size
-            rows = (full > self.table.num_hashed[b.slots]).nonzero()[0]
-            if len(rows):
-                self._hash_rows(rows, b.slots, b.toks, full)
+        self.kv.index_filled_blocks(b)
         return plan
 
     def _same_batch(self, scheduled):
@@ -352,35 +327,25 @@ class Planner(Admission):
     # ------------------------------------------------------------------------------------ decode
     def _plan_decode(self, scheduled, ids, toks, slots) -> StepPlan:
         """Steady state: the previous batch again, one new token each."""
-        B, bs, T = len(ids), self.block_size, self.table
+        B, T = len(ids), self.table
         computed = T.num_computed[slots]
         try:  # token_ids[computed] is both the input and the length check
             input_ids = np.fromiter(map(getitem, toks, computed.tolist()), np.int64, B)
         except IndexError:
             lens = np.fromiter(map(len, toks), np.int64, B)
             i = int(np.flatnonzero(lens <= computed)[0])
-            self._bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
+            self.kv.bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
         except (TypeError, ValueError, OverflowError) as e:
             raise InvalidRequestError(f"token ids must be ints: {e}") from None
         if self.max_model_len is not None and int(computed.max()) >= self.max_model_len:
             i = int(computed.argmax())
-            self._bad_len(ids[i], 1, int(computed[i]), int(computed[i]) + 1)
+            self.kv.bad_len(ids[i], 1, int(computed[i]), int(computed[i]) + 1)
         nblocks = T.num_blocks[slots]
-        grow = (computed == nblocks * bs).nonzero()[0]  # rows whose last block is full
-        if len(grow):
-            if len(grow) > self.pool.num_free_blocks:
-                raise OutOfBlocksError(len(grow), self.pool.num_free_blocks, f"{B} decode requests")
-            new = self.pool.allocate(len(grow))
-            gslots = slots[grow]
-            cols = nblocks[grow]
-            nblocks[grow] = cols + 1
-            T.ensure_width(int(nblocks.max()))
-            T.flat[gslots * T.width + cols] = new
-            T.num_blocks[gslots] = cols + 1
+        num_new_blocks = self.kv.allocate_decode_blocks(slots, computed, nblocks)
         if len(self._ones) < B:
             self._ones = np.ones(2 * B, dtype=np.int32)
         plan = self._assemble(scheduled, ids, slots, computed, self._ones[:B], nblocks, input_ids)
-        plan.num_new_blocks = len(grow)
+        plan.num_new_blocks = num_new_blocks
         return plan
 
     # ------------------------------------------------------------------------------------ the plan
