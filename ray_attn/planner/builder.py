@@ -1,14 +1,17 @@
 """The Planner: turns the engine's scheduled requests into a StepPlan, in one vectorised pass.
 
+``Planner`` is the engine's one entry point; its work splits along two roles.  Which blocks each
+request holds -- validation, admission with prefix-cache hits, allocation, prefix-cache indexing,
+release -- is ``KVCacheManager``'s (kv_cache.py), a component the Planner calls.  What the step
+computes is here: ``Planner._assemble`` is the outline every step follows, over the steps in
+step.py, and it ends by committing the step's tokens as computed.  The lengths involved are drawn
+in plan.py.
+
 Per-request state lives in persistent numpy arrays indexed by slot (``RequestTable``), so a decode
 step costs a few dozen numpy calls plus a few C-level ``map`` passes over the scheduled requests.
-Python loops run only over new requests (prefix-cache lookup).
-
-Prefix-cache indexing: blocks filled by prefill steps are hashed in the step (so that requests
-arriving next step, e.g. more samples of the same prompt, share them); blocks filled by decode steps
-are hashed lazily, when the request is freed (finished or preempted), so that the steady decode
-step does no hashing.  A new request therefore shares another request's *generated* blocks only
-once that request has been freed (multi-turn chat, preemption by recompute).
+Python loops run only over new requests (prefix-cache lookup).  The steady decode step, the last
+batch again with one token each, skips the id lookups (``LastBatch``) and the cascade group search
+(``CascadeMemo``).
 
 Every call validates all of its input before it changes anything, so a typed error leaves the
 planner exactly as it was.
@@ -16,18 +19,29 @@ planner exactly as it was.
 
 from __future__ import annotations
 
-from operator import attrgetter, getitem, itemgetter
-from typing import Hashable, NamedTuple, Sequence
+from operator import attrgetter, getitem
+from typing import Hashable, Sequence
 
 import numpy as np
 
-from ray_attn.metadata import FlashAttentionMetadata, LocalAttentionMetadata
-
-from .cascade import CascadeChoice, CascadeConfig, decide_cascade, fill_cascade_metadata
+from .cascade import CascadeChoice, CascadeConfig, decide_cascade
 from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
 from .kv_cache import KVCacheManager
-from .local import make_local_attention_virtual_batches
 from .plan import ScheduledRequest, StepPlan
+from .step import (
+    CascadeMemo,
+    LastBatch,
+    StepBatch,
+    cascade_memos,
+    cascade_metadata,
+    flash_attention_metadata,
+    group_order,
+    local_attention_metadata,
+    make_step_plan,
+    pad_to_bucket,
+    permuted_list,
+    token_positions_and_slots,
+)
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; workers report the real count (``set_num_sms``)
 
@@ -36,41 +50,10 @@ _get_toks = attrgetter("token_ids")
 _get_new = attrgetter("num_new_tokens")
 
 
-def _permuted(items: list, perm: np.ndarray) -> list:
-    return list(itemgetter(*perm.tolist())(items)) if len(perm) > 1 else list(items)
-
-
 def _positive(name, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise PlannerConfigError(f"{name} must be a positive int, got {v!r}")
     return int(v)
-
-
-class _BatchOrder(NamedTuple):
-    """One order of a planned batch: the engine's objects, their ids and their table slots."""
-
-    scheduled: list
-    ids: list
-    slots: np.ndarray
-
-
-class _LastBatch(NamedTuple):
-    """The last plan's batch, kept so that the same batch next step (steady decode) skips the id
-    lookups: the engine may schedule it in its own order or in the plan's (cascade groups
-    contiguous); both are the same when the plan did not reorder."""
-
-    as_scheduled: _BatchOrder
-    as_planned: _BatchOrder
-
-
-class _CascadeMemo(NamedTuple):
-    """A decode batch's reusable cascade verdict, for the next decode step of the same batch (same
-    ``slots`` object: it comes from ``_LastBatch``)."""
-
-    slots: np.ndarray
-    choice: CascadeChoice
-    perm: np.ndarray | None  # rows of ``slots`` -> the plan's order; None: already in order
-    prefix_part: tuple | None  # fill_cascade_metadata's step-independent part, when cascading
 
 
 class Planner:
@@ -115,14 +98,14 @@ class Planner:
                     f"attention_chunk_size {c} is not a multiple of block_size {self.block_size}"
                 )
             self.attention_chunk_size = c
-        self.max_model_len = None if max_model_len is None else _positive("max_model_len", max_model_len)
+        max_model_len = None if max_model_len is None else _positive("max_model_len", max_model_len)
         self.token_buckets = None
         if token_buckets is not None:
             self.token_buckets = np.array(sorted(_positive("token bucket", b) for b in token_buckets))
         self.use_alibi = bool(use_alibi)
         # The running batch's reusable cascade verdicts: one per order the engine may schedule it
-        # in (see _CascadeMemo); () when none.
-        self._cascade_cache: tuple[_CascadeMemo, ...] = ()
+        # in (see CascadeMemo); () when none.
+        self._cascade_cache: tuple[CascadeMemo, ...] = ()
         self._enable_cascade = bool(enable_cascade)
         self._multi_group_cascade = bool(multi_group_cascade)
         # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
@@ -132,17 +115,11 @@ class Planner:
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
         self.kv = KVCacheManager(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching,
-                                 _positive("max_num_reqs_hint", max_num_reqs_hint), self.max_model_len)
+                                 _positive("max_num_reqs_hint", max_num_reqs_hint), max_model_len)
         # the manager's, shared (never rebound): the step path reads the table, tests the rest
         self.pool, self.table, self._freed = self.kv.pool, self.kv.table, self.kv.freed
         self._ones = np.ones(0, dtype=np.int32)
-        self._prev: _LastBatch | None = None
-
-    def _split(self, positions):
-        """(block index, offset in block) of token positions."""
-        if self._shift is not None:
-            return positions >> self._shift, positions & (self.block_size - 1)
-        return np.divmod(positions, self.block_size)
+        self._prev: LastBatch | None = None  # for the fast path of the same batch next step
 
     def _update_cascade_config(self) -> None:
         self._cascade_cache = ()
@@ -153,6 +130,10 @@ class Planner:
         )
 
     # ------------------------------------------------------------------------------------ queries
+    @property
+    def max_model_len(self) -> int | None:
+        return self.kv.max_model_len
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -311,17 +292,20 @@ class Planner:
         prev = self._prev
         if prev is None or not scheduled or type(scheduled[0]).__eq__ is not object.__eq__:
             return None, None
-        for order in prev:
-            if scheduled == order.scheduled:
-                return order.ids, order.slots
+        if scheduled == prev.scheduled:
+            return prev.ids, prev.slots
+        if scheduled == prev.planned_scheduled:
+            return prev.planned_ids, prev.planned_slots
         return None, None
 
     def _same_ids(self, ids):
         """The previous plan's slots when ``ids`` are its ids in its input or plan order, else None."""
-        if self._prev is not None:
-            for order in self._prev:
-                if ids == order.ids:
-                    return order.slots
+        prev = self._prev
+        if prev is not None:
+            if ids == prev.ids:
+                return prev.slots
+            if ids == prev.planned_ids:
+                return prev.planned_slots
         return None
 
     # ------------------------------------------------------------------------------------ decode
@@ -337,135 +321,73 @@ class Planner:
             self.kv.bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
         except (TypeError, ValueError, OverflowError) as e:
             raise InvalidRequestError(f"token ids must be ints: {e}") from None
-        if self.max_model_len is not None and int(computed.max()) >= self.max_model_len:
+        max_len = self.kv.max_model_len
+        if max_len is not None and int(computed.max()) >= max_len:
             i = int(computed.argmax())
             self.kv.bad_len(ids[i], 1, int(computed[i]), int(computed[i]) + 1)
         nblocks = T.num_blocks[slots]
         num_new_blocks = self.kv.allocate_decode_blocks(slots, computed, nblocks)
-        if len(self._ones) < B:
-            self._ones = np.ones(2 * B, dtype=np.int32)
-        plan = self._assemble(scheduled, ids, slots, computed, self._ones[:B], nblocks, input_ids)
+        if len(self._ones) != B:  # the query lengths, kept: the fast path sees the same B again
+            self._ones = np.ones(B, dtype=np.int32)
+        plan = self._assemble(scheduled, ids, slots, computed, self._ones, nblocks, input_ids)
         plan.num_new_blocks = num_new_blocks
         return plan
 
     # ------------------------------------------------------------------------------------ the plan
     def _assemble(self, scheduled, ids, slots, computed, q, nblocks, input_ids) -> StepPlan:
-        """Build the plan from the batch (blocks already allocated), then commit the step."""
-        bs, T = self.block_size, self.table
-        B = len(ids)
-        decode = len(input_ids) == B
-        seq = computed + q
-        in_ids, in_slots = ids, slots
-        width = max(int(nblocks.max()) if B else 0, 1)
-        bt = T.block_table[slots, :width]
-        max_seq = int(seq.max()) if B else 0
-        reuse = reuse_perm = reuse_part = None
-        if decode:
-            for memo in self._cascade_cache:
-                if memo.slots is slots:
-                    reuse, reuse_perm, reuse_part = memo.choice, memo.perm, memo.prefix_part
-        choice = decide_cascade(self.cascade_config, bt, computed, q, max_seq,
-                                maybe_shared=self.pool.num_shared_blocks > 0, reuse=reuse)
-        labels, ref_rows, perm = choice.labels, choice.ref_rows, None
-        if choice.use and len(choice.prefix_blocks) > 1:
-            if choice is reuse:
-                perm = reuse_perm
-            else:  # each group's requests (and so its tokens) contiguous
-                perm = np.argsort(labels, kind="stable")
-                if (perm[1:] > perm[:-1]).all():
-                    perm = None
-        if perm is not None:
-            if not decode:
-                starts = np.cumsum(q) - q  # token i of new row r comes from old row perm[r]
-                qp = q[perm]
-                src = np.repeat(starts[perm] - (np.cumsum(qp) - qp), qp) + np.arange(len(input_ids))
-                input_ids = input_ids[src]
-            else:
-                input_ids = input_ids[perm]
-            bt, computed, q, seq, nblocks, labels, slots = (
-                bt[perm], computed[perm], q[perm], seq[perm], nblocks[perm], labels[perm], slots[perm]
-            )
-            ids = _permuted(ids, perm)
-            ref_rows = np.argsort(perm)[ref_rows]
+        """Build the step's plan from a batch whose blocks are allocated, then commit the step.
 
-        N = len(input_ids)
-        if decode:
-            qsl = np.arange(B + 1, dtype=np.int32)
-            positions = computed
-            blk, off = self._split(computed)
-            flat = slots * T.width + blk
-        else:
-            qsl = np.zeros(B + 1, dtype=np.int32)
-            qsl[1:] = np.cumsum(q)
-            positions = (np.arange(N) - np.repeat(qsl[:-1] - computed, q)).astype(np.int32)
-            blk, off = self._split(positions)
-            flat = np.repeat(slots * T.width, q) + blk
-        slot_mapping = T.flat.take(flat) * bs + off
+        The outline of every step, decode or not; each step is a function of step.py or a method
+        below, and only the last one, ``_commit_step``, changes the planner's state.  ``batch`` and
+        ``choice`` have their rows in the engine's order, ``planned`` and ``planned_choice`` in the
+        plan's."""
+        batch = StepBatch.gather(self.table, ids, slots, computed, q, nblocks, input_ids)
+        choice, memo = self._decide_cascade(batch)
+        perm, planned_choice = None, choice
+        if memo is not None:  # the same decode batch as last step: the same order
+            perm, planned_choice = memo.perm, memo.planned_choice
+        elif choice.use:  # each group's requests, and so its query tokens, contiguous
+            perm, planned_choice = group_order(choice)
+        planned = batch if perm is None else batch.permuted(perm)
 
-        num_tokens = N
-        if self.token_buckets is not None:
-            k = int(np.searchsorted(self.token_buckets, N))
-            if k < len(self.token_buckets):
-                num_tokens = int(self.token_buckets[k])
-        if num_tokens == N:
-            slot_out = slot_mapping.astype(np.int32, copy=False)
-            pos_out = positions.astype(np.int32)  # a copy: num_computed_tokens keeps `computed`
-            ids_out = input_ids.astype(np.int32)
-        else:  # padding: slot -1 (not written), token 0, position 0
-            slot_out = np.full(num_tokens, -1, dtype=np.int32)
-            slot_out[:N] = slot_mapping
-            pos_out = np.zeros(num_tokens, dtype=np.int32)
-            pos_out[:N] = positions
-            ids_out = np.zeros(num_tokens, dtype=np.int32)
-            ids_out[:N] = input_ids
-
-        seq = seq.astype(np.int32, copy=False)
-        attn = FlashAttentionMetadata(
-            num_actual_tokens=N,
-            max_query_len=(1 if decode else int(q.max())) if B else 0,
-            query_start_loc=qsl,
-            max_seq_len=max_seq,
-            seq_lens=seq,
-            block_table=bt,
-            slot_mapping=slot_out,
-        )
+        qsl, positions, slot_mapping = token_positions_and_slots(planned, self.table, self.block_size,
+                                                                 self._shift)
+        input_ids, positions, slot_mapping = pad_to_bucket(self.token_buckets, planned.input_ids, positions,
+                                                           slot_mapping)
+        attn = flash_attention_metadata(planned, qsl, slot_mapping)
+        prefix_part = None
         if choice.use:
-            part = fill_cascade_metadata(attn, bt, nblocks, seq, q, labels, choice.prefix_blocks,
-                                         ref_rows, bs, reuse_part if choice is reuse else None)
-        # Keep the verdict for the next decode step of this batch, in the input order (with its
-        # permutation) and in the plan's order (already grouped).
-        self._cascade_cache = ()
-        if choice.reusable and decode:
-            part = part if choice.use else None
-            self._cascade_cache = (_CascadeMemo(in_slots, choice, perm, part),)
-            if perm is not None:
-                grouped = CascadeChoice(True, choice.reason, labels, choice.prefix_blocks, ref_rows, True)
-                self._cascade_cache += (_CascadeMemo(slots, grouped, None, part),)
-        C = self.attention_chunk_size
-        if C is not None and max_seq > C:  # else every key is in chunk 0: local == causal
-            sq, cuq, sk, tab = make_local_attention_virtual_batches(C, qsl, seq, bt, bs)
-            attn.local_attn_metadata = LocalAttentionMetadata(
-                local_query_start_loc=cuq,
-                local_seqused_k=sk,
-                local_block_table=tab,
-                local_max_query_len=int(sq.max()),
-                local_max_seq_len=int(sk.max()),
-            )
-        plan = StepPlan(
-            req_ids=ids,
-            attn=attn,
-            input_token_ids=ids_out,
-            positions=pos_out,
-            logits_indices=qsl[1:] - 1,
-            num_computed_tokens=computed.astype(np.int32, copy=False),
-            cascade_reason=choice.reason,
-            num_cascade_groups=len(choice.prefix_blocks) if choice.use else 0,
-            cascade_group_ids=labels.astype(np.int32) if choice.use else None,
-        )
+            prefix_part = cascade_metadata(attn, planned, planned_choice, self.block_size,
+                                           memo.prefix_part if memo is not None else None)
+        if self.attention_chunk_size is not None:
+            attn.local_attn_metadata = local_attention_metadata(self.attention_chunk_size, qsl, planned,
+                                                                self.block_size)
+        plan = make_step_plan(planned, attn, input_ids, positions, planned_choice)
 
-        # commit: the step's tokens count as computed (their KV is written when the step runs)
-        T.num_computed[slots] = seq
-        objs = list(scheduled)
-        self._prev = _LastBatch(_BatchOrder(objs, in_ids, in_slots),
-                                _BatchOrder(objs if perm is None else _permuted(objs, perm), ids, slots))
+        memos = cascade_memos(batch, choice, perm, planned, planned_choice, prefix_part, memo)
+        self._commit_step(scheduled, batch, perm, planned, memos)
         return plan
+
+    def _decide_cascade(self, batch: StepBatch) -> tuple[CascadeChoice, CascadeMemo | None]:
+        """Whether and how the step cascades (rows in the engine's order), and the memo of the last
+        step whose verdict it reuses (None: decided afresh, or refused by a length rule)."""
+        memo = None
+        if batch.decode:  # a decode step of the last plan's slots object, in either of its orders
+            for kept in self._cascade_cache:
+                if kept.slots is batch.slots:
+                    memo = kept
+        choice = decide_cascade(self.cascade_config, batch.block_table, batch.computed, batch.q,
+                                batch.max_seq, maybe_shared=self.pool.num_shared_blocks > 0,
+                                reuse=memo.choice if memo is not None else None)
+        return choice, (memo if memo is not None and choice is memo.choice else None)
+
+    def _commit_step(self, scheduled, batch: StepBatch, perm, planned: StepBatch,
+                     memos: tuple[CascadeMemo, ...]) -> None:
+        """Commit the step, the only state the assembly changes: its tokens count as computed (their
+        KV is written when the step runs, so the next plan starts each request at ``seq``), and the
+        batch, in both orders, and its cascade memos are kept for the next step's fast path."""
+        self.table.num_computed[planned.slots] = planned.seq
+        objs = list(scheduled)
+        planned_objs = objs if perm is None else permuted_list(objs, perm)
+        self._prev = LastBatch(objs, batch.ids, batch.slots, planned_objs, planned.ids, planned.slots)
+        self._cascade_cache = memos
