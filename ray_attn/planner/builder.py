@@ -236,7 +236,7 @@ class Planner:
 
     def blocks_needed(self, scheduled: Sequence[ScheduledRequest]) -> int:
         """Blocks ``plan(scheduled)`` would allocate (no state change)."""
-        return int(self.kv.prepare(scheduled, check_capacity=False).need.sum())
+        return self.kv.prepare(scheduled, check_capacity=False).num_new_blocks
 
     def allocate(self, req_id: Hashable, token_ids, num_new_tokens: int | None = None) -> int:
         """Reserve blocks for ``num_new_tokens`` more tokens of one request (admitting it with its
@@ -276,12 +276,11 @@ class Planner:
         if slots is not None and ids and raw_new.count(1) == len(ids):
             return self._plan_decode(scheduled, ids, toks, slots)
         b = self.kv.prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
-        num_new_blocks = int(b.need.sum())
         self.kv.admit_and_allocate(b)
         plan = self._assemble(scheduled, b.ids, b.slots, b.computed, b.num_new,
                               self.table.num_blocks[b.slots], b.input_ids)
         plan.num_prefix_cache_hit_tokens = b.hit_tokens
-        plan.num_new_blocks = num_new_blocks
+        plan.num_new_blocks = b.num_new_blocks
         self.kv.index_filled_blocks(b)
         return plan
 

@@ -47,6 +47,7 @@ class PreparedBatch:
         "computed",  # [B] num_computed_tokens before this step (a new request: its prefix hit)
         "num_new",  # [B] int32 tokens scheduled this step (the query lengths)
         "need",  # [B] blocks to allocate
+        "num_new_blocks",  # need.sum()
         "new_rows",  # rows of requests not admitted yet
         "hits",  # per new row, the prefix-cache blocks it takes
         "hit_hashes",  # per new row, the chain hash of its last hit block
@@ -140,6 +141,7 @@ class KVCacheManager:
         b.computed = computed
         b.num_new = num_new.astype(np.int32)
         b.need = np.maximum(-(-seq // self.block_size) - nblocks, 0)
+        b.num_new_blocks = int(b.need.sum())
         b.input_ids = None
         if gather:
             spans = map(getitem, toks, map(slice, computed.tolist(), seq.tolist()))
@@ -148,7 +150,7 @@ class KVCacheManager:
             except (TypeError, ValueError, OverflowError) as e:
                 raise InvalidRequestError(f"token ids must be ints: {e}") from None
         if check_capacity:
-            total = int(b.need.sum())
+            total = b.num_new_blocks
             available = self.pool.num_free_blocks
             if b.new_rows and total:
                 # hits on evictable blocks take them out of the allocatable set
@@ -189,11 +191,11 @@ class KVCacheManager:
             self.prefix_cache_queries += int(np.fromiter(map(len, [b.toks[i] for i in b.new_rows]),
                                                          np.int64, len(new)).sum())
             self.prefix_cache_hits += int(n_hit.sum()) * self.block_size
-        rows = np.flatnonzero(b.need)
-        if rows.size:
+        if b.num_new_blocks:
+            rows = b.need.nonzero()[0]
             need = b.need[rows]
             slots = b.slots[rows]
-            blocks = self.pool.allocate(int(need.sum()))
+            blocks = self.pool.allocate(b.num_new_blocks)
             start = T.num_blocks[slots]
             T.ensure_width(int((start + need).max()))
             cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(len(blocks))
