@@ -13,18 +13,23 @@ lately, the length limit, the prefix-cache counters -- and the ``Planner`` calls
   steps filled (lazily) and releases the request's blocks.
 
 The step path reads the table (block table rows, ``num_computed``) and commits ``num_computed``
-itself: those are the step's own bookkeeping, not block ownership.
+itself: that is the step's own bookkeeping, not block ownership.
+
+Prefix-cache indexing: blocks filled by prefill steps are hashed in the step (so that requests
+arriving next step, e.g. more samples of the same prompt, share them); blocks filled by decode steps
+are hashed lazily, when the request is freed (finished or preempted), so that the steady decode
+step does no hashing.  A new request therefore shares another request's *generated* blocks only
+once that request has been freed (multi-turn chat, preemption by recompute).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import chain
 from operator import attrgetter, getitem
+from typing import Hashable
 
 import numpy as np
-
-from collections import OrderedDict
-from typing import Hashable
 
 from .block_pool import BlockPool, chain_hashes, content_hashes
 from .errors import DoubleFreeError, InvalidRequestError, OutOfBlocksError, UnknownRequestError
@@ -57,8 +62,8 @@ class PreparedBatch:
 
 
 class KVCacheManager:
-    """The blocks of every running request (see the module docstring).  Every method validates
-    before it changes anything."""
+    """The blocks of every running request (see the module docstring).  What changes state runs
+    on input ``prepare`` (or, for decode, the planner's fast path) already validated."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  max_num_reqs_hint: int, max_model_len: int | None):
@@ -161,6 +166,7 @@ class KVCacheManager:
         return b
 
     def bad_len(self, req_id, num_new, computed, num_tokens):
+        """Raise the InvalidRequestError of a request whose scheduled tokens do not fit."""
         limit = f", max_model_len {self.max_model_len}" if self.max_model_len is not None else ""
         raise InvalidRequestError(
             f"request {req_id!r}: num_new_tokens {num_new} with {computed} computed does not fit "
