@@ -103,26 +103,25 @@ class Planner:
         if token_buckets is not None:
             self.token_buckets = np.array(sorted(_positive("token bucket", b) for b in token_buckets))
         self.use_alibi = bool(use_alibi)
-        # The running batch's reusable cascade verdicts: one per order the engine may schedule it
-        # in (see CascadeMemo); () when none.
-        self._cascade_cache: tuple[CascadeMemo, ...] = ()
         self._enable_cascade = bool(enable_cascade)
         self._multi_group_cascade = bool(multi_group_cascade)
         # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
         self._cascade_min_saved_kv_tokens = cascade_min_saved_kv_tokens
         self._num_sms = _positive("num_sms", num_sms)
-        self._update_cascade_config()
+        self._update_cascade_config()  # sets cascade_config and _cascade_cache
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
         self.kv = KVCacheManager(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching,
                                  _positive("max_num_reqs_hint", max_num_reqs_hint), max_model_len)
-        # the manager's, shared (never rebound): the step path reads the table, tests the rest
+        # the manager's objects, never rebound: the step path reads the table; ``pool`` is public
         self.pool, self.table, self._freed = self.kv.pool, self.kv.table, self.kv.freed
-        self._ones = np.ones(0, dtype=np.int32)
+        self._ones = np.ones(0, dtype=np.int32)  # a decode step's query lengths
         self._prev: LastBatch | None = None  # for the fast path of the same batch next step
 
     def _update_cascade_config(self) -> None:
-        self._cascade_cache = ()
+        """The config the cascade decision reads, from the knobs; forgets the verdicts kept for
+        the running batch (one per order the engine may schedule it in; () when none)."""
+        self._cascade_cache: tuple[CascadeMemo, ...] = ()
         self.cascade_config = CascadeConfig(
             self.block_size, self.num_query_heads, self.num_kv_heads, self.use_alibi,
             self.sliding_window, self.attention_chunk_size, self.num_sms, self.enable_cascade,
