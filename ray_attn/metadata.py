@@ -3,8 +3,10 @@
 The planner fills these dataclasses with int32 numpy arrays (no torch on the driver); the worker
 calls :meth:`FlashAttentionMetadata.to_device` once per step and every layer then reads the same
 device tensors.  Field names follow vLLM v1's ``FlashAttentionMetadata`` so that vLLM users can map
-one onto the other; the cascade fields are generalised to several prefix groups (see DESIGN.md,
-"Multi-group cascade"): with one group they mean exactly what vLLM's do.
+one onto the other; the cascade fields are generalised to several prefix groups (see
+docs/architecture.md, "Multi-group cascade"): with one group they mean exactly what vLLM's do.  How
+the lengths relate (``query_start_loc``, ``seq_lens``, the block table, ``slot_mapping``): the
+diagram in ray_attn/planner/plan.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """The Planner: turns the engine's scheduled requests into a StepPlan, in one vectorised pass.
 
+``Planner`` is the engine's one entry point; its work splits along two roles.  Which blocks each
+request holds -- validation, admission with prefix-cache hits, allocation, prefix-cache indexing,
+release -- is ``KVCacheManager``'s (kv_cache.py), a component the Planner calls.  What the step
+computes is here: ``Planner._assemble`` is the outline every step follows, over the steps in
+step.py, and it ends by committing the step's tokens as computed.  The lengths involved are drawn
+in plan.py.
+
 Per-request state lives in persistent numpy arrays indexed by slot (``RequestTable``), so a decode
 step costs a few dozen numpy calls plus a few C-level ``map`` passes over the scheduled requests.
-Python loops run only over new requests (prefix-cache lookup).
-
-Prefix-cache indexing: blocks filled by prefill steps are hashed in the step (so that requests
-arriving next step, e.g. more samples of the same prompt, share them); blocks filled by decode steps
-are hashed lazily, when the request is freed (finished or preempted), so that the steady decode
-step does no hashing.  A new request therefore shares another request's *generated* blocks only
-once that request has been freed (multi-turn chat, preemption by recompute).
+Python loops run only over new requests (prefix-cache lookup).  The steady decode step, the last
+batch again with one token each, skips the id lookups (``LastBatch``) and the cascade group search
+(``CascadeMemo``).
 
 Every call validates all of its input before it changes anything, so a typed error leaves the
 planner exactly as it was.
@@ -16,38 +19,35 @@ planner exactly as it was.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from operator import attrgetter, getitem, itemgetter
+from operator import attrgetter, getitem
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from ray_attn.metadata import FlashAttentionMetadata, LocalAttentionMetadata
-
-from .block_pool import BlockPool
-from .cascade import CascadeChoice, CascadeConfig, decide_cascade, fill_cascade_metadata
-from .errors import (
-    DoubleFreeError,
-    InvalidRequestError,
-    OutOfBlocksError,
-    PlannerConfigError,
-    UnknownRequestError,
-)
-from .admission import Admission
-from .local import make_local_attention_virtual_batches
+from .cascade import CascadeChoice, CascadeConfig, decide_cascade
+from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
+from .kv_cache import KVCacheManager
 from .plan import ScheduledRequest, StepPlan
-from .slots import RequestTable
+from .step import (
+    CascadeMemo,
+    LastBatch,
+    StepBatch,
+    cascade_memos,
+    cascade_metadata,
+    flash_attention_metadata,
+    group_order,
+    local_attention_metadata,
+    make_step_plan,
+    pad_to_bucket,
+    permuted_list,
+    token_positions_and_slots,
+)
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; workers report the real count (``set_num_sms``)
-_REMEMBER_FREED = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 _get_id = attrgetter("req_id")
 _get_toks = attrgetter("token_ids")
 _get_new = attrgetter("num_new_tokens")
-
-
-def _permuted(items: list, perm: np.ndarray) -> list:
-    return list(itemgetter(*perm.tolist())(items)) if len(perm) > 1 else list(items)
 
 
 def _positive(name, v) -> int:
@@ -56,7 +56,7 @@ def _positive(name, v) -> int:
     return int(v)
 
 
-class Planner(Admission):
+class Planner:
     """Driver-side planner of one model replica (numpy only).
 
     Engine protocol: ``plan(scheduled)`` every step (it admits unknown ids as new requests, takes
@@ -98,40 +98,30 @@ class Planner(Admission):
                     f"attention_chunk_size {c} is not a multiple of block_size {self.block_size}"
                 )
             self.attention_chunk_size = c
-        self.max_model_len = None if max_model_len is None else _positive("max_model_len", max_model_len)
+        max_model_len = None if max_model_len is None else _positive("max_model_len", max_model_len)
         self.token_buckets = None
         if token_buckets is not None:
             self.token_buckets = np.array(sorted(_positive("token bucket", b) for b in token_buckets))
         self.use_alibi = bool(use_alibi)
-        self._cascade_cache: tuple = ()
         self._enable_cascade = bool(enable_cascade)
         self._multi_group_cascade = bool(multi_group_cascade)
         # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
         self._cascade_min_saved_kv_tokens = cascade_min_saved_kv_tokens
         self._num_sms = _positive("num_sms", num_sms)
-        self._update_cascade_config()
+        self._update_cascade_config()  # sets cascade_config and _cascade_cache
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
-        self.pool = BlockPool(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching)
-        self.table = RequestTable(_positive("max_num_reqs_hint", max_num_reqs_hint))
-        self._freed: OrderedDict[Hashable, None] = OrderedDict()
-        self._ones = np.ones(0, dtype=np.int32)
-        # The last plan's ids and slots, in input order and in plan order: when the engine schedules
-        # the same ids again (steady decode) the dict lookups are skipped.
-        self._prev: tuple | None = None
-        # ((slots of a batch, its reusable CascadeChoice, its permutation, its prefix part), ...)
-        self._cascade_cache = ()
-        self.prefix_cache_queries = 0  # prompt tokens of new requests looked up
-        self.prefix_cache_hits = 0  # of which found in the cache
-
-    def _split(self, positions):
-        """(block index, offset in block) of token positions."""
-        if self._shift is not None:
-            return positions >> self._shift, positions & (self.block_size - 1)
-        return np.divmod(positions, self.block_size)
+        self.kv = KVCacheManager(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching,
+                                 _positive("max_num_reqs_hint", max_num_reqs_hint), max_model_len)
+        # the manager's objects, never rebound: the step path reads the table; ``pool`` is public
+        self.pool, self.table, self._freed = self.kv.pool, self.kv.table, self.kv.freed
+        self._ones = np.ones(0, dtype=np.int32)  # a decode step's query lengths
+        self._prev: LastBatch | None = None  # for the fast path of the same batch next step
 
     def _update_cascade_config(self) -> None:
-        self._cascade_cache = ()
+        """The config the cascade decision reads, from the knobs; forgets the verdicts kept for
+        the running batch (one per order the engine may schedule it in; () when none)."""
+        self._cascade_cache: tuple[CascadeMemo, ...] = ()
         self.cascade_config = CascadeConfig(
             self.block_size, self.num_query_heads, self.num_kv_heads, self.use_alibi,
             self.sliding_window, self.attention_chunk_size, self.num_sms, self.enable_cascade,
@@ -139,6 +129,10 @@ class Planner(Admission):
         )
 
     # ------------------------------------------------------------------------------------ queries
+    @property
+    def max_model_len(self) -> int | None:
+        return self.kv.max_model_len
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -197,12 +191,7 @@ class Planner(Admission):
         return req_id in self.table.slot_of
 
     def _slot(self, req_id: Hashable) -> int:
-        slot = self.table.slot_of.get(req_id)
-        if slot is None:
-            if req_id in self._freed:
-                raise DoubleFreeError(f"request {req_id!r} was already freed")
-            raise UnknownRequestError(f"unknown request id {req_id!r}")
-        return slot
+        return self.kv.slot(req_id)
 
     def num_computed_tokens(self, req_id: Hashable) -> int:
         return int(self.table.num_computed[self._slot(req_id)])
@@ -213,8 +202,15 @@ class Planner(Admission):
 
     def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
         """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""
-        max_blocks = self._max_hit_blocks(len(token_ids), num_new_tokens)
-        return len(self.pool.lookup(token_ids, max_blocks)[0]) * self.block_size
+        return self.kv.num_cached_tokens(token_ids, num_new_tokens)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv.prefix_cache_queries  # prompt tokens of new requests looked up
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv.prefix_cache_hits  # of which found in the cache
 
     def stats(self) -> dict:
         return {
@@ -232,40 +228,28 @@ class Planner(Admission):
         """Whether ``plan(scheduled)`` would find the blocks it needs (no state change).  Other bad
         input still raises."""
         try:
-            self._prepare(scheduled)
+            self.kv.prepare(scheduled)
         except OutOfBlocksError:
             return False
         return True
 
     def blocks_needed(self, scheduled: Sequence[ScheduledRequest]) -> int:
         """Blocks ``plan(scheduled)`` would allocate (no state change)."""
-        return int(self._prepare(scheduled, check_capacity=False).need.sum())
+        return self.kv.prepare(scheduled, check_capacity=False).num_new_blocks
 
     def allocate(self, req_id: Hashable, token_ids, num_new_tokens: int | None = None) -> int:
         """Reserve blocks for ``num_new_tokens`` more tokens of one request (admitting it with its
         prefix-cache hit when new).  Returns its computed tokens (for a new one, the cache hit).
         A later ``plan`` that schedules these tokens allocates nothing more for them."""
-        b = self._prepare([ScheduledRequest(req_id, token_ids, num_new_tokens)])
-        self._commit_alloc(b)
+        b = self.kv.prepare([ScheduledRequest(req_id, token_ids, num_new_tokens)])
+        self.kv.admit_and_allocate(b)
         return int(self.table.num_computed[b.slots[0]])
 
     def free(self, req_id: Hashable) -> None:
         """Release a finished or preempted request's blocks; full ones stay in the prefix cache."""
-        slot = self._slot(req_id)  # raises UnknownRequestError / DoubleFreeError
-        self._prev = None  # the cached batch may hold this slot
+        self.kv.free(req_id)  # raises UnknownRequestError / DoubleFreeError
+        self._prev = None  # the remembered batch held this slot
         self._cascade_cache = ()
-        T = self.table
-        if self.pool.enable_prefix_caching and T.tokens[slot] is not None:
-            # index the blocks decode steps filled (lazy), so that they outlive the request
-            full = min(int(T.num_computed[slot]), len(T.tokens[slot])) // self.block_size
-            if full > T.num_hashed[slot]:
-                self._hash_rows(np.zeros(1, np.intp), np.array([slot]), [T.tokens[slot]], np.array([full]),
-                                dedupe=False)
-        _, blocks = T.remove(req_id)
-        self.pool.release(blocks)
-        self._freed[req_id] = None
-        if len(self._freed) > _REMEMBER_FREED:
-            self._freed.popitem(last=False)
 
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block; returns how many."""
@@ -290,18 +274,13 @@ class Planner(Admission):
             slots = self._same_ids(ids)
         if slots is not None and ids and raw_new.count(1) == len(ids):
             return self._plan_decode(scheduled, ids, toks, slots)
-        b = self._prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
-        num_new_blocks = int(b.need.sum())
-        self._commit_alloc(b)
+        b = self.kv.prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
+        self.kv.admit_and_allocate(b)
         plan = self._assemble(scheduled, b.ids, b.slots, b.computed, b.num_new,
                               self.table.num_blocks[b.slots], b.input_ids)
         plan.num_prefix_cache_hit_tokens = b.hit_tokens
-        plan.num_new_blocks = num_new_blocks
-        if self.pool.enable_prefix_caching:  # index the blocks this step fills
-            full = (b.computed + b.num_new) // self.block_size
-            rows = (full > self.table.num_hashed[b.slots]).nonzero()[0]
-            if len(rows):
-                self._hash_rows(rows, b.slots, b.toks, full)
+        plan.num_new_blocks = b.num_new_blocks
+        self.kv.index_filled_blocks(b)
         return plan
 
     def _same_batch(self, scheduled):
@@ -311,172 +290,102 @@ class Planner(Admission):
         prev = self._prev
         if prev is None or not scheduled or type(scheduled[0]).__eq__ is not object.__eq__:
             return None, None
-        if scheduled == prev[0]:
-            return prev[1], prev[2]
-        if scheduled == prev[3]:
-            return prev[4], prev[5]
+        if scheduled == prev.scheduled:
+            return prev.ids, prev.slots
+        if scheduled == prev.planned_scheduled:
+            return prev.planned_ids, prev.planned_slots
         return None, None
 
     def _same_ids(self, ids):
+        """The previous plan's slots when ``ids`` are its ids in its input or plan order, else None."""
         prev = self._prev
         if prev is not None:
-            if ids == prev[1]:
-                return prev[2]
-            if ids == prev[4]:
-                return prev[5]
+            if ids == prev.ids:
+                return prev.slots
+            if ids == prev.planned_ids:
+                return prev.planned_slots
         return None
 
     # ------------------------------------------------------------------------------------ decode
     def _plan_decode(self, scheduled, ids, toks, slots) -> StepPlan:
         """Steady state: the previous batch again, one new token each."""
-        B, bs, T = len(ids), self.block_size, self.table
+        B, T = len(ids), self.table
         computed = T.num_computed[slots]
         try:  # token_ids[computed] is both the input and the length check
             input_ids = np.fromiter(map(getitem, toks, computed.tolist()), np.int64, B)
         except IndexError:
             lens = np.fromiter(map(len, toks), np.int64, B)
             i = int(np.flatnonzero(lens <= computed)[0])
-            self._bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
+            self.kv.bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
         except (TypeError, ValueError, OverflowError) as e:
             raise InvalidRequestError(f"token ids must be ints: {e}") from None
-        if self.max_model_len is not None and int(computed.max()) >= self.max_model_len:
+        max_len = self.kv.max_model_len
+        if max_len is not None and int(computed.max()) >= max_len:
             i = int(computed.argmax())
-            self._bad_len(ids[i], 1, int(computed[i]), int(computed[i]) + 1)
+            self.kv.bad_len(ids[i], 1, int(computed[i]), int(computed[i]) + 1)
         nblocks = T.num_blocks[slots]
-        grow = (computed == nblocks * bs).nonzero()[0]  # rows whose last block is full
-        if len(grow):
-            if len(grow) > self.pool.num_free_blocks:
-                raise OutOfBlocksError(len(grow), self.pool.num_free_blocks, f"{B} decode requests")
-            new = self.pool.allocate(len(grow))
-            gslots = slots[grow]
-            cols = nblocks[grow]
-            nblocks[grow] = cols + 1
-            T.ensure_width(int(nblocks.max()))
-            T.flat[gslots * T.width + cols] = new
-            T.num_blocks[gslots] = cols + 1
-        if len(self._ones) < B:
-            self._ones = np.ones(2 * B, dtype=np.int32)
-        plan = self._assemble(scheduled, ids, slots, computed, self._ones[:B], nblocks, input_ids)
-        plan.num_new_blocks = len(grow)
+        num_new_blocks = self.kv.allocate_decode_blocks(slots, computed, nblocks)
+        if len(self._ones) != B:  # the query lengths, kept: the fast path sees the same B again
+            self._ones = np.ones(B, dtype=np.int32)
+        plan = self._assemble(scheduled, ids, slots, computed, self._ones, nblocks, input_ids)
+        plan.num_new_blocks = num_new_blocks
         return plan
 
     # ------------------------------------------------------------------------------------ the plan
     def _assemble(self, scheduled, ids, slots, computed, q, nblocks, input_ids) -> StepPlan:
-        """Build the plan from the batch (blocks already allocated), then commit the step."""
-        bs, T = self.block_size, self.table
-        B = len(ids)
-        decode = len(input_ids) == B
-        seq = computed + q
-        in_ids, in_slots = ids, slots
-        width = max(int(nblocks.max()) if B else 0, 1)
-        bt = T.block_table[slots, :width]
-        max_seq = int(seq.max()) if B else 0
-        reuse = reuse_perm = reuse_part = None
-        if decode:
-            for key, cached_choice, cached_perm, cached_part in self._cascade_cache:
-                if key is slots:
-                    reuse, reuse_perm, reuse_part = cached_choice, cached_perm, cached_part
-        choice = decide_cascade(self.cascade_config, bt, computed, q, max_seq,
-                                maybe_shared=self.pool.num_shared_blocks > 0, reuse=reuse)
-        labels, ref_rows, perm = choice.labels, choice.ref_rows, None
-        if choice.use and len(choice.prefix_blocks) > 1:
-            if choice is reuse:
-                perm = reuse_perm
-            else:  # each group's requests (and so its tokens) contiguous
-                perm = np.argsort(labels, kind="stable")
-                if (perm[1:] > perm[:-1]).all():
-                    perm = None
-        if perm is not None:
-            if not decode:
-                starts = np.cumsum(q) - q  # token i of new row r comes from old row perm[r]
-                qp = q[perm]
-                src = np.repeat(starts[perm] - (np.cumsum(qp) - qp), qp) + np.arange(len(input_ids))
-                input_ids = input_ids[src]
-            else:
-                input_ids = input_ids[perm]
-            bt, computed, q, seq, nblocks, labels, slots = (
-                bt[perm], computed[perm], q[perm], seq[perm], nblocks[perm], labels[perm], slots[perm]
-            )
-            ids = _permuted(ids, perm)
-            ref_rows = np.argsort(perm)[ref_rows]
+        """Build the step's plan from a batch whose blocks are allocated, then commit the step.
 
-        N = len(input_ids)
-        if decode:
-            qsl = np.arange(B + 1, dtype=np.int32)
-            positions = computed
-            blk, off = self._split(computed)
-            flat = slots * T.width + blk
-        else:
-            qsl = np.zeros(B + 1, dtype=np.int32)
-            qsl[1:] = np.cumsum(q)
-            positions = (np.arange(N) - np.repeat(qsl[:-1] - computed, q)).astype(np.int32)
-            blk, off = self._split(positions)
-            flat = np.repeat(slots * T.width, q) + blk
-        slot_mapping = T.flat.take(flat) * bs + off
+        The outline of every step, decode or not; each step is a function of step.py or a method
+        below, and only the last one, ``_commit_step``, changes the planner's state.  ``batch`` and
+        ``choice`` have their rows in the engine's order, ``planned`` and ``planned_choice`` in the
+        plan's."""
+        batch = StepBatch.gather(self.table, ids, slots, computed, q, nblocks, input_ids)
+        choice, memo = self._decide_cascade(batch)
+        perm, planned_choice = None, choice
+        if memo is not None:  # the same decode batch as last step: the same order
+            perm, planned_choice = memo.perm, memo.planned_choice
+        elif choice.use:  # each group's requests, and so its query tokens, contiguous
+            perm, planned_choice = group_order(choice)
+        planned = batch if perm is None else batch.permuted(perm)
 
-        num_tokens = N
-        if self.token_buckets is not None:
-            k = int(np.searchsorted(self.token_buckets, N))
-            if k < len(self.token_buckets):
-                num_tokens = int(self.token_buckets[k])
-        if num_tokens == N:
-            slot_out = slot_mapping.astype(np.int32, copy=False)
-            pos_out = positions.astype(np.int32)  # a copy: num_computed_tokens keeps `computed`
-            ids_out = input_ids.astype(np.int32)
-        else:  # padding: slot -1 (not written), token 0, position 0
-            slot_out = np.full(num_tokens, -1, dtype=np.int32)
-            slot_out[:N] = slot_mapping
-            pos_out = np.zeros(num_tokens, dtype=np.int32)
-            pos_out[:N] = positions
-            ids_out = np.zeros(num_tokens, dtype=np.int32)
-            ids_out[:N] = input_ids
-
-        seq = seq.astype(np.int32, copy=False)
-        attn = FlashAttentionMetadata(
-            num_actual_tokens=N,
-            max_query_len=(1 if decode else int(q.max())) if B else 0,
-            query_start_loc=qsl,
-            max_seq_len=max_seq,
-            seq_lens=seq,
-            block_table=bt,
-            slot_mapping=slot_out,
-        )
+        qsl, positions, slot_mapping = token_positions_and_slots(planned, self.table, self.block_size,
+                                                                 self._shift)
+        input_ids, positions, slot_mapping = pad_to_bucket(self.token_buckets, planned.input_ids, positions,
+                                                           slot_mapping)
+        attn = flash_attention_metadata(planned, qsl, slot_mapping)
+        prefix_part = None
         if choice.use:
-            part = fill_cascade_metadata(attn, bt, nblocks, seq, q, labels, choice.prefix_blocks,
-                                         ref_rows, bs, reuse_part if choice is reuse else None)
-        # Keep the verdict for the next decode step of this batch, in the input order (with its
-        # permutation) and in the plan's order (already grouped).
-        self._cascade_cache = ()
-        if choice.reusable and decode:
-            part = part if choice.use else None
-            self._cascade_cache = ((in_slots, choice, perm, part),)
-            if perm is not None:
-                grouped = CascadeChoice(True, choice.reason, labels, choice.prefix_blocks, ref_rows, True)
-                self._cascade_cache += ((slots, grouped, None, part),)
-        C = self.attention_chunk_size
-        if C is not None and max_seq > C:  # else every key is in chunk 0: local == causal
-            sq, cuq, sk, tab = make_local_attention_virtual_batches(C, qsl, seq, bt, bs)
-            attn.local_attn_metadata = LocalAttentionMetadata(
-                local_query_start_loc=cuq,
-                local_seqused_k=sk,
-                local_block_table=tab,
-                local_max_query_len=int(sq.max()),
-                local_max_seq_len=int(sk.max()),
-            )
-        plan = StepPlan(
-            req_ids=ids,
-            attn=attn,
-            input_token_ids=ids_out,
-            positions=pos_out,
-            logits_indices=qsl[1:] - 1,
-            num_computed_tokens=computed.astype(np.int32, copy=False),
-            cascade_reason=choice.reason,
-            num_cascade_groups=len(choice.prefix_blocks) if choice.use else 0,
-            cascade_group_ids=labels.astype(np.int32) if choice.use else None,
-        )
+            prefix_part = cascade_metadata(attn, planned, planned_choice, self.block_size,
+                                           memo.prefix_part if memo is not None else None)
+        if self.attention_chunk_size is not None:
+            attn.local_attn_metadata = local_attention_metadata(self.attention_chunk_size, qsl, planned,
+                                                                self.block_size)
+        plan = make_step_plan(planned, attn, input_ids, positions, planned_choice)
 
-        # commit: the step's tokens count as computed (their KV is written when the step runs)
-        T.num_computed[slots] = seq
-        objs = list(scheduled)
-        self._prev = (objs, in_ids, in_slots, objs if perm is None else _permuted(objs, perm), ids, slots)
+        memos = cascade_memos(batch, choice, perm, planned, planned_choice, prefix_part, memo)
+        self._commit_step(scheduled, batch, perm, planned, memos)
         return plan
+
+    def _decide_cascade(self, batch: StepBatch) -> tuple[CascadeChoice, CascadeMemo | None]:
+        """Whether and how the step cascades (rows in the engine's order), and the memo of the last
+        step whose verdict it reuses (None: decided afresh, or refused by a length rule)."""
+        memo = None
+        if batch.decode:  # a decode step of the last plan's slots object, in either of its orders
+            for kept in self._cascade_cache:
+                if kept.slots is batch.slots:
+                    memo = kept
+        choice = decide_cascade(self.cascade_config, batch.block_table, batch.computed, batch.q,
+                                batch.max_seq, maybe_shared=self.pool.num_shared_blocks > 0,
+                                reuse=memo.choice if memo is not None else None)
+        return choice, (memo if memo is not None and choice is memo.choice else None)
+
+    def _commit_step(self, scheduled, batch: StepBatch, perm, planned: StepBatch,
+                     memos: tuple[CascadeMemo, ...]) -> None:
+        """Commit the step, the only state the assembly changes: its tokens count as computed (their
+        KV is written when the step runs, so the next plan starts each request at ``seq``), and the
+        batch, in both orders, and its cascade memos are kept for the next step's fast path."""
+        self.table.num_computed[planned.slots] = planned.seq
+        objs = list(scheduled)
+        planned_objs = objs if perm is None else permuted_list(objs, perm)
+        self._prev = LastBatch(objs, batch.ids, batch.slots, planned_objs, planned.ids, planned.slots)
+        self._cascade_cache = memos

@@ -1,4 +1,34 @@
-"""What the planner hands to the engine and, through one object ref, to every worker."""
+"""What the planner hands to the engine and, through one object ref, to every worker.
+
+The lengths of one request in a step, as the builder names them (vLLM's ``flash_attn.py`` draws
+the same); here block_size 4, 6 tokens already in the cache and 3 computed this step::
+
+    token position     0   1   2   3   4   5   6   7   8   9   10  11
+    block_table[r]    |--- column 0 --|--- column 1 --|--- column 2 --|
+                      |----- computed = 6 ----|
+                                              |-- q = 3 --|
+                      |------------- seq = 9 -------------|
+
+    computed  num_computed_tokens[r]: tokens whose KV is in the cache before the step (vLLM's
+              context length); for a new request, its prefix-cache hit (whole blocks).
+    q         query_lens[r] = qsl[r + 1] - qsl[r]: r's tokens this step, at positions
+              computed .. seq - 1 (``positions``); their ids are token_ids[computed:seq].
+    seq       seq_lens[r] = computed + q: r's KV length once the step ran.
+    qsl       query_start_loc [B + 1] = 0, q[0], q[0] + q[1], ...: r's tokens are entries
+              qsl[r] .. qsl[r + 1] - 1 of the per-token arrays (input_token_ids, positions,
+              slot_mapping), request after request; logits_indices[r] = qsl[r + 1] - 1.
+    columns   position p lives in block table column p // block_size; row r uses its first
+              num_blocks[r] >= ceil(seq / block_size) columns (here 3, the last one not full).
+    slots     slot_mapping[qsl[r] + i] = block_table[r, p // block_size] * block_size
+              + p % block_size for p = computed + i: where the step writes that token's KV
+              (-1 for padding: not written).
+
+Cascade splits ``seq`` at the group's shared prefix of P whole blocks, P * block_size <= computed:
+prefix_kv_lens[g] = P * block_size and suffix_kv_lens[r] = seq - P * block_size.  Chunked local
+attention splits it at multiples of the chunk size (virtual batches, local.py).  Once the plan is
+built the planner counts ``seq`` as computed (``Planner._commit_step``): r's next step starts at
+position 9, in column 2.
+"""
 
 from __future__ import annotations
 

@@ -1,43 +1,101 @@
-"""Admission and allocation: validating a step's requests and giving them blocks.
+"""Which KV-cache blocks each request holds: admission, allocation, prefix-cache indexing, release.
 
-``Admission`` holds the Planner's steps that touch the block pool: ``_prepare`` validates a call
-and works out what it needs without changing anything, ``_commit_alloc`` admits new requests and
-allocates, ``_hash_rows`` indexes filled blocks for the prefix cache.  Split from builder.py to keep
-modules short; it uses the Planner's ``table``, ``pool`` and length limits.
+The planner has two roles: this one, the request lifecycle against the block pool (vLLM's
+``KVCacheManager``), and building the step's arrays (builder.py, step.py).  ``KVCacheManager`` owns
+everything the first needs -- the ``BlockPool``, the per-request ``RequestTable``, the ids freed
+lately, the length limit, the prefix-cache counters -- and the ``Planner`` calls it (composition):
+
+* ``prepare`` validates one call and works out what it needs (prefix hits, blocks), changing
+  nothing, so that a typed error leaves the planner as it was;
+* ``admit_and_allocate`` then admits the new requests with their hits and allocates; the decode
+  fast path's ``allocate_decode_blocks`` does the same for one token per request;
+* ``index_filled_blocks`` hashes the blocks a prefill step fills; ``free`` hashes the ones decode
+  steps filled (lazily) and releases the request's blocks.
+
+The step path reads the table (block table rows, ``num_computed``) and commits ``num_computed``
+itself: that is the step's own bookkeeping, not block ownership.
+
+Prefix-cache indexing: blocks filled by prefill steps are hashed in the step (so that requests
+arriving next step, e.g. more samples of the same prompt, share them); blocks filled by decode steps
+are hashed lazily, when the request is freed (finished or preempted), so that the steady decode
+step does no hashing.  A new request therefore shares another request's *generated* blocks only
+once that request has been freed (multi-turn chat, preemption by recompute).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import chain
 from operator import attrgetter, getitem
+from typing import Hashable
 
 import numpy as np
 
-from .block_pool import chain_hashes, content_hashes
-from .errors import InvalidRequestError, OutOfBlocksError
+from .block_pool import BlockPool, chain_hashes, content_hashes
+from .errors import DoubleFreeError, InvalidRequestError, OutOfBlocksError, UnknownRequestError
+from .slots import RequestTable
 
 _get_id = attrgetter("req_id")
 _get_toks = attrgetter("token_ids")
 _get_new = attrgetter("num_new_tokens")
+_REMEMBER_FREED = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 
-class _Batch:
-    """One call's validated input, before any state changes (general path)."""
+class PreparedBatch:
+    """One call's validated input and what it needs, before any state changes (general path).
+    Rows are in scheduled order; new requests are the rows ``new_rows`` (slot -1 until admitted)."""
 
-    __slots__ = ("ids", "toks", "slots", "computed", "num_new", "need", "new_rows", "hits",
-                 "hit_hashes", "hit_tokens", "input_ids")
+    __slots__ = (
+        "ids",  # req_ids
+        "toks",  # each request's token_ids (the engine's sequences, not copied)
+        "slots",  # RequestTable rows
+        "computed",  # [B] num_computed_tokens before this step (a new request: its prefix hit)
+        "num_new",  # [B] int32 tokens scheduled this step (the query lengths)
+        "need",  # [B] blocks to allocate
+        "num_new_blocks",  # need.sum()
+        "new_rows",  # rows of requests not admitted yet
+        "hits",  # per new row, the prefix-cache blocks it takes
+        "hit_hashes",  # per new row, the chain hash of its last hit block
+        "hit_tokens",  # tokens the new rows take from the prefix cache
+        "input_ids",  # [num tokens] this step's tokens, request after request (with ``gather``)
+    )
 
 
-class Admission:
-    """Mixin of ``Planner``: validation, admission, allocation, prefix-cache indexing."""
+class KVCacheManager:
+    """The blocks of every running request (see the module docstring).  What changes state runs
+    on input ``prepare`` (or, for decode, the planner's fast path) already validated."""
 
-    def _max_hit_blocks(self, num_tokens: int, num_new_tokens: int | None) -> int:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 max_num_reqs_hint: int, max_model_len: int | None):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.table = RequestTable(max_num_reqs_hint)
+        self.freed: OrderedDict[Hashable, None] = OrderedDict()
+        self.prefix_cache_queries = 0  # prompt tokens of new requests looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
+
+    def slot(self, req_id: Hashable) -> int:
+        """The table row of a running request; a typed error for a freed or unknown id."""
+        slot = self.table.slot_of.get(req_id)
+        if slot is None:
+            if req_id in self.freed:
+                raise DoubleFreeError(f"request {req_id!r} was already freed")
+            raise UnknownRequestError(f"unknown request id {req_id!r}")
+        return slot
+
+    def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
+        """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""
+        max_blocks = self.max_hit_blocks(len(token_ids), num_new_tokens)
+        return len(self.pool.lookup(token_ids, max_blocks)[0]) * self.block_size
+
+    def max_hit_blocks(self, num_tokens: int, num_new_tokens: int | None) -> int:
         # vLLM recomputes at least the last token (its logits are needed); an explicit
         # num_new_tokens also caps the hit so that the scheduled tokens stay inside token_ids.
         cap = num_tokens - 1 if num_new_tokens is None else min(num_tokens - 1, num_tokens - num_new_tokens)
         return max(cap, 0) // self.block_size
 
-    def _prepare(self, scheduled, check_capacity=True, gather=False, columns=None) -> _Batch:
+    def prepare(self, scheduled, check_capacity=True, gather=False, columns=None) -> PreparedBatch:
         """Validate one call's input and work out what it needs; changes nothing.  With ``gather``
         it also collects the step's input token ids (in scheduled order)."""
         if columns is None:
@@ -45,7 +103,7 @@ class Admission:
                        list(map(_get_new, scheduled)), None)
         ids, toks, raw_new, slots = columns
         B = len(ids)
-        b = _Batch()
+        b = PreparedBatch()
         b.ids, b.toks = ids, toks
         if slots is None:
             slots, b.new_rows = self.table.lookup(ids)
@@ -69,8 +127,8 @@ class Admission:
         for i in b.new_rows:
             nn = None if raw_new[i] is None else int(num_new[i])
             if nn is not None and not 1 <= nn <= lens[i]:
-                self._bad_len(ids[i], nn, 0, int(lens[i]))
-            hit, last_hash = self.pool.lookup(toks[i], self._max_hit_blocks(int(lens[i]), nn))
+                self.bad_len(ids[i], nn, 0, int(lens[i]))
+            hit, last_hash = self.pool.lookup(toks[i], self.max_hit_blocks(int(lens[i]), nn))
             b.hits.append(hit)
             b.hit_hashes.append(last_hash)
             computed[i] = len(hit) * self.block_size
@@ -84,10 +142,11 @@ class Admission:
             bad |= seq > self.max_model_len
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            self._bad_len(ids[i], int(num_new[i]), int(computed[i]), int(lens[i]))
+            self.bad_len(ids[i], int(num_new[i]), int(computed[i]), int(lens[i]))
         b.computed = computed
         b.num_new = num_new.astype(np.int32)
         b.need = np.maximum(-(-seq // self.block_size) - nblocks, 0)
+        b.num_new_blocks = int(b.need.sum())
         b.input_ids = None
         if gather:
             spans = map(getitem, toks, map(slice, computed.tolist(), seq.tolist()))
@@ -96,7 +155,7 @@ class Admission:
             except (TypeError, ValueError, OverflowError) as e:
                 raise InvalidRequestError(f"token ids must be ints: {e}") from None
         if check_capacity:
-            total = int(b.need.sum())
+            total = b.num_new_blocks
             available = self.pool.num_free_blocks
             if b.new_rows and total:
                 # hits on evictable blocks take them out of the allocatable set
@@ -106,7 +165,8 @@ class Admission:
                 raise OutOfBlocksError(total, available, f"{B} requests scheduled")
         return b
 
-    def _bad_len(self, req_id, num_new, computed, num_tokens):
+    def bad_len(self, req_id, num_new, computed, num_tokens):
+        """Raise the InvalidRequestError of a request whose scheduled tokens do not fit."""
         limit = f", max_model_len {self.max_model_len}" if self.max_model_len is not None else ""
         raise InvalidRequestError(
             f"request {req_id!r}: num_new_tokens {num_new} with {computed} computed does not fit "
@@ -114,14 +174,14 @@ class Admission:
         )
 
     # ------------------------------------------------------------------------------------ state
-    def _commit_alloc(self, b: _Batch) -> None:
+    def admit_and_allocate(self, b: PreparedBatch) -> None:
         """Admit new requests (taking their prefix hits) and allocate the missing blocks."""
         T = self.table
         if b.new_rows:
             new = np.array(b.new_rows)
             b.slots[new] = slots = list(map(T.add, [b.ids[i] for i in b.new_rows]))
             for i in b.new_rows:
-                self._freed.pop(b.ids[i], None)
+                self.freed.pop(b.ids[i], None)
                 T.tokens[b.slots[i]] = b.toks[i]
             n_hit = np.fromiter(map(len, b.hits), np.int64, len(new))
             T.num_blocks[slots] = T.num_hashed[slots] = n_hit
@@ -137,16 +197,58 @@ class Admission:
             self.prefix_cache_queries += int(np.fromiter(map(len, [b.toks[i] for i in b.new_rows]),
                                                          np.int64, len(new)).sum())
             self.prefix_cache_hits += int(n_hit.sum()) * self.block_size
-        rows = np.flatnonzero(b.need)
-        if rows.size:
+        if b.num_new_blocks:
+            rows = b.need.nonzero()[0]
             need = b.need[rows]
             slots = b.slots[rows]
-            blocks = self.pool.allocate(int(need.sum()))
+            blocks = self.pool.allocate(b.num_new_blocks)
             start = T.num_blocks[slots]
             T.ensure_width(int((start + need).max()))
             cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(len(blocks))
             T.block_table[np.repeat(slots, need), cols] = blocks
             T.num_blocks[slots] += need.astype(np.int32)
+
+    def allocate_decode_blocks(self, slots: np.ndarray, computed: np.ndarray, nblocks: np.ndarray) -> int:
+        """The decode fast path's allocation: a block for each request whose last block is full
+        (``nblocks`` is updated in place).  Returns how many; the caller checked the lengths."""
+        T = self.table
+        grow = (computed == nblocks * self.block_size).nonzero()[0]
+        if len(grow):
+            if len(grow) > self.pool.num_free_blocks:
+                raise OutOfBlocksError(len(grow), self.pool.num_free_blocks, f"{len(slots)} decode requests")
+            new = self.pool.allocate(len(grow))
+            gslots = slots[grow]
+            cols = nblocks[grow]
+            nblocks[grow] = cols + 1
+            T.ensure_width(int(nblocks.max()))
+            T.flat[gslots * T.width + cols] = new
+            T.num_blocks[gslots] = cols + 1
+        return len(grow)
+
+    def index_filled_blocks(self, b: PreparedBatch) -> None:
+        """Index the blocks this (general-path) step fills, so that requests arriving next step
+        share them; decode steps leave theirs to ``free``."""
+        if self.pool.enable_prefix_caching:
+            full = (b.computed + b.num_new) // self.block_size
+            rows = (full > self.table.num_hashed[b.slots]).nonzero()[0]
+            if len(rows):
+                self._hash_rows(rows, b.slots, b.toks, full)
+
+    def free(self, req_id: Hashable) -> None:
+        """Release a request's blocks, indexing first the full ones decode steps filled (lazy), so
+        that they outlive the request in the prefix cache."""
+        slot = self.slot(req_id)  # raises UnknownRequestError / DoubleFreeError
+        T = self.table
+        if self.pool.enable_prefix_caching and T.tokens[slot] is not None:
+            full = min(int(T.num_computed[slot]), len(T.tokens[slot])) // self.block_size
+            if full > T.num_hashed[slot]:
+                self._hash_rows(np.zeros(1, np.intp), np.array([slot]), [T.tokens[slot]], np.array([full]),
+                                dedupe=False)
+        _, blocks = T.remove(req_id)
+        self.pool.release(blocks)
+        self.freed[req_id] = None
+        if len(self.freed) > _REMEMBER_FREED:
+            self.freed.popitem(last=False)
 
     def _hash_rows(self, rows, slots, toks, full, dedupe: bool = True) -> None:
         """Index the full blocks of batch ``rows`` up to ``full[row]`` blocks (vectorised: one
