@@ -19,7 +19,6 @@ forbidden); nothing a client sends is ever unpickled or evaluated.
 import asyncio
 import json
 import logging
-import time
 import uuid
 from typing import Any, Optional
 
@@ -28,7 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from deploy.loop import AsyncioSink, EngineLoop, LoopDead, LoopHooks, QueueFull
+from deploy.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
+from deploy.metrics import RayMetricsHooks
 from deploy.schemas import (
     ErrorResponse,
     GenerateRequest,
@@ -43,9 +43,6 @@ from deploy.schemas import (
 )
 
 log = logging.getLogger("ray.serve")
-
-STEP_LATENCY_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
-
 
 class HTTPError(Exception):
     def __init__(self, status: int, errors: list[tuple[str, str]], headers: dict | None = None):
@@ -67,66 +64,6 @@ fastapi_app = FastAPI(
     title="ray_attn",
     description="Paged FlashAttention LLM serving on Ray: continuous batching across TP workers.",
     version="0.1.0")
-
-
-# ----------------------------------------------------------------------------------------- metrics
-class RayMetricsHooks(LoopHooks):
-    """Prometheus metrics through ``ray.util.metrics`` (exported by every Ray node's metrics agent)."""
-
-    def __init__(self, replica: str, min_gauge_interval_s: float = 0.25):
-        from ray.util import metrics
-
-        tags = ("replica",)
-        self.step_latency = metrics.Histogram(
-            "ray_attn_step_latency_s", description="Latency of one engine step (all layers, all ranks).",
-            boundaries=STEP_LATENCY_BOUNDARIES_S, tag_keys=tags)
-        self.tokens = metrics.Counter("ray_attn_tokens_generated",
-                                      description="Tokens generated.", tag_keys=tags)
-        self.tokens_per_s = metrics.Gauge("ray_attn_tokens_per_s",
-                                          description="Tokens generated per second (recent window).",
-                                          tag_keys=tags)
-        self.kv_usage = metrics.Gauge("ray_attn_kv_cache_usage",
-                                      description="Share of KV blocks in use (0..1).", tag_keys=tags)
-        self.kv_used = metrics.Gauge("ray_attn_kv_blocks_used", description="KV blocks in use.",
-                                     tag_keys=tags)
-        self.queue_depth = metrics.Gauge("ray_attn_queue_depth",
-                                         description="Requests accepted but not yet running.",
-                                         tag_keys=tags)
-        self.running = metrics.Gauge("ray_attn_running_requests",
-                                     description="Requests in the running batch.", tag_keys=tags)
-        self.finished = metrics.Counter("ray_attn_requests_finished",
-                                        description="Finished requests, by finish reason.",
-                                        tag_keys=tags + ("finish_reason",))
-        self.rejected = metrics.Counter("ray_attn_requests_rejected",
-                                        description="Requests refused, by HTTP status.",
-                                        tag_keys=tags + ("status",))
-        for m in (self.step_latency, self.tokens, self.tokens_per_s, self.kv_usage, self.kv_used,
-                  self.queue_depth, self.running, self.finished, self.rejected):
-            m.set_default_tags({"replica": replica})
-        self.min_gauge_interval_s = min_gauge_interval_s
-        self._last_gauges = 0.0
-
-    def on_step(self, latency_s: float, num_tokens: int, batch_size: int) -> None:
-        self.step_latency.observe(latency_s)
-        if num_tokens > 0:
-            self.tokens.inc(num_tokens)
-
-    def on_snapshot(self, snap: dict) -> None:
-        now = time.monotonic()
-        if now - self._last_gauges < self.min_gauge_interval_s:
-            return
-        self._last_gauges = now
-        self.kv_usage.set(snap["kv_usage"])
-        self.kv_used.set(snap["kv_blocks_used"])
-        self.queue_depth.set(snap["queue_depth"])
-        self.running.set(snap["running"])
-        self.tokens_per_s.set(snap["tokens_per_s"])
-
-    def on_request_done(self, finish_reason: str) -> None:
-        self.finished.inc(tags={"finish_reason": finish_reason})
-
-    def on_rejected(self, status: int) -> None:
-        self.rejected.inc(tags={"status": str(status)})
 
 
 # ------------------------------------------------------------------------------------- deployment
