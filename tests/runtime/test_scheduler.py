@@ -57,25 +57,26 @@ def test_running_requests_come_first_then_the_queue():
     assert out.reqs == [a, b] and out.num_new_tokens == [1, 20] and out.num_admitted == 1
 
 
-def test_preempt_one_frees_the_newest_and_puts_it_first_in_line():
+def two_running_one_waiting():
+    """a and b running (planned), c queued after them."""
     s, planner = make()
     a, b, c = req(0, 10), req(1, 10), req(2, 10)
     for r in (a, b):
         s.add(r)
     plan(s, planner, s.schedule())
     s.add(c)
+    return s, planner, (a, b, c)
+
+
+def test_preempt_one_frees_the_newest_and_puts_it_first_in_line():
+    s, planner, (a, b, c) = two_running_one_waiting()
     assert s.preempt_one() is b
     assert s.running == [a] and list(s.waiting) == [b, c]
     assert not planner.has_request("r1") and b.num_preemptions == 1
 
 
 def test_requeue_running_keeps_their_order_ahead_of_the_queue():
-    s, planner = make()
-    a, b, c = req(0, 10), req(1, 10), req(2, 10)
-    for r in (a, b):
-        s.add(r)
-    plan(s, planner, s.schedule())
-    s.add(c)
+    s, planner, (a, b, c) = two_running_one_waiting()
     s.requeue_running()
     assert s.running == [] and list(s.waiting) == [a, b, c]
     assert not planner.has_request("r0") and not planner.has_request("r1")
