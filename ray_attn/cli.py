@@ -122,8 +122,23 @@ def main(argv=None) -> int:
     d.add_argument("--json", default=None, help="also write the table as JSON here")
     args = p.parse_args(argv)
     if args.cmd == "demo":
-        return run_demo(args)
+        try:
+            return run_demo(args)
+        except (ValueError, RuntimeError) as e:  # bad arguments or an unusable cluster: one line
+            p.error(one_line(e))
     return 2
+
+
+def one_line(e: Exception) -> str:
+    """A config error as the user should read it: the field and why, not a pydantic traceback."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        return f"{where}: {msg}" if where else msg
+    return str(e).splitlines()[0]
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ class AttentionCluster:
         self.bundle_offset = bundle_offset
         self.owns_pg = placement_group is None
         if self.owns_pg:
+            gpus = ray.cluster_resources().get("GPU", 0)
+            if self.use_gpu and gpus < self.tp:
+                # Fail now: the placement group would wait PG_TIMEOUT_S for GPUs that do not exist.
+                raise RuntimeError(f"parallel.device='cuda' needs {self.tp} GPU(s) (one per rank), but the "
+                                   f"Ray cluster has {gpus:g}; use device='cpu' or 'auto', or join a GPU cluster")
             bundle = worker_bundle(config, self.use_gpu)
             placement_group = reserve_placement_group([dict(bundle) for _ in range(self.tp)],
                                                            strategy="STRICT_PACK")
