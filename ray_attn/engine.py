@@ -53,9 +53,8 @@ class _Submitted:
     reqs: list[Request]
     samples: list[bool]  # per row: whether it samples (a prompt's last chunk, or a decode)
     num_tokens: int
-    cascade: bool
     local: bool
-    cascade_groups: int = 0
+    cascade_groups: int  # prefix groups of a cascade step; 0 when it did not cascade
 
 
 @dataclass
@@ -267,7 +266,7 @@ class LLMEngine:
                 r.pending += 1
                 r.sampled_row = row
         a = plan.attn
-        return _Submitted(step_in.step_id, reqs, samples, a.num_actual_tokens, bool(a.use_cascade),
+        return _Submitted(step_in.step_id, reqs, samples, a.num_actual_tokens,
                           a.local_attn_metadata is not None,
                           plan.num_cascade_groups if a.use_cascade else 0), step_in
 
@@ -294,7 +293,7 @@ class LLMEngine:
         s = self.stats
         s.steps += 1
         s.tokens_computed += done.num_tokens
-        s.cascade_steps += done.cascade
+        s.cascade_steps += done.cascade_groups > 0
         s.multi_group_cascade_steps += done.cascade_groups > 1
         s.local_steps += done.local
         return outputs

@@ -16,7 +16,7 @@ from ray_attn.backend.cache import as_fp8_cache, is_fp8_kv_cache, reshape_and_ca
 from ray_attn.backend.kernels import (Kernel, LayerKernelSpec, fp8_query, normalize_lse,
                                       select_kernel)
 from ray_attn.backend.merge import merge_attn_states
-from ray_attn.backend.validate import check_forward_inputs, complete_seed_cascade
+from ray_attn.backend.validate import check_forward_inputs, complete_seed_cascade, is_capturing
 from ray_attn.metadata import FlashAttentionMetadata
 
 
@@ -194,7 +194,7 @@ class FlashAttentionImpl:
         if self.fp8:
             kv_cache = as_fp8_cache(kv_cache)
             k_scale, v_scale, q_scale = _layer_scales(layer, query.device)
-            if getattr(layer, "calculate_kv_scales", False) and not _capturing(query):
+            if getattr(layer, "calculate_kv_scales", False) and not is_capturing(query):
                 layer.calc_kv_scales(q, key[:n], value[:n])  # before the write that uses them
             scales = (self.kv_cache_dtype, k_scale, v_scale)
             descale = dict(k_descale=k_scale, v_descale=v_scale)
@@ -244,10 +244,6 @@ class FlashAttentionImpl:
                 window_size=self.sliding_window, has_softcap=self.logits_soft_cap > 0,
                 num_splits=m.num_splits)  # the plan and the call must agree on it
         return m.scheduler_metadata[key]
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def cascade_attention(

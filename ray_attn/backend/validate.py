@@ -55,7 +55,7 @@ def check_forward_inputs(impl, query, key, value, kv_cache, m, output) -> None:
     if cascade and impl.alibi_slopes is not None:
         raise _bad("cascade attention does not support ALiBi (its bias needs absolute "
                    "positions, which the non-causal prefix pass does not have)")
-    if m.host_checked or _capturing(query):
+    if m.host_checked or is_capturing(query):
         return  # the planner's plan, checked by the worker (or a graph's placeholders)
     left = impl.sliding_window[0]
     if cascade and left >= 0 and m.max_seq_len - 1 > left:
@@ -66,7 +66,7 @@ def check_forward_inputs(impl, query, key, value, kv_cache, m, output) -> None:
         m._values_checked = True
 
 
-def _capturing(t: torch.Tensor) -> bool:
+def is_capturing(t: torch.Tensor) -> bool:
     # Values cannot be read back while a CUDA graph is being captured; the capture's metadata are
     # placeholders, and what a replay reads was checked on the host when it was loaded.
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
