@@ -143,10 +143,8 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
         if row.warm_prefix:
             engine.generate([prefix[0] + [0]], SamplingParams(max_tokens=1))
         outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-        infos = getattr(engine.executor, "infos", None) or [{}]
-        info = dict(kernel=engine.executor.kernel_name, cuda_graphs=bool(infos[0].get("cuda_graphs")),
-                    async_=engine.async_scheduling, device=str(infos[0].get("device", "")))
-        info["async"] = info.pop("async_")
+        info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
+                "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs"))}  # what rank 0 captured
         return [o.output_token_ids for o in outs], engine.stats.as_dict(), info
     finally:
         engine.shutdown()
