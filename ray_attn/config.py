@@ -68,6 +68,9 @@ class ModelConfig(_Strict):
         "ALiBi slope of head i (1-based) of n, n rounded up to a power of 2: 2 ** (-alibi_bias_max * i / n) "
         "(MPT's attn_config.alibi_bias_max; 8 gives the ALiBi paper's slopes)."))
     seed: int = Field(0, description="Seed for random weights when no checkpoint is given.")
+    eos_token_ids: list[int] = Field(default_factory=list, description=(
+        "Token ids that end generation (finish_reason 'stop') unless a request sets ignore_eos; "
+        "from the checkpoint's generation_config.json / config.json eos_token_id. Empty: none."))
 
     @property
     def head_size(self) -> int:
