@@ -7,6 +7,9 @@ replica and its ranks' CPUs/GPUs together, and the replica starts its workers in
 that group, so a replica and its GPUs come and go together.
 
 HTTP API (FastAPI ingress):
+  POST /v1/completions        OpenAI completions (``deploy/openai/completions.py``)
+  POST /v1/chat/completions   OpenAI chat, through the tokenizer's chat template (``openai/chat.py``)
+  GET  /v1/models             the served model's name, context length and vocabulary
   POST /v1/generate   JSON body (GenerateRequest); ``"stream": true`` answers with server-sent events
   GET  /health        200 when the engine loop runs and every worker answers its ping, else 503
   GET  /stats         KV blocks, prefix-cache hit rate, cascade rate, steps/s, tokens/s, queue depth
@@ -19,6 +22,7 @@ forbidden); nothing a client sends is ever unpickled or evaluated.
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any, Optional
 
@@ -27,10 +31,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from deploy.http import HTTPError, error_responses, read_body
 from deploy.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
 from deploy.metrics import RayMetricsHooks
+from deploy.openai.chat import create_chat_completion
+from deploy.openai.completions import create_completion
+from deploy.openai.models import list_models
+from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
 from deploy.schemas import (
-    ErrorResponse,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -43,22 +51,6 @@ from deploy.schemas import (
 )
 
 log = logging.getLogger("ray.serve")
-
-class HTTPError(Exception):
-    def __init__(self, status: int, errors: list[tuple[str, str]], headers: dict | None = None):
-        super().__init__(errors[0][1] if errors else str(status))
-        self.status, self.errors, self.headers = status, errors, headers or {}
-
-    def response(self) -> JSONResponse:
-        field, detail = self.errors[0]
-        body = ErrorResponse(detail=detail, field=field,
-                             errors=[{"field": f, "message": m} for f, m in self.errors])
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
-
-
-def _error_responses() -> dict:
-    return {s: {"model": ErrorResponse} for s in (400, 413, 422, 503)}
-
 
 fastapi_app = FastAPI(
     title="ray_attn",
@@ -86,7 +78,16 @@ class LLMServer:
 
         self.cfg = ServeAppConfig.model_validate(app_config)
         engine_cfg: EngineConfig = self.cfg.engine
-        self.tokenizer = self._load_tokenizer(self.cfg.tokenizer, engine_cfg.model.vocab_size)
+        self.tokenizer = self._load_tokenizer(self.cfg.tokenizer_folder(), engine_cfg.model.vocab_size)
+        if self.tokenizer is not None and not engine_cfg.model.eos_token_ids \
+                and self.tokenizer.eos_token_id is not None:
+            # A checkpoint without an eos_token_id of its own ends where its tokenizer says.
+            model = engine_cfg.model.model_copy(update={"eos_token_ids": [int(self.tokenizer.eos_token_id)]})
+            engine_cfg = engine_cfg.model_copy(update={"model": model})
+        self.eos_token_ids = list(engine_cfg.model.eos_token_ids)
+        self.model_id = self.cfg.model_id()
+        self.max_model_len = engine_cfg.model.max_position_embeddings
+        self.created = int(time.time())
         self.executor = self._make_executor(engine_cfg)
         try:
             self.engine = LLMEngine(engine_cfg, self.executor)
@@ -189,8 +190,33 @@ class LLMServer:
                     max_tokens_limit=self.cfg.max_tokens_limit)
         return StatsResponse.model_validate({k: snap[k] for k in StatsResponse.model_fields}).model_dump()
 
+    @fastapi_app.get("/v1/models", response_model=ModelList)
+    async def models(self):
+        return list_models(self)
+
     @fastapi_app.post(
-        "/v1/generate", response_model=GenerateResponse, responses=_error_responses(),
+        "/v1/completions", responses=error_responses(400, 404, 413, 503),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": CompletionRequest.model_json_schema()}}}})
+    async def completions(self, request: Request):
+        return await self._openai(create_completion, request)
+
+    @fastapi_app.post(
+        "/v1/chat/completions", responses=error_responses(400, 404, 413, 503),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}})
+    async def chat_completions(self, request: Request):
+        return await self._openai(create_chat_completion, request)
+
+    async def _openai(self, handler, request: Request):
+        try:
+            return await handler(self, request)
+        except HTTPError as e:
+            self.metrics.on_rejected(e.status)
+            return e.response()
+
+    @fastapi_app.post(
+        "/v1/generate", response_model=GenerateResponse, responses=error_responses(),
         openapi_extra={"requestBody": {"required": True, "content": {
             "application/json": {"schema": GenerateRequest.model_json_schema()}}}})
     async def generate(self, request: Request):
@@ -201,7 +227,7 @@ class LLMServer:
             return e.response()
 
     async def _generate(self, request: Request):
-        body = await self._read_body(request)
+        body = await read_body(request, self.cfg.max_body_bytes)
         try:
             req = GenerateRequest.model_validate_json(body)
         except ValidationError as e:
@@ -287,28 +313,6 @@ class LLMServer:
         finally:
             if not finished:
                 self.loop.abort(rid)
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.cfg.max_body_bytes
-        too_big = HTTPError(413, [("body", f"body: larger than the limit of {limit} bytes "
-                                           f"(max_body_bytes)")])
-        cl = request.headers.get("content-length")
-        if cl is not None:
-            try:
-                if int(cl) > limit:
-                    raise too_big
-            except ValueError:
-                raise HTTPError(400, [("content-length", f"content-length: not an integer: {cl!r}")]) from None
-        buf, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            buf.append(chunk)
-        body = b"".join(buf)
-        if not body.strip():
-            raise HTTPError(400, [("body", "body: empty; send a JSON object")])
-        return body
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:

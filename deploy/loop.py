@@ -41,6 +41,7 @@ class Event:
     finished: bool = False
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    logprobs: Optional[list] = None  # TokenLogprobs per token_ids entry, when the request asked
 
 
 class Sink(Protocol):
@@ -215,7 +216,7 @@ class EngineLoop:
             if sink is None:
                 continue
             sink.push(Event("tokens", list(o.new_token_ids), o.finished, o.finish_reason,
-                            getattr(o, "error", None)))
+                            getattr(o, "error", None), getattr(o, "new_logprobs", None)))
             if o.finished:
                 self._done(o.request_id, o.finish_reason, None, notify=False)
         # Requests the engine ended without an output this step (an abort, an error it raised

@@ -8,6 +8,7 @@ live in :class:`ServeAppConfig` and are checked by the app after parsing.
 
 from __future__ import annotations
 
+import os
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,8 +43,14 @@ class ServeAppConfig(BaseModel):
         "ray", description="'ray': one Ray actor per TP rank, placed in the replica's own placement "
                            "group; 'in_process': TP=1 inside the replica process, no worker actors.")
     tokenizer: Optional[str] = Field(
-        None, description="Local folder with a Hugging Face tokenizer; enables text `prompt` and "
-                          "`text` in responses. Loaded with local_files_only, no remote code.")
+        None, description="Local folder with a Hugging Face tokenizer (and its chat template); enables "
+                          "text prompts, text in responses, stop strings and chat. Default: the "
+                          "checkpoint folder when it holds a tokenizer. Local files only, no remote code.")
+    served_model_name: Optional[str] = Field(
+        None, description="The `model` name of the OpenAI endpoints (GET /v1/models); default: the "
+                          "checkpoint folder's name, else 'ray_attn-random'.")
+    max_choices: int = Field(16, gt=0, description="Most completions one OpenAI request may ask for "
+                                                   "(prompts x n).")
     max_prompt_tokens: int = Field(1024, gt=0, description="Longest prompt accepted, in tokens.")
     max_tokens_limit: int = Field(256, gt=0, description="Largest `max_tokens` a request may ask for.")
     max_stop_token_ids: int = Field(16, ge=0, description="Most entries in a request's `stop` list.")
@@ -78,6 +85,20 @@ class ServeAppConfig(BaseModel):
         if self.executor == "in_process" and tp != 1:
             raise ValueError(f"executor='in_process' runs tensor_parallel_size=1 only, got {tp}")
         return self
+
+    def tokenizer_folder(self) -> Optional[str]:
+        if self.tokenizer:
+            return self.tokenizer
+        ckpt = self.engine.checkpoint
+        if ckpt and any(os.path.exists(os.path.join(ckpt, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return ckpt
+        return None
+
+    def model_id(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        ckpt = self.engine.checkpoint
+        return os.path.basename(os.path.normpath(ckpt)) if ckpt else "ray_attn-random"
 
     @property
     def max_in_flight(self) -> int:
@@ -152,10 +173,23 @@ class FieldError(BaseModel):
     message: str = Field(description="What is wrong with it.")
 
 
+class OpenAIError(BaseModel):
+    message: str = Field(description="Same as `detail`.")
+    type: str = Field(description="'invalid_request_error', 'not_found_error', 'service_unavailable' "
+                                  "or 'server_error'.")
+    param: Optional[str] = Field(None, description="Same as `field`.")
+    code: int = Field(description="The HTTP status.")
+
+
 class ErrorResponse(BaseModel):
+    """Every error of every route: OpenAI's ``{"error": {...}}`` (which the openai client reads)
+    and our ``detail``/``field``/``errors`` side by side, so either kind of client finds its keys."""
+
+    error: OpenAIError = Field(description="OpenAI's error object.")
     detail: str = Field(description="Human-readable message; starts with the field name.")
     field: str = Field(description="The first offending field.")
-    errors: list[FieldError] = Field(default_factory=list, description="Every problem found.")
+    errors: list[FieldError] = Field(default_factory=list, description="Every problem found (at most "
+                                                                       "MAX_ERRORS).")
 
 
 class HealthResponse(BaseModel):
@@ -261,7 +295,7 @@ def validation_errors(exc, model: type[BaseModel] = GenerateRequest) -> list[tup
         if e.get("type") == "value_error":
             msg = msg.removeprefix("Value error, ")
             head = msg.split(":", 1)[0]
-            if field == "body" and head in _KNOWN_FIELDS:
+            if field == "body" and (head in _KNOWN_FIELDS or head in model.model_fields):
                 field, msg = head, msg.split(":", 1)[1].strip()
         elif e.get("type") == "extra_forbidden":
             msg = f"unknown field (allowed: {', '.join(model.model_fields)})"

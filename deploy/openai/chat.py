@@ -1,0 +1,83 @@
+"""``POST /v1/chat/completions``: messages rendered by the tokenizer's own chat template."""
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from deploy.http import HTTPError, read_body
+from deploy.openai.protocol import ChatCompletionRequest
+from deploy.openai.serving import (
+    build_choices,
+    check_model,
+    check_prompt,
+    finish,
+    parse,
+    resolve_max_tokens,
+    stream_response,
+)
+
+
+def render_prompt(server, req: ChatCompletionRequest) -> list[int]:
+    tok = server.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise HTTPError(400, [("messages", "messages: chat needs a tokenizer with a chat template on "
+                                           "the server (app config 'tokenizer'); use /v1/completions")])
+    msgs = []
+    for m in req.messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        msgs.append(d)
+    try:
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
+        raise HTTPError(400, [("messages", f"messages: the chat template refused them: {e}")]) from None
+    # The template writes the special tokens itself (BOS, role markers): adding them again would
+    # give the model a prompt it was never trained on.
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+async def create_chat_completion(server, request: Request):
+    req = parse(ChatCompletionRequest, await read_body(request, server.cfg.max_body_bytes))
+    check_model(server, req.model)
+    ids = render_prompt(server, req)
+    check_prompt(server, ids, "messages")
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(server, req.requested_max_tokens(), len(ids), field)
+    choices = build_choices(server, req, [ids], [max_tokens], req.num_logprobs())
+    await choices.submit()
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": server.model_id}
+    if req.stream:
+        def chunk(d):
+            c = d.choice
+            ch = {"index": c.index, "delta": {"content": d.text} if d.text else {},
+                  "logprobs": _logprobs(d.logprobs) if c.params.logprobs is not None else None,
+                  "finish_reason": c.finish_reason if d.finished else None,
+                  "stop_reason": c.stop_reason if d.finished else None}
+            return dict(ch, token_ids=d.token_ids) if req.return_token_ids else ch
+
+        # OpenAI opens each choice with the role, before any content.
+        opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for c in choices.choices]
+        return stream_response(choices, req, dict(head, object="chat.completion.chunk"), chunk, rid, opening)
+    out = []
+    for c in await finish(choices):
+        d = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": _logprobs(c.logprobs) if c.params.logprobs is not None else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            d["token_ids"] = c.token_ids
+        out.append(d)
+    body = dict(head, object="chat.completion", choices=out, usage=choices.usage())
+    return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+def _logprobs(entries) -> dict:
+    def one(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(one(e.token, e.logprob), top_logprobs=[one(t, v) for t, v in e.top])
+                        for e in entries]}

@@ -1,0 +1,346 @@
+"""One OpenAI request as engine requests: every (prompt, sample) pair is a choice, all submitted
+to the engine loop together so that they batch into the same steps and the n samples of a prompt
+share its KV blocks (prefix cache, then cascade attention).  Both endpoints build a ``ChoiceSet``
+and read it as one merged stream of per-choice deltas.
+
+A stop string is found here, in the detokenized text (``ray_attn.detokenizer``): the choice is
+finished at once and its engine request aborted, so no more of its tokens are computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from deploy.http import HTTPError
+from deploy.loop import Event, LoopDead, QueueFull
+from deploy.openai.protocol import SamplingFields
+
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """Sample j's seed: the request's own for j = 0 (so n=1 draws what /v1/generate draws), else a
+    splitmix64 mix of (seed, j) -- independent streams, fixed by (seed, j) alone."""
+    if seed is None or j == 0:
+        return seed
+    x = (seed + j * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional[int], seed: Optional[int]):
+    """The engine's SamplingParams for one choice; a value it refuses is a 400 naming the field."""
+    from ray_attn.request import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, seed=seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()), min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos, logprobs=num_logprobs)
+    except ValueError as e:
+        msg = str(e)
+        raise HTTPError(400, [(msg.split(" ", 1)[0], msg)]) from None
+
+
+@dataclass
+class LogprobEntry:
+    """A sampled token's logprobs with the token texts resolved (``token_id:N`` without a tokenizer)."""
+
+    token: str
+    logprob: float
+    offset: int  # where the token's text starts in the choice's text
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: object
+    detok: object = None  # IncrementalDetokenizer when the server has a tokenizer
+    rid: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    error: Optional[str] = None
+    accepted: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+
+@dataclass
+class Delta:
+    """What one choice gained from one engine event."""
+
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    finished: bool
+
+
+class _TaggedSink:
+    """Events of one choice into the set's shared queue (called from the engine thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+        self.loop, self.queue, self.index = loop, queue, index
+
+    def push(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
+        except RuntimeError:  # the handler's event loop is gone: nobody listens any more
+            pass
+
+
+class ChoiceSet:
+    def __init__(self, engine_loop, choices: list[Choice], retry_after_s: int, eos_token_ids=()):
+        self.engine_loop = engine_loop
+        self.choices = choices
+        self.retry = {"Retry-After": str(retry_after_s)}
+        self.eos = set(eos_token_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._backlog: deque = deque()
+
+    async def submit(self) -> None:
+        """Queue every choice, all or none; returns once the engine accepted them all."""
+        loop = asyncio.get_running_loop()
+        try:
+            for c in self.choices:
+                c.rid = self.engine_loop.submit(c.prompt_ids, c.params, _TaggedSink(loop, self.queue, c.index))
+        except (QueueFull, LoopDead) as e:
+            self.abort()
+            what = "replica is at capacity" if isinstance(e, QueueFull) else "replica is unavailable"
+            raise HTTPError(503, [("queue", f"queue: {what} ({e}); retry later")], self.retry) from None
+        try:
+            while not all(c.accepted for c in self.choices):
+                idx, ev = await self.queue.get()
+                c = self.choices[idx]
+                if ev.kind == "accepted":
+                    c.accepted = True
+                elif ev.kind == "rejected":
+                    raise HTTPError(400, [("prompt", f"prompt: {ev.error}")])
+                elif ev.kind == "failed":
+                    raise HTTPError(503, [("replica", f"replica: request failed: {ev.error}")], self.retry)
+                else:
+                    self._backlog.append((idx, ev))
+        except BaseException:
+            self.abort()
+            raise
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Each choice's progress as the engine makes it, until every choice is done."""
+        while not all(c.done for c in self.choices):
+            idx, ev = self._backlog.popleft() if self._backlog else await self.queue.get()
+            c = self.choices[idx]
+            if c.done or ev.kind != "tokens":
+                continue  # e.g. the abort that follows a stop string
+            yield self._advance(c, ev)
+
+    def _advance(self, c: Choice, ev: Event) -> Delta:
+        new_ids: list[int] = []
+        new_lps: list = []
+        lps = getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)
+        stopped = False
+        for t, lp in zip(ev.token_ids, lps):
+            offset = len(c.text)
+            if c.detok is not None:
+                stopped = c.detok.add([t])
+            c.token_ids.append(t)
+            new_ids.append(t)
+            if lp is not None:
+                entry = LogprobEntry(self.token_text(c, t), lp.logprob, offset,
+                                     [(self.token_text(c, i), v) for i, v in lp.top])
+                c.logprobs.append(entry)
+                new_lps.append(entry)
+            if stopped:
+                break
+        if stopped:
+            self.engine_loop.abort(c.rid)
+            c.finish_reason, c.stop_reason = "stop", c.detok.stop_reason
+        elif ev.finished:
+            c.finish_reason, c.error = ev.finish_reason or "error", ev.error
+            if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] not in self.eos:
+                c.stop_reason = c.token_ids[-1]  # a stop token id (EOS reports null, as vLLM)
+            if c.detok is not None:
+                c.detok.finish()
+        text = c.detok.take(final=c.done) if c.detok is not None else ""
+        return Delta(c, text, new_ids, new_lps, c.done)
+
+    @staticmethod
+    def token_text(c: Choice, token_id: int) -> str:
+        return c.detok.token_text(token_id) if c.detok is not None else f"token_id:{token_id}"
+
+    async def collect(self) -> list[Choice]:
+        async for _ in self.deltas():
+            pass
+        return self.choices
+
+    def abort(self) -> None:
+        """End every unfinished choice (the client left, or one choice could not be queued)."""
+        for c in self.choices:
+            if c.rid is not None and not c.done:
+                self.engine_loop.abort(c.rid)
+
+    def raise_if_failed(self) -> None:
+        """A choice ended by a server-side failure makes the whole answer a 503 the client may retry."""
+        for c in self.choices:
+            if c.finish_reason == "error":
+                raise HTTPError(503, [("replica", f"replica: request failed: {c.error}")], self.retry)
+
+    def usage(self) -> dict:
+        prompts = {c.prompt_index: len(c.prompt_ids) for c in self.choices}
+        done = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
+                "total_tokens": sum(prompts.values()) + done}
+
+
+# ---------------------------------------------------------------------- what both endpoints check
+def parse(model, body: bytes):
+    """The body as ``model``; every problem a 400 naming its field (OpenAI answers 400 here)."""
+    from pydantic import ValidationError
+
+    from deploy.schemas import validation_errors
+
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise HTTPError(400, validation_errors(e, model)) from None
+
+
+def check_model(server, name: Optional[str]) -> None:
+    if name is not None and name != server.model_id:
+        raise HTTPError(404, [("model", f"model: '{name[:128]}' does not exist; this server serves "
+                                        f"'{server.model_id}' (GET /v1/models)")])
+
+
+def check_prompt(server, ids: list[int], field: str) -> None:
+    cfg = server.cfg
+    if not ids:
+        raise HTTPError(400, [(field, f"{field}: the prompt is empty after tokenization")])
+    if len(ids) > cfg.max_prompt_tokens:
+        raise HTTPError(400, [(field, f"{field}: {len(ids)} tokens exceeds the limit of "
+                                      f"{cfg.max_prompt_tokens} (max_prompt_tokens)")])
+    for i, t in enumerate(ids):
+        if not 0 <= t < server.vocab_size:
+            raise HTTPError(400, [(f"{field}[{i}]", f"{field}[{i}]: token id {t} is outside the "
+                                                    f"vocabulary [0, {server.vocab_size})")])
+
+
+def resolve_max_tokens(server, asked: Optional[int], prompt_len: int, field: str) -> int:
+    """``asked``, checked against the server's limit and the context; unset (chat), as many as
+    both allow."""
+    limit, ctx = server.cfg.max_tokens_limit, server.max_model_len
+    room = ctx - prompt_len
+    if asked is None:
+        if room < 1:
+            raise HTTPError(400, [(field, f"{field}: a prompt of {prompt_len} tokens leaves no room in "
+                                          f"the model's {ctx}-token context")])
+        return min(limit, room)
+    if asked > limit:
+        raise HTTPError(400, [(field, f"{field}: {asked} exceeds the limit of {limit} (max_tokens_limit)")])
+    if asked > room:
+        raise HTTPError(400, [(field, f"{field}: prompt of {prompt_len} tokens + {field}={asked} "
+                                      f"exceeds the model's {ctx}-token context")])
+    return asked
+
+
+def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
+                  num_logprobs: Optional[int]) -> ChoiceSet:
+    """prompts x n choices, index = prompt index x n + sample index (OpenAI's order)."""
+    cfg = server.cfg
+    stops, stop_ids = req.stop_strings(), req.stop_token_ids or []
+    for name, values in (("stop", stops), ("stop_token_ids", stop_ids)):
+        if len(values) > cfg.max_stop_token_ids:
+            raise HTTPError(400, [(name, f"{name}: {len(values)} entries exceeds the limit of "
+                                         f"{cfg.max_stop_token_ids} (max_stop_token_ids)")])
+    for i, t in enumerate(stop_ids):
+        if not 0 <= t < server.vocab_size:
+            raise HTTPError(400, [(f"stop_token_ids[{i}]", f"stop_token_ids[{i}]: token id {t} is "
+                                                           f"outside the vocabulary [0, {server.vocab_size})")])
+    if stops and server.tokenizer is None:
+        raise HTTPError(400, [("stop", "stop: stop strings need a tokenizer on the server (app config "
+                                       "'tokenizer'); use stop_token_ids")])
+    if len(prompts) * req.n > cfg.max_choices:
+        raise HTTPError(400, [("n", f"n: {len(prompts)} prompt(s) x n={req.n} choices exceeds the "
+                                    f"limit of {cfg.max_choices} (max_choices)")])
+    choices = []
+    for p, (ids, mt) in enumerate(zip(prompts, max_tokens)):
+        for j in range(req.n):
+            detok = None
+            if server.tokenizer is not None:
+                from ray_attn.detokenizer import IncrementalDetokenizer
+
+                detok = IncrementalDetokenizer(server.tokenizer, ids, stops, req.include_stop_str_in_output,
+                                               req.skip_special_tokens)
+            params = sampling_params(req, mt, num_logprobs, choice_seed(req.seed, j))
+            choices.append(Choice(len(choices), p, ids, params, detok))
+    return ChoiceSet(server.loop, choices, cfg.retry_after_s, server.eos_token_ids)
+
+
+def sse(obj) -> str:
+    import json
+
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def sse_error(e: HTTPError) -> str:
+    """An error after the stream began (the status is already 200): vLLM's in-stream error event."""
+    return sse(e.body())
+
+
+def stream_response(choices: ChoiceSet, req: SamplingFields, head: dict, chunk, rid: str, opening=()):
+    """The SSE answer: ``opening`` chunks, then ``chunk(delta)`` per delta that carries something,
+    an in-stream error if a choice failed, the usage chunk when asked, and ``[DONE]``.  A client
+    that leaves mid-stream aborts every choice."""
+    opts = req.stream_options
+    include_usage, every = (opts.include_usage, opts.continuous_usage_stats) if opts else (False, False)
+
+    async def events():
+        finished = False
+        try:
+            for ch in opening:
+                yield sse(dict(head, choices=[ch], usage=None))
+            async for d in choices.deltas():
+                if d.text or d.token_ids or d.finished:
+                    yield sse(dict(head, choices=[chunk(d)], usage=choices.usage() if every else None))
+            try:
+                choices.raise_if_failed()
+            except HTTPError as e:
+                yield sse_error(e)
+            if include_usage:
+                yield sse(dict(head, choices=[], usage=choices.usage()))
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                choices.abort()
+
+    from fastapi.responses import StreamingResponse
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+
+
+async def finish(choices: ChoiceSet) -> list[Choice]:
+    """Every choice to its end (non-streaming); a server-side failure is a 503."""
+    try:
+        await choices.collect()
+    finally:
+        choices.abort()  # a no-op when all finished; frees the blocks of a client that left
+    choices.raise_if_failed()
+    return choices.choices
