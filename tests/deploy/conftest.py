@@ -1,7 +1,8 @@
 """One real Serve instance on loopback for the deploy tests (and the load-test script test).
 
 Two apps on one HTTP port: ``/`` is the TP=2 app (Ray worker actors in the replica's placement
-group, with a small local tokenizer), ``/plain`` is a TP=1 in-process app without a tokenizer.
+group, with a byte-level BPE tokenizer and a ChatML template trained in the test), ``/plain`` is a
+TP=1 in-process app without a tokenizer.  Both end at the tokenizer's EOS, as the direct engine does.
 """
 
 from __future__ import annotations
@@ -15,32 +16,21 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.tokenizer_fixture import build_tokenizer
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Small limits so that the catalogue can reach them cheaply.
 LIMITS = dict(max_prompt_tokens=64, max_tokens_limit=128, max_stop_token_ids=4, max_queue_depth=4,
               max_body_bytes=4096, retry_after_s=2)
 MAX_NUM_SEQS = 4
+MODEL_ID = "tiny-chat"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def build_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A word-level tokenizer saved in HF format (no download): 'w0'..'w99' and a few words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[UNK]"] + [f"w{i}" for i in range(100)] + \
-        "the quick brown fox jumps over lazy dog hello world".split()
-    assert len(words) <= vocab_size
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(folder))
 
 
 @dataclass
@@ -81,7 +71,7 @@ def served(ray_session, tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     eng = engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS)
     build_tokenizer(tok_dir, eng.model.vocab_size)
-    args = dict(LIMITS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir),
+    args = dict(LIMITS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir), served_model_name=MODEL_ID,
                 replica_num_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=10.0,
                 health_ping_timeout_s=3.0)
     plain = dict(LIMITS, executor="in_process", replica_num_cpus=0.5,

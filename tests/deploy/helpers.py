@@ -6,6 +6,7 @@ import numpy as np
 
 from deploy.schemas import default_engine_config
 from ray_attn.config import EngineConfig
+from tests.tokenizer_fixture import EOS_ID
 
 
 def engine_config(tp: int = 2, max_num_seqs: int = 4, num_blocks: int = 256) -> EngineConfig:
@@ -13,6 +14,7 @@ def engine_config(tp: int = 2, max_num_seqs: int = 4, num_blocks: int = 256) -> 
     data = cfg.model_dump()
     data["parallel"].update(tensor_parallel_size=tp, device="cpu", num_cpus_per_worker=0.5)
     data["cache"].update(num_blocks=num_blocks)
+    data["model"].update(eos_token_ids=[EOS_ID])  # the test tokenizer's <|im_end|>
     data.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
     return EngineConfig.model_validate(data)
 
@@ -41,3 +43,23 @@ def sampling_params(body: dict):
 def direct_generate(engine, bodies) -> list[list[int]]:
     outs = engine.generate([b["prompt_token_ids"] for b in bodies], [sampling_params(b) for b in bodies])
     return [o.output_token_ids for o in outs]
+
+
+def teacher_forced_logits(engine: dict, tokens: list[int]) -> np.ndarray:
+    """float64 [len(tokens), vocab]: the model's logits at every position of ``tokens`` in one
+    prefill, TP=1 on the torch kernel -- the reference the served logprobs are checked against."""
+    import torch
+
+    from ray_attn.model import build_model
+    from tests.model.steps import BLOCK_SIZE, MAX_BLOCKS, block_rows, make_step
+
+    cfg = EngineConfig.model_validate(engine)
+    assert len(tokens) <= BLOCK_SIZE * MAX_BLOCKS
+    model = build_model(cfg.model, block_size=BLOCK_SIZE, kernel="torch")
+    model.init_random_weights(cfg.model.seed)
+    model.allocate_kv_cache(MAX_BLOCKS)
+    n = len(tokens)
+    meta = make_step(block_rows(1), [0], [n]).to_device(torch.device("cpu"))
+    with torch.inference_mode():
+        h = model(torch.tensor(tokens), torch.arange(n), meta)
+        return model.compute_logits(h, torch.arange(n)).double().numpy()

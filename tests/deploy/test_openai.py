@@ -1,0 +1,193 @@
+"""The official ``openai`` client against the Serve app (the TP=2 app of ``conftest.py``: Ray worker
+actors, a BPE tokenizer with a ChatML template trained in the test, nothing downloaded)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.deploy.conftest import MODEL_ID
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "hello world, the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(served):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(served.tokenizer_dir, local_files_only=True)
+
+
+def generate(served, **body) -> dict:
+    r = httpx.post(served.url + "/v1/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_models_lists_the_served_model(client, served):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_ID]
+    card = models[0].model_dump()
+    assert card["max_model_len"] == served.args["engine"]["model"]["max_position_embeddings"]
+    assert card["vocab_size"] == served.args["engine"]["model"]["vocab_size"]
+
+
+def test_greedy_completion_equals_generate(client, served, tok):
+    want = generate(served, prompt=PROMPT, max_tokens=12)
+    out = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    c = out.choices[0]
+    assert c.model_extra["token_ids"] == want["token_ids"]
+    assert c.text == want["text"] == tok.decode(want["token_ids"], skip_special_tokens=True)
+    assert c.finish_reason == want["finish_reason"]
+    assert out.usage.prompt_tokens == len(tok(PROMPT)["input_ids"])
+    assert out.usage.completion_tokens == len(want["token_ids"])
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    # token ids in, the same tokens out
+    ids = tok(PROMPT)["input_ids"]
+    again = client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=12, temperature=0)
+    assert again.choices[0].text == c.text
+
+
+def test_streamed_completion_equals_the_whole(client, served):
+    whole = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=3)
+    stream = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0.8,
+                                       seed=3, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert len(chunks) > 2  # tokens arrive as they are made, not at the end
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_chat_completion_uses_the_chat_template(client, served, tok):
+    msgs = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hello ray"}]
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = generate(served, prompt_token_ids=ids, max_tokens=10)
+    out = client.chat.completions.create(model=MODEL_ID, messages=msgs, max_completion_tokens=10, temperature=0)
+    m = out.choices[0].message
+    assert m.role == "assistant" and m.content == want["text"]
+    assert out.usage.prompt_tokens == len(ids)
+    deltas = list(client.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == want["text"]
+
+
+def test_n_samples_are_independent_and_reproducible(client):
+    kw = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=12, temperature=1.0, n=4, seed=11,
+              extra_body={"return_token_ids": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    ids = [c.model_extra["token_ids"] for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert ids == [c.model_extra["token_ids"] for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len({tuple(x) for x in ids}) == 4  # independent draws, not one draw four times
+    one = client.completions.create(**dict(kw, n=1))
+    assert one.choices[0].model_extra["token_ids"] == ids[0]  # sample 0 keeps the request's seed
+    assert a.usage.completion_tokens == sum(len(x) for x in ids)
+
+
+def test_stop_string_ends_the_text_at_the_string(client):
+    full = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    assert len(text) >= 8, text
+    stop = text[4:7]
+    cut = text.index(stop)
+    out = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    c = out.choices[0]
+    assert c.text == text[:cut] and c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop
+    assert out.usage.completion_tokens < full.usage.completion_tokens or cut + len(stop) >= len(text)
+    kept = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:cut + len(stop)]
+
+
+def test_logprobs_are_log_softmax_of_the_logits(client, served, tok):
+    from tests.deploy.helpers import teacher_forced_logits
+
+    out = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"return_token_ids": True})
+    c = out.choices[0]
+    prompt = tok(PROMPT)["input_ids"]
+    gen = c.model_extra["token_ids"]
+    logits = teacher_forced_logits(served.args["engine"], prompt + gen)[len(prompt) - 1:-1]
+    ref = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)  # float64 log-softmax
+    lp = c.logprobs
+    # TP=2 (the app) against TP=1 in float32: the all-reduce order moves logits by ~1e-6
+    np.testing.assert_allclose(lp.token_logprobs, ref[np.arange(len(gen)), gen], atol=2e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        best = np.argsort(-ref[i])[:3]
+        want = {tok.decode([int(t)]): ref[i, t] for t in best}
+        for text, v in want.items():
+            assert top[text] == pytest.approx(v, abs=2e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in content)
+    assert all(x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob >= -1e9 for x in content)
+
+
+def test_sampling_filters_reach_the_device(client):
+    greedy = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=0)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):  # each leaves only the most likely token
+        out = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5,
+                                        extra_body=extra)
+        assert out.choices[0].text == greedy.choices[0].text, extra
+    free = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5)
+    assert free.choices[0].text != greedy.choices[0].text
+    short = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=0,
+                                      extra_body={"min_tokens": 10, "stop_token_ids": [0]})
+    assert short.usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(temperature=3.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(n=0), "n"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(max_tokens=100000), "max_tokens"),
+    (dict(extra_body={"min_tokens": 20}, max_tokens=5), "min_tokens"),
+    (dict(extra_body={"no_such_field": 1}), "no_such_field"),
+    (dict(extra_body={"top_k": "5"}), "top_k"),
+    (dict(prompt=[1, 2, 10**6]), "prompt[2]"),
+])
+def test_bad_parameters_are_openai_errors_naming_the_field(client, kw, param):
+    args = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**args)
+    body = e.value.body
+    assert e.value.status_code == 400 and body["param"] == param, body
+    assert body["message"].startswith(param) and body["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert e.value.body["param"] == "model" and MODEL_ID in e.value.body["message"]
+
+
+def test_chat_without_a_tokenizer_is_refused_by_name(served):
+    with openai.OpenAI(base_url=served.plain_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="ray_attn-random", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["param"] == "messages"
+        out = c.completions.create(model="ray_attn-random", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+        assert out.choices[0].text == "" and len(out.choices[0].model_extra["token_ids"]) == 3
