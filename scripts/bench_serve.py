@@ -44,6 +44,10 @@ from servebench.metrics import (  # noqa: E402
 )
 
 
+class ReadyCheckFailed(RuntimeError):
+    """The server never answered the first request successfully."""
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,7 +178,7 @@ async def benchmark(args) -> dict:
             print("Starting initial single prompt test run...")
             first = await transport.ready(requests[0], args.ready_check_timeout_sec)
             if not first.success:
-                raise RuntimeError(f"initial test run failed: {first.error}")
+                raise ReadyCheckFailed(f"initial test run failed: {first.error}")
         if args.num_warmups:
             print(f"Warming up with {args.num_warmups} requests...")
             await warmup(transport.send, requests[0], args.num_warmups, args.max_concurrency)
@@ -234,6 +238,9 @@ def main(argv=None) -> int:
         asyncio.run(benchmark(args))
     except ValueError as e:
         p.error(str(e))
+    except ReadyCheckFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,9 +33,9 @@ VLLM_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_out
 SLACK = 0.5  # seconds of scheduling noise an upper bound allows on a loaded 2-core machine
 
 
-def serve(url: str, *extra) -> dict:
+def serve(url: str, *extra, ready_check: float = 0) -> dict:
     args = bench_serve.parser().parse_args(
-        ["--base-url", url, "--disable-tqdm", "--ready-check-timeout-sec", "0", *map(str, extra)])
+        ["--base-url", url, "--disable-tqdm", "--ready-check-timeout-sec", str(ready_check), *map(str, extra)])
     return asyncio.run(bench_serve.benchmark(args))
 
 
@@ -45,7 +45,8 @@ def test_metrics_follow_the_fake_servers_delays(tmp_path):
     with FakeOpenAI(plan=lambda body: Plan(first, gap), vocab_size=50) as fake:
         r = serve(fake.url, "--num-prompts", n, "--random-input-len", 12, "--random-output-len", n_out,
                   "--max-concurrency", 3, "--save-result", "--result-dir", tmp_path,
-                  "--result-filename", "out.json")
+                  "--result-filename", "out.json", ready_check=5)
+        assert len(fake.bodies) == n + 1  # the ready check's request, then the run's
     assert VLLM_KEYS <= r.keys() and r["backend"] == "openai" and r["transport"] == "http"
     assert json.loads((tmp_path / "out.json").read_text())["completed"] == n
     assert r["completed"] == n and r["failed"] == 0 and r["errors"] == [""] * n
@@ -107,6 +108,14 @@ def test_failed_requests_are_counted_and_do_not_stop_the_run():
     assert sum("HTTP 500" in e for e in r["errors"]) == sum(bad)
     assert sorted(r["output_lens"]) == [0] * sum(bad) + [3] * (12 - sum(bad))
     assert r["request_goodput"] * r["duration"] == pytest.approx(12 - sum(bad))
+
+
+def test_ready_check_that_never_succeeds_stops_the_run(capsys):
+    with FakeOpenAI(plan=lambda body: Plan(status=503)) as fake:
+        rc = bench_serve.main(["--base-url", fake.url, "--ready-check-timeout-sec", "0.3", "--num-prompts", "2",
+                               "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"])
+        assert len(fake.bodies) >= 1
+    assert rc == 1 and "initial test run failed: HTTP 503" in capsys.readouterr().err
 
 
 def test_unreachable_server_fails_every_request_without_raising():
@@ -244,6 +253,16 @@ def test_engine_backend_produces_vllm_json_and_the_engines_tokens():
     finally:
         t.close()
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+
+
+def test_engine_backend_counts_requests_the_engine_rejects():
+    # 2 blocks of 16 tokens cannot hold a 40-token prompt: the engine refuses each request.
+    args = bench_serve.parser().parse_args(
+        ["--backend", "engine", "--model", "tiny", *TINY[:-1], "2", "--num-prompts", "3",
+         "--random-input-len", "40", "--random-output-len", "2", "--disable-tqdm"])
+    r = asyncio.run(bench_serve.benchmark(args))
+    assert r["completed"] == 0 and r["failed"] == 3
+    assert all(e.startswith("rejected: request needs") for e in r["errors"])
 
 
 def test_bench_throughput_reports_vllm_keys_and_engine_stats(tmp_path):
