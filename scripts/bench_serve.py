@@ -132,7 +132,7 @@ async def _open_http(args, run: dict):
         raise ValueError(f"--vocab-size: not given and neither GET {base}/v1/models nor /stats has vocab_size")
     headers = dict(h.split("=", 1) for h in args.header or [])
     transport = OpenAICompletionsTransport(base + args.endpoint, model, args.ignore_eos, args.extra_body,
-                                           args.max_concurrency, headers)
+                                           headers)
     run.update(backend="openai", endpoint_type="openai", transport="http", base_url=base,
                endpoint=args.endpoint, model_id=model, server_info=info)
     return transport, int(vocab)

@@ -113,13 +113,13 @@ class OpenAICompletionsTransport:
     """One aiohttp session for the run; ``send`` is the driver's transport."""
 
     def __init__(self, api_url: str, model: str, ignore_eos: bool, extra_body: dict | None = None,
-                 max_concurrency: int | None = None, headers: dict | None = None):
+                 headers: dict | None = None):
         import aiohttp
 
         self.api_url, self.model, self.ignore_eos, self.extra_body = api_url, model, ignore_eos, extra_body
-        # As vLLM: no keep-alive (each request opens its connection) and no cap beyond the
-        # benchmark's own concurrency bound.
-        connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=True)
+        # As vLLM: no keep-alive (each request opens its connection).  No connection cap: the
+        # driver's --max-concurrency bound is the one both transports share.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         self.session = aiohttp.ClientSession(connector=connector, headers=headers or {},
                                              timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
 

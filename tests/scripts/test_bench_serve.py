@@ -236,6 +236,8 @@ def test_engine_backend_produces_vllm_json_and_the_engines_tokens():
     assert r["output_lens"] == [s.expected_output_len for s in samples]
     assert r["input_lens"] == [s.prompt_len for s in samples]
     assert [len(i) for i in r["itls"]] == [s.expected_output_len - 1 for s in samples]
+    e2el = [t + sum(i) for t, i in zip(r["ttfts"], r["itls"])]  # the last token's time, by definition
+    assert r["mean_e2el_ms"] == pytest.approx(np.mean(e2el) * 1000, rel=1e-9)
     assert r["engine_stats"]["tokens_generated"] == sum(r["output_lens"])
     assert r["engine_config"]["model"]["vocab_size"] == 512 and r["request_rate"] == 50.0
 
