@@ -6,6 +6,8 @@ says why -- before a placement group is reserved or an actor started.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Callable, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,8 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 SUPPORTED_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
 # HF ``architectures`` names with a model family in ray_attn.model (see its registry).
-Architecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "MptForCausalLM", "Gemma2ForCausalLM"]
+Architecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "MptForCausalLM", "Gemma2ForCausalLM",
+                       "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
+# rope_scaling types ray_attn.model.layers.rope_inv_freq computes.
+ROPE_TYPES = ("default", "llama3")
+# The ModelConfig properties a checkpoint's tensors fix: a model that differs from its checkpoint's
+# config.json in any of them cannot load it (or, for the family, computes another function).
+CHECKPOINT_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "head_size", "tie_word_embeddings")
 
 # Fields a family's checkpoints fix, as (value given the other fields, why).  Unset, the field
 # takes that value; set to anything else, the config is refused: no checkpoint of the family
@@ -28,6 +37,8 @@ FAMILY_FIXED: dict[str, dict[str, tuple[Callable[[dict], object], str]]] = {
                               "HF transformers' MPT MLP is 4 * d_model wide, whatever expansion_ratio says"),
     },
     "Gemma2ForCausalLM": {"use_alibi": (lambda f: False, "Gemma-2 uses RoPE")},
+    "Qwen2ForCausalLM": {"use_alibi": (lambda f: False, "Qwen2 uses RoPE")},
+    "Qwen3ForCausalLM": {"use_alibi": (lambda f: False, "Qwen3 uses RoPE")},
 }
 
 
@@ -37,11 +48,12 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     """A decoder of one of the supported families; field names follow Hugging Face's
-    ``LlamaConfig`` (``from_pretrained`` maps MPT's and Gemma-2's names onto them)."""
+    ``LlamaConfig`` (``from_pretrained`` maps the other families' names onto them)."""
 
     architecture: Architecture = Field("LlamaForCausalLM", description=(
         "HF architectures name, which picks the model family: Llama/Mistral, MPT (ALiBi, LayerNorm, "
-        "GELU MLP) or Gemma-2 (soft caps, GeGLU, 1 + weight RMSNorms)."))
+        "GELU MLP), Gemma-2 (soft caps, GeGLU, 1 + weight RMSNorms), Qwen2 (q/k/v biases) or Qwen3 "
+        "(per-head q/k RMSNorm)."))
     vocab_size: int = Field(512, gt=0, description="Vocabulary size.")
     hidden_size: int = Field(256, gt=0, description="Model width.")
     intermediate_size: int = Field(512, gt=0, description="MLP inner width (MPT: 4 * d_model).")
@@ -93,16 +105,9 @@ class ModelConfig(_Strict):
     def from_pretrained(cls, folder: str, **overrides) -> "ModelConfig":
         """The config of an HF-format checkpoint folder (its ``config.json``), so that a model
         loaded with ``EngineConfig(checkpoint=folder)`` gets the checkpoint's own family, shapes,
-        RoPE base and scaling, norm epsilon, windows and caps (``ray_attn.hf_config`` maps each
-        family's names).  ``overrides`` win (e.g. ``dtype``)."""
-        import json
-        import os
-
-        from ray_attn.hf_config import fields_from_hf
-
-        with open(os.path.join(folder, "config.json")) as f:
-            hf = json.load(f)
-        return cls(**(fields_from_hf(hf, folder) | overrides))
+        RoPE base and scaling, norm epsilon, windows, caps and end-of-sequence ids
+        (``ray_attn.hf_config`` maps each family's names).  ``overrides`` win (e.g. ``dtype``)."""
+        return cls(**(pretrained_fields(folder) | overrides))
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +123,10 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"rope_scaling rope_type={kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         h, kv = self.num_attention_heads, self.num_key_value_heads
         if h % kv:
             raise ValueError(f"num_attention_heads={h} must be a multiple of num_key_value_heads={kv}")
@@ -141,6 +150,38 @@ class ModelConfig(_Strict):
                 raise ValueError(f"architecture={self.architecture} needs {name}={value(values)!r}, "
                                  f"got {values[name]!r} ({why})")
         return self
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def pretrained_fields(folder: str) -> dict:
+    """``ModelConfig`` fields of an HF-format checkpoint folder: its config.json's, with the end-of-
+    sequence ids of its generation_config.json where that file sets ``eos_token_id`` (what
+    transformers' ``generate`` stops on), else config.json's."""
+    from ray_attn.hf_config import eos_token_ids, fields_from_hf
+
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint folder {folder!r} does not exist (or is not a directory)")
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint folder {folder!r} has no config.json; an HF-format checkpoint "
+                                "holds config.json next to its *.safetensors")
+    fields = fields_from_hf(_read_json(path), folder)
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):
+        gen = _read_json(gen_path)
+        if "eos_token_id" in gen:
+            fields["eos_token_ids"] = eos_token_ids(gen["eos_token_id"], gen_path)
+    return fields
 
 
 # Named model shapes (gpt-fast's ``transformer_configs``): benchmarks, the demo and the Serve
@@ -200,7 +241,11 @@ class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The decoder to serve.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Ranks and kernels.")
-    checkpoint: Optional[str] = Field(None, description="Folder with HF-format safetensors; random weights from model.seed when unset.")
+    checkpoint: Optional[str] = Field(None, description=(
+        "Folder with an HF-format checkpoint (config.json and safetensors); random weights from "
+        "model.seed when unset. With a checkpoint, model defaults to its config.json, and a model "
+        "given as a mapping overrides fields of it (e.g. {dtype: bfloat16}); a model whose shapes "
+        "differ from config.json is refused."))
     max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens in one step (chunked prefill splits longer prompts).")
     enable_cascade: bool = Field(True, description="Let the planner choose cascade attention for shared prefixes.")
@@ -216,10 +261,41 @@ class EngineConfig(_Strict):
         "runs on the host, so there is nothing to overlap)."))
     num_sms: Optional[int] = Field(None, gt=0, description="SM count for the cascade heuristic; taken from the workers' GPU when unset.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_from_checkpoint(cls, data):
+        """The checkpoint's own config as the model, a mapping ``model`` as overrides on top of it."""
+        if not isinstance(data, dict) or not isinstance(data.get("checkpoint"), str):
+            return data
+        model = data.get("model")
+        if model is not None and not isinstance(model, dict):
+            return data  # a ModelConfig: compared with config.json once validated
+        return data | {"model": _checkpoint_fields(data["checkpoint"]) | (model or {})}
+
     @model_validator(mode="after")
     def _check(self):
+        if self.checkpoint is not None:
+            check_matches_checkpoint(self.model, self.checkpoint)
         check_runnable(self.model, self.cache, self.parallel)
         return self
+
+
+def _checkpoint_fields(folder: str) -> dict:
+    try:
+        return pretrained_fields(folder)
+    except OSError as e:  # as a ValueError, so that pydantic reports it on the field
+        raise ValueError(f"checkpoint={folder!r}: {e}") from None
+
+
+def check_matches_checkpoint(model: ModelConfig, folder: str) -> None:
+    """Refuse, naming every field and both values, a model whose shapes differ from those of the
+    checkpoint's config.json: its weights could not load (or would compute another family)."""
+    own = ModelConfig(**_checkpoint_fields(folder))
+    diff = [f"{name}={getattr(model, name)!r} (config.json: {getattr(own, name)!r})"
+            for name in CHECKPOINT_SHAPE_FIELDS if getattr(model, name) != getattr(own, name)]
+    if diff:
+        raise ValueError(f"model disagrees with checkpoint {folder!r}: {', '.join(diff)}; leave model unset "
+                         "(or give only overrides such as dtype) to take the checkpoint's own config")
 
 
 def check_runnable(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig) -> None:

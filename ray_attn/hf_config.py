@@ -18,8 +18,15 @@ LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "max_position_embeddings", "tie_word_embeddings", "sliding_window")
 # config.json files without ``architectures`` (a config saved on its own) still name a model_type.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mpt": "MptForCausalLM",
-               "gemma2": "Gemma2ForCausalLM"}
+               "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 GEMMA2_ACTIVATION = "gelu_pytorch_tanh"
+# transformers' Qwen2Config / Qwen3Config defaults, for the keys a config.json may leave out (HF
+# fills them from its class; ours differ, e.g. rms_norm_eps 1e-5 and a 512-token vocabulary).
+QWEN_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                     num_attention_heads=32, hidden_act="silu", max_position_embeddings=32768,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                     sliding_window=4096, max_window_layers=28)
+QWEN3_DEFAULTS = QWEN_DEFAULTS | dict(head_dim=128, attention_bias=False)
 
 
 def _refuse(arch: str, name: str, value, why: str) -> None:
@@ -29,6 +36,14 @@ def _refuse(arch: str, name: str, value, why: str) -> None:
 def _number(x):
     """Integral floats as ints: HF's strict configs type some of these fields int."""
     return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def eos_token_ids(value, where: str = "config.json") -> list[int]:
+    """HF's ``eos_token_id`` (an int, a list of ints, or null) as a list."""
+    ids = [] if value is None else [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{where}: eos_token_id={value!r} is not a token id, a list of them or null")
+    return list(ids)
 
 
 def _rope_in(hf: dict) -> dict:
@@ -113,9 +128,34 @@ def _gemma2_in(hf: dict) -> dict:
     return {k: v for k, v in fields.items() if v is not None}
 
 
+def _qwen_in(arch: str, hf: dict, defaults: dict) -> dict:
+    hf = defaults | hf
+    if hf["hidden_act"] != "silu":
+        _refuse(arch, "hidden_act", hf["hidden_act"], "only SwiGLU with silu is implemented")
+    if hf.get("attention_bias"):  # Qwen3's switch: biases on q, k, v and o
+        _refuse(arch, "attention_bias", True, "Qwen3 projection biases are not implemented")
+    n = hf["num_hidden_layers"]
+    # HF's reading: the window applies only with use_sliding_window, to the layers from
+    # max_window_layers on (unless the config lists layer_types itself); released Qwen2.5 and
+    # Qwen3 configs carry a sliding_window with use_sliding_window false, i.e. no window at all.
+    window = hf["sliding_window"] if hf["use_sliding_window"] else None
+    kinds = hf.get("layer_types") or ["sliding_attention" if window is not None and i >= hf["max_window_layers"]
+                                      else "full_attention" for i in range(n)]
+    sliding = "sliding_attention" in kinds
+    if sliding and window is None:
+        _refuse(arch, "sliding_window", window, "its sliding_attention layers need a window, and "
+                f"use_sliding_window={hf['use_sliding_window']!r} sets none")
+    fields = {k: hf[k] for k in LLAMA_KEYS if hf.get(k) is not None and k != "sliding_window"}
+    fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+    fields.update(layer_types=list(kinds) if sliding else None, sliding_window=window if sliding else None)
+    return {k: v for k, v in fields.items() if v is not None} | _rope_in(hf)
+
+
 READERS: dict[str, Callable[[dict], dict]] = {
     "LlamaForCausalLM": _llama_in, "MistralForCausalLM": _llama_in, "MptForCausalLM": _mpt_in,
-    "Gemma2ForCausalLM": _gemma2_in}
+    "Gemma2ForCausalLM": _gemma2_in,
+    "Qwen2ForCausalLM": lambda hf: _qwen_in("Qwen2ForCausalLM", hf, QWEN_DEFAULTS),
+    "Qwen3ForCausalLM": lambda hf: _qwen_in("Qwen3ForCausalLM", hf, QWEN3_DEFAULTS)}
 
 
 def architecture_of(hf: dict, folder: str = "") -> str:
@@ -139,7 +179,8 @@ def fields_from_hf(hf: dict, folder: str = "") -> dict:
     """``ModelConfig`` fields from an HF config.json's contents."""
     arch = architecture_of(hf, folder)
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
-    return READERS[arch](hf) | dict(architecture=arch, dtype=dtype if dtype in DTYPES else "bfloat16")
+    return READERS[arch](hf) | dict(architecture=arch, dtype=dtype if dtype in DTYPES else "bfloat16",
+                                    eos_token_ids=eos_token_ids(hf.get("eos_token_id"), f"{folder}/config.json"))
 
 
 # -- writers: ModelConfig -> config.json ----------------------------------------------------------
@@ -148,12 +189,12 @@ def _only(c: "ModelConfig", held: set[str]) -> None:
     has no place for them, so a checkpoint would silently compute something else."""
     fields = type(c).model_fields
     for name in fields:
-        if name not in held | {"architecture", "dtype", "seed"} and getattr(c, name) != fields[name].default:
+        if name not in held | {"architecture", "dtype", "seed", "eos_token_ids"} and getattr(c, name) != fields[name].default:
             raise ValueError(f"a {c.architecture} config.json cannot hold {name}={getattr(c, name)!r}")
 
 
 def _llama_out(c: "ModelConfig") -> dict:
-    exclude = {"seed", "dtype", "architecture"} | (set() if c.use_alibi else {"alibi_bias_max"})
+    exclude = {"seed", "dtype", "architecture", "eos_token_ids"} | (set() if c.use_alibi else {"alibi_bias_max"})
     d = c.model_dump(exclude=exclude, exclude_none=True)
     d.update(architectures=[c.architecture],
              model_type="mistral" if c.architecture == "MistralForCausalLM" else "llama",
@@ -196,12 +237,36 @@ def _gemma2_out(c: "ModelConfig") -> dict:
         query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.head_size), rope_parameters=_rope_out(c))
 
 
+def _qwen_out(c: "ModelConfig") -> dict:
+    _only(c, {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+              "max_position_embeddings", "tie_word_embeddings", "sliding_window", "layer_types"})
+    kinds = c.layer_kinds()
+    if "chunked_attention" in kinds:
+        raise ValueError(f"a {c.architecture} config.json cannot hold chunked_attention layer_types")
+    sliding = "sliding_attention" in kinds
+    d = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                    "max_position_embeddings", "tie_word_embeddings")}
+    # layer_types carries any pattern; max_window_layers (the full layers before the first sliding
+    # one) is what readers without layer_types go by, exact for HF's full-then-sliding pattern.
+    full_first = kinds.index("sliding_attention") if sliding else len(kinds)
+    qwen3 = c.architecture == "Qwen3ForCausalLM"
+    return d | dict(
+        architectures=[c.architecture], model_type="qwen3" if qwen3 else "qwen2", head_dim=c.head_size,
+        hidden_act="silu", use_sliding_window=sliding, sliding_window=c.sliding_window if sliding else None,
+        max_window_layers=full_first, layer_types=kinds, rope_parameters=_rope_out(c),
+        **(dict(attention_bias=False) if qwen3 else {}))
+
+
 WRITERS: dict[str, Callable[["ModelConfig"], dict]] = {
     "LlamaForCausalLM": _llama_out, "MistralForCausalLM": _llama_out, "MptForCausalLM": _mpt_out,
-    "Gemma2ForCausalLM": _gemma2_out}
+    "Gemma2ForCausalLM": _gemma2_out, "Qwen2ForCausalLM": _qwen_out, "Qwen3ForCausalLM": _qwen_out}
 
 
 def hf_config_dict(config: "ModelConfig") -> dict:
     """The config.json HF transformers loads ``config``'s family from."""
+    ids = config.eos_token_ids
     # transformers 5 reads dtype, 4 torch_dtype
-    return WRITERS[config.architecture](config) | dict(dtype=config.dtype, torch_dtype=config.dtype)
+    return WRITERS[config.architecture](config) | dict(
+        dtype=config.dtype, torch_dtype=config.dtype, eos_token_id=ids[0] if len(ids) == 1 else ids or None)

@@ -93,6 +93,8 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: default(s, i) or need(s["local_steps"] > 0, "no local-attention step")),
         Row("soft_cap", family="gemma2", what="Gemma-2: attention + final soft cap, sliding/full layers",
             expect=default),
+        Row("qwen2", family="qwen2", what="Qwen2: q/k/v biases, tied embeddings", expect=default),
+        Row("qwen3", family="qwen3", what="Qwen3: per-head q/k RMSNorm, q wider than hidden", expect=default),
         Row("alibi", family="mpt", what="MPT: ALiBi on flash-attn 2 (block 256)", cache=dict(block_size=256),
             expect=lambda s, i: need(i["kernel"] == "fa2", f"kernel {i['kernel']}, not fa2") if gpu else None),
         Row("prefix_cache", what="prefix-cache hits (shared prefix served first)", warm_prefix=True,

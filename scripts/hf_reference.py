@@ -38,6 +38,14 @@ def hf_config(family: str, size: dict, *, window: int, chunk: int | None = None)
         return tf.Gemma2Config(**common, sliding_window=window, query_pre_attn_scalar=s["head"],
                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                hidden_activation="gelu_pytorch_tanh")
+    if family == "qwen2":
+        # Tied embeddings, as the small Qwen2.5 checkpoints ship.
+        return tf.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                              tie_word_embeddings=True, use_sliding_window=False)
+    if family == "qwen3":
+        # Twice the query heads, so q is wider than the residual stream (Qwen3-4B: 32 x 128 over 2560).
+        return tf.Qwen3Config(**(common | dict(num_attention_heads=2 * s["heads"])), attention_bias=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
     if family == "mpt":
         # HF's MPT builds (and writes) a 4 * d_model MLP whatever expansion_ratio says.
         return tf.MptConfig(d_model=s["hidden"], n_heads=s["heads"], n_layers=s["layers"], max_seq_len=s["max_pos"],
@@ -50,7 +58,8 @@ def liven(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every weight: matrices N(0, 1/fan_in), so activations keep unit scale through each
     layer and attention stays peaked; an untied input embedding N(0, 1) (each position's own token
     stays visible in the residual stream), a tied one N(0, 1/hidden) so logits are of order 1;
-    norm weights near 1 but not exactly (a skipped norm shows), biases small."""
+    norm weights near 1 but not exactly (a skipped norm shows), biases (Qwen2's q/k/v) N(0, 0.25):
+    half the projections' unit scale, so a dropped or misplaced bias shows too."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
     tied = bool(getattr(cfg, "tie_word_embeddings", False)) or getattr(cfg, "model_type", "") == "mpt"
@@ -64,7 +73,7 @@ def liven(model: torch.nn.Module, seed: int) -> None:
         elif p.dim() == 1 and "norm" in name.lower():
             p.copy_(x * 0.05 if gemma else 1.0 + x * 0.05)  # Gemma scales by (1 + w)
         elif p.dim() == 1:
-            p.copy_(x * 0.02)
+            p.copy_(x * 0.5)
         else:
             p.copy_(x * p.shape[-1] ** -0.5)
 

@@ -3,7 +3,9 @@ FlashAttention backend, output projection.
 
 What differs between families is configuration, not code: the scale (``ModelConfig.attention_scale``),
 ALiBi slopes, soft cap, q/k/v clipping and the layer's kind (full, sliding, chunked) all come from
-``ModelConfig``; checkpoint names are the family's business (its ``layer_shards``).
+``ModelConfig``; checkpoint names are the family's business (its ``layer_shards``).  What a family
+always has or never has is a constructor option: q/k/v biases (Qwen2) and a per-head RMSNorm on q
+and k before RoPE (Qwen3).
 """
 
 from __future__ import annotations
@@ -12,20 +14,30 @@ from torch import nn
 
 from ray_attn.backend.flash_attn import AttentionLayer, FlashAttentionImpl
 from ray_attn.config import ModelConfig
-from ray_attn.model.layers import RotaryEmbedding, RowParallelLinear, alibi_slopes, qkv_parallel
+from ray_attn.model.fused import apply_rope
+from ray_attn.model.layers import RMSNorm, RotaryEmbedding, RowParallelLinear, alibi_slopes, qkv_parallel
 from ray_attn.model.tp import TPGroup
 
 
 class ParallelAttention(nn.Module):
     """Query heads split over ranks, KV heads split or replicated (``qkv_parallel``); o_proj is
-    row-parallel, so the layer's output is all-reduced."""
+    row-parallel, so the layer's output is all-reduced.
+
+    ``qkv_bias``: q, k and v projections carry biases, cut like their rows.  ``qk_norm``: q and k
+    are RMS-normalised per head (over head_size, weights shared by the heads: replicated on every
+    rank) before RoPE."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, *, dtype, device,
-                 block_size, kv_cache_dtype, kernel):
+                 block_size, kv_cache_dtype, kernel, qkv_bias: bool = False, qk_norm: bool = False):
         super().__init__()
         H, D = config.num_attention_heads, config.head_size
         self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
-            config.hidden_size, H, config.num_key_value_heads, D, tp, dtype=dtype, device=device)
+            config.hidden_size, H, config.num_key_value_heads, D, tp, bias=qkv_bias, dtype=dtype,
+            device=device)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(H * D, config.hidden_size, tp.rank * self.num_heads * D,
                                         self.num_heads * D, tp, dtype=dtype, device=device)
         self.head_size = D
@@ -49,15 +61,28 @@ class ParallelAttention(nn.Module):
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         qk, v = qkv.split([(nq + nk) * D, nk * D], dim=-1)
         qk = qk.view(T, nq + nk, D)
-        if cos_sin is not None:
-            qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k heads rotated in one pass
-        q, k = qk.split([nq, nk], dim=1)
+        if self.q_norm is not None:
+            q, k = qk.split([nq, nk], dim=1)
+            q, k = self.q_norm(q), self.k_norm(k)  # fresh tensors: RoPE may rotate them in place
+            if cos_sin is not None:
+                q, k = apply_rope(q, *cos_sin, inplace=True), apply_rope(k, *cos_sin, inplace=True)
+        else:
+            if cos_sin is not None:
+                qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k heads rotated in one pass
+            q, k = qk.split([nq, nk], dim=1)
         self.impl.forward(self.attn_layer, q, k, v.view(T, nk, D), kv_cache, attn_metadata, out)
         return self.o_proj(out.view(T, nq * D))
 
     def hf_shards(self, prefix: str) -> dict:
-        """Checkpoints with separate q/k/v/o tensors under HF's Llama names (Llama, Gemma)."""
-        s = {f"{prefix}{n}.weight": self.qkv_proj.shard(i) for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
+        """Checkpoints with separate q/k/v/o tensors under HF's Llama names (Llama, Gemma, Qwen),
+        and the biases and q/k norms under Qwen's."""
+        names = ("q_proj", "k_proj", "v_proj")
+        s = {f"{prefix}{n}.weight": self.qkv_proj.shard(i) for i, n in enumerate(names)}
+        if self.qkv_proj.bias is not None:
+            s.update({f"{prefix}{n}.bias": self.qkv_proj.bias_shard(i) for i, n in enumerate(names)})
         s[prefix + "o_proj.weight"] = self.o_proj.shard()
+        if self.q_norm is not None:
+            s[prefix + "q_norm.weight"] = self.q_norm.shard()
+            s[prefix + "k_norm.weight"] = self.k_norm.shard()
         return s
 

@@ -1,9 +1,9 @@
 """What every decoder family shares: the constructor the worker calls, weights by checkpoint name,
 the paged KV cache, the step's forward and the logits.
 
-A family (``llama.py``, ``mpt.py``, ``gemma2.py``) names its decoder layer and norm classes and its
-checkpoint tensor names; everything the worker and ``cuda_graphs.py`` touch lives here, so every
-family serves through the same calls.
+A family (``llama.py``, ``mpt.py``, ``gemma2.py``, ``qwen2.py``, ``qwen3.py``) names its decoder
+layer and norm classes and its checkpoint tensor names; everything the worker and
+``cuda_graphs.py`` touch lives here, so every family serves through the same calls.
 
 Layout per rank: query heads and the MLP's inner width are split, KV heads split or replicated
 (see ``qkv_parallel``); embedding, norms and LM head are replicated, so ``compute_logits``

@@ -21,9 +21,9 @@ from ray_attn.model.tp import TPGroup
 
 
 # How the seeded random model draws a full tensor (``weights.random_full_tensor``): a matrix
-# scaled by 1/sqrt(fan_in), the embedding, a norm weight near 1, or a norm weight near 0 for norms
-# that scale by ``1 + weight`` (Gemma).
-Init = Literal["matrix", "embedding", "norm", "norm_offset"]
+# scaled by 1/sqrt(fan_in), the embedding, a norm weight near 1, a norm weight near 0 for norms
+# that scale by ``1 + weight`` (Gemma), or a projection bias.
+Init = Literal["matrix", "embedding", "norm", "norm_offset", "bias"]
 
 
 @dataclass
@@ -135,19 +135,29 @@ class RotaryEmbedding(nn.Module):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T, W's rows split over ranks.  ``parts`` (full_rows, start, rows) stacks several
-    checkpoint tensors (q/k/v, gate/up) into one local weight so one matmul serves them all."""
+    """y = x W^T (+ b), W's rows split over ranks.  ``parts`` (full_rows, start, rows) stacks
+    several checkpoint tensors (q/k/v, gate/up) into one local weight so one matmul serves them
+    all; a bias is cut the same way, each part's piece following its rows."""
 
-    def __init__(self, in_features: int, parts: list[tuple[int, int, int]], *, dtype, device):
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]], *, bias: bool = False,
+                 dtype, device):
         super().__init__()
         self.parts = parts
         self.sizes = [rows for _, _, rows in parts]
         self.weight = new_param(sum(self.sizes), in_features, dtype=dtype, device=device)
+        self.bias = new_param(sum(self.sizes), dtype=dtype, device=device) if bias else None
 
     def shard(self, i: int) -> Shard:
         full_rows, start, rows = self.parts[i]
         offset = sum(self.sizes[:i])
         return Shard(self.weight[offset:offset + rows], (full_rows, self.weight.shape[1]), 0, start)
+
+    def bias_shard(self, i: int) -> Shard:
+        """Part ``i``'s bias: the same rows of the checkpoint's bias as ``shard(i)`` takes of its
+        weight (a replicated KV head's rows on every rank that holds it)."""
+        full_rows, start, rows = self.parts[i]
+        offset = sum(self.sizes[:i])
+        return Shard(self.bias[offset:offset + rows], (full_rows,), 0, start, init="bias")
 
     def fused_shard(self) -> FusedShard:
         """The whole weight as pieces of one checkpoint tensor stacking every part's full rows."""
@@ -157,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
                            for i, s in enumerate(map(self.shard, range(len(self.parts))))], full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -177,8 +187,9 @@ class RowParallelLinear(nn.Module):
 
 
 def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_size: int, tp: TPGroup, *,
-                 dtype, device) -> tuple[ColumnParallelLinear, int, int]:
-    """The fused q/k/v projection of this rank, and its (query heads, kv heads).
+                 bias: bool = False, dtype, device) -> tuple[ColumnParallelLinear, int, int]:
+    """The fused q/k/v projection of this rank (with q/k/v biases when ``bias``), and its
+    (query heads, kv heads).
 
     With fewer KV heads than ranks each KV head is replicated on ``tp // num_kv_heads`` ranks.
     """
@@ -196,7 +207,7 @@ def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_size: int,
     D = head_size
     kv = (num_kv_heads * D, kv_first * D, hk * D)
     parts = [(num_heads * D, tp.rank * h * D, h * D), kv, kv]
-    return ColumnParallelLinear(hidden, parts, dtype=dtype, device=device), h, hk
+    return ColumnParallelLinear(hidden, parts, bias=bias, dtype=dtype, device=device), h, hk
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}

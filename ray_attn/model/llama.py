@@ -7,6 +7,8 @@ ALiBi (random-weight configs: no Llama checkpoint has it).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import nn
 
 from ray_attn.config import ModelConfig
@@ -18,11 +20,14 @@ from ray_attn.model.tp import TPGroup
 
 
 class LlamaDecoderLayer(nn.Module):
+    # ParallelAttention's family options (Qwen2's q/k/v biases, Qwen3's q/k norms); none for Llama.
+    attention_options: ClassVar[dict] = {}
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, **kw):
         super().__init__()
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
-        self.self_attn = ParallelAttention(config, layer_idx, tp, **kw)
+        self.self_attn = ParallelAttention(config, layer_idx, tp, **kw, **self.attention_options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, activation="silu", **dd)
 

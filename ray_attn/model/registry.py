@@ -13,9 +13,12 @@ from ray_attn.model.base import CausalLM
 from ray_attn.model.gemma2 import Gemma2ForCausalLM
 from ray_attn.model.llama import LlamaForCausalLM
 from ray_attn.model.mpt import MptForCausalLM
+from ray_attn.model.qwen2 import Qwen2ForCausalLM
+from ray_attn.model.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type[CausalLM]] = {
-    arch: cls for cls in (LlamaForCausalLM, MptForCausalLM, Gemma2ForCausalLM) for arch in cls.architectures}
+    arch: cls for cls in (LlamaForCausalLM, MptForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    for arch in cls.architectures}
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:

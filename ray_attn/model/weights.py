@@ -43,6 +43,8 @@ def random_full_tensor(name: str, shape, seed: int, *, init: Init = "matrix", st
         return t.mul_(0.05).add_(1.0)  # near 1, but not exactly, so a skipped or misplaced norm shows
     if init == "norm_offset":
         return t.mul_(0.05)  # the norm scales by 1 + weight: near 1 again
+    if init == "bias":
+        return t.mul_(0.5)  # half the projections' unit scale: a dropped or misplaced bias shows
     if std is None:
         std = 1.0 if init == "embedding" and not tied else shape[-1] ** -0.5
     return t.mul_(std)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ray_attn.config import ModelConfig
-from ray_attn.model import LlamaForCausalLM
+from ray_attn.model import LlamaForCausalLM, build_model, save_random_checkpoint
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 
 pytestmark = pytest.mark.gpu
@@ -28,3 +28,29 @@ def test_fa3_matches_torch_kernel_in_bf16(layer_types):
     # bf16 activations: the kernels round differently, so compare at bf16's resolution.
     diff = (out["fa3"] - out["torch"]).abs().max().item()
     assert diff < 0.05 * out["torch"].abs().max().item(), diff
+
+
+def bf16_vs_float32(arch: str, folder: str, device: str, kernel: str) -> tuple[float, float]:
+    """Max |logit difference| of the bf16 model on ``device`` against float32 on CPU, both loaded
+    from one bf16 checkpoint, and the float32 logits' max |value|."""
+    cfg = ModelConfig(architecture=arch, vocab_size=256, hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      dtype="bfloat16")
+    save_random_checkpoint(cfg, folder, seed=5)
+    tokens = random_tokens(cfg.vocab_size)
+    model = build_model(cfg, device=device, block_size=BLOCK_SIZE, kernel=kernel)
+    model.load_weights(folder)
+    got = torch.cat(run_schedule(model, tokens, SCHEDULE, device=device))
+    ref = build_model(ModelConfig(**(cfg.model_dump() | {"dtype": "float32"})), block_size=BLOCK_SIZE, kernel="torch")
+    ref.load_weights(folder)  # the same bf16 values, computed in float32
+    want = torch.cat(run_schedule(ref, tokens, SCHEDULE))
+    return (got - want).abs().max().item(), want.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_biases_and_qk_norm_on_gpu(arch, tmp_path):
+    """FA3, the fused Triton RMSNorm on q/k views (Qwen3) and in-place RoPE, q/k/v biases (Qwen2),
+    against float32 on CPU; bf16 activations, so at bf16's resolution as above."""
+    pytest.importorskip("flash_attn_interface")
+    diff, scale = bf16_vs_float32(arch, str(tmp_path), "cuda", "fa3")
+    assert diff < 0.05 * scale, (diff, scale)

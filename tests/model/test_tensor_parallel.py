@@ -31,6 +31,11 @@ CASES = {
     "gemma2": dict(architecture="Gemma2ForCausalLM", num_key_value_heads=2, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    logits_soft_cap=4.0, final_logit_soft_cap=5.0, query_pre_attn_scalar=24.0),
+    # Qwen2: q/k/v biases cut with their heads; one KV head, so its bias is replicated on every rank.
+    "qwen2": dict(architecture="Qwen2ForCausalLM", num_key_value_heads=1, sliding_window=8,
+                  layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    # Qwen3: q/k norms replicated; head_dim 64 (q wider than hidden); KV heads replicated at TP=4.
+    "qwen3": dict(architecture="Qwen3ForCausalLM", num_key_value_heads=2, head_dim=64),
 }
 
 

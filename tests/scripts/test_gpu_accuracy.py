@@ -43,7 +43,7 @@ def rows(gate, *names):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption"])
+@pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3"])
 def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     (row,) = rows(gate, name)
     res = gate.run(row)
