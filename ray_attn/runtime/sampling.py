@@ -193,6 +193,43 @@ def _stage_filters(inputs: SamplingInputs, hot: np.ndarray, ints: _Pack, floats:
         extra["max_top_k"] = int(top_k[pos].max())
 
 
+def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
+                         last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits [B, V] after min_tokens masking and the penalties: what greedy rows take the
+    argmax of.  ``logits`` itself when no row uses either, else a new tensor (the raw logits
+    stay as they are, for logprobs and ``return_logits``).  ``last_tokens`` are the previous
+    step's tokens, which fill the histories' placeholders under async scheduling."""
+    if st.min_tokens_rows is None and st.penalty_rows is None:
+        return logits
+    logits = logits.float().clone()
+    if st.min_tokens_rows is not None:
+        logits[st.min_tokens_rows, st.min_tokens_ids] = float("-inf")
+    if st.penalty_rows is not None:
+        history = st.history
+        if st.history_prev_index is not None:
+            if last_tokens is None:
+                raise RuntimeError("a penalty row's history reads the previous step's token, "
+                                   "but no previous step's tokens are on this rank")
+            history[st.history_prev_index] = last_tokens[st.history_prev_rows].long()
+        logits[st.penalty_rows] = apply_penalties(
+            logits[st.penalty_rows], history, st.history_lens, len(history),
+            st.presence, st.frequency, st.repetition)
+    return logits
+
+
+def apply_hot_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The hot rows' logits [h, V] divided by their temperatures, then min-p, top-k and top-p
+    (vLLM's order): the distribution they draw from is their softmax."""
+    x = logits[st.rows].float() / st.temperatures
+    if st.min_p_pos is not None:
+        x[st.min_p_pos] = apply_min_p(x[st.min_p_pos], st.min_p)
+    if st.sort_pos is not None:
+        x[st.sort_pos] = apply_top_k_top_p(x[st.sort_pos], st.sort_k, st.sort_p)
+    if st.top_k_pos is not None:
+        x[st.top_k_pos] = apply_top_k_only(x[st.top_k_pos], st.top_k, st.max_top_k)
+    return x
+
+
 def sample_on_device(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None,
                      last_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, LogprobsTensors | None]:
     """Token ids [B] (int32, on the logits' device) and the raw logprobs of the rows that asked,
@@ -201,33 +238,13 @@ def sample_on_device(logits: torch.Tensor, st: SamplingTensors, generator: torch
 
     A seeded request's n-th token depends only on (seed, n) and its logits (and history) -- not
     on the batch it shares, the step it lands in, or the TP size.  Unseeded requests draw from
-    ``generator``.  ``last_tokens`` are the previous step's tokens, which fill the history's
-    placeholders under async scheduling.  ``logits`` are left as they are (the raw logits).
+    ``generator``.  ``logits`` are left as they are (the raw logits).
     """
     raw = logits
-    if st.min_tokens_rows is not None or st.penalty_rows is not None:
-        logits = logits.float().clone()
-        if st.min_tokens_rows is not None:
-            logits[st.min_tokens_rows, st.min_tokens_ids] = float("-inf")
-        if st.penalty_rows is not None:
-            history = st.history
-            if st.history_prev_index is not None:
-                if last_tokens is None:
-                    raise RuntimeError("a penalty row's history reads the previous step's token, "
-                                       "but no previous step's tokens are on this rank")
-                history[st.history_prev_index] = last_tokens[st.history_prev_rows].long()
-            logits[st.penalty_rows] = apply_penalties(
-                logits[st.penalty_rows], history, st.history_lens, len(history),
-                st.presence, st.frequency, st.repetition)
+    logits = apply_raw_processors(logits, st, last_tokens)
     tokens = logits.argmax(dim=-1).to(torch.int32)
     if st.rows is not None:
-        x = logits[st.rows].float() / st.temperatures
-        if st.min_p_pos is not None:
-            x[st.min_p_pos] = apply_min_p(x[st.min_p_pos], st.min_p)
-        if st.sort_pos is not None:
-            x[st.sort_pos] = apply_top_k_top_p(x[st.sort_pos], st.sort_k, st.sort_p)
-        if st.top_k_pos is not None:
-            x[st.top_k_pos] = apply_top_k_only(x[st.top_k_pos], st.top_k, st.max_top_k)
+        x = apply_hot_processors(logits, st)
         k, V = x.shape
         u = torch.empty(k, V, device=logits.device)
         if len(st.seeded_pos):
