@@ -297,7 +297,8 @@ class LLMEngine:
             if req.logprobs is not None:
                 new_lp = [token_logprobs(lp, lp_index[row], p.logprobs)]
                 req.logprobs.append(new_lp[0])
-            # min_tokens masks these on the rank; the check keeps the rule in one reading
+            # vLLM's check_stop: a stop token counts once min_tokens are out (the rank masks
+            # them until then; the rule holds here whatever a rank drew)
             if (tok in p.stop_token_ids or (tok in eos and not p.ignore_eos)) \
                     and req.num_output_tokens > p.min_tokens:
                 self._finish(req, "stop")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ray_attn.engine import LLMEngine, SamplingParams
-from ray_attn.runtime import InProcessExecutor
+from ray_attn.runtime import InProcessExecutor, StepOutput
 from tests.runtime import sampling_reference as ref
 from tests.runtime.test_engine_tp import config, workload
 
@@ -72,6 +72,25 @@ def test_min_tokens_masks_stop_token_ids_and_ignore_eos_leaves_eos_unmasked():
         max_tokens=12, min_tokens=first + 1, stop_token_ids=(stop_tok,)))[0]
     assert stop_tok not in held.output_token_ids[:first + 1]
     assert held.output_token_ids[:first] == toks[:first]
+
+
+class EosExecutor:
+    """A rank that ignores min_tokens and answers EOS (token 1) every step."""
+
+    num_blocks, num_sms, kernel_name, compiled = 64, 1, "torch", False
+
+    def step(self, step):
+        return StepOutput(token_ids=np.ones(step.plan.num_reqs, np.int32), step_id=step.step_id)
+
+
+def test_engine_stops_only_after_min_tokens():
+    """The finish rule holds on the driver too: a stop token counts only once min_tokens are out
+    (vLLM's check_stop), whatever the rank drew."""
+    cfg = config(eos_token_ids=[1]).model_copy(update={"async_scheduling": False})
+    eng = LLMEngine(cfg, EosExecutor())
+    outs = eng.generate([[5, 6, 7]] * 3, [SamplingParams(max_tokens=8, min_tokens=m) for m in (0, 3, 8)])
+    assert [o.output_token_ids for o in outs] == [[1], [1] * 4, [1] * 8]
+    assert [o.finish_reason for o in outs] == ["stop", "stop", "length"]
 
 
 def test_seeded_tokens_ignore_batch_mix_and_step_split():
