@@ -234,3 +234,29 @@ def test_tp2_over_ray_matches_in_process(ray_local):
     for d, s in zip(dist, single):
         if s.logprobs is not None:
             assert np.allclose([t.logprob for t in d.logprobs], [t.logprob for t in s.logprobs], atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["auto", "off"])
+def test_on_gpu_async_with_graphs_follows_reference_and_sync(graphs):
+    """On CUDA: decode steps replay graphs that end at the hidden states, and sampling (with the
+    penalty histories' placeholders filled on the device, and logprobs in the pinned deferred
+    copy) runs after them.  Each token against the float64 reference, and async == sync."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    base = config(dtype="bfloat16", eos_token_ids=[7])
+    cfg = base.model_copy(update={"parallel": base.parallel.model_copy(
+        update={"device": "cuda", "cuda_graphs": graphs})})
+    prompts, params = workload(), mixed_params(12)
+    eng = engine(cfg, asyn=True)
+    made = check_each_token_against_reference(eng, (7,))
+    outs = eng.generate(prompts, params)
+    assert made["greedy"] >= 30 and made["hot"] >= 20 and made["logprobs"] >= 30, made
+    assert (eng.executor.worker.graphs is not None) == (graphs == "auto")
+    sync = engine(cfg).generate(prompts, params)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in sync]
+    for a, s in zip(outs, sync):
+        if s.logprobs is not None:
+            assert np.allclose([t.logprob for t in a.logprobs], [t.logprob for t in s.logprobs], atol=1e-5)
