@@ -70,6 +70,8 @@ CASES = {
     "top_k": dict(temperature=0.7, top_k=7),
     "top_p": dict(temperature=1.3, top_p=0.6),
     "top_k_top_p": dict(temperature=0.9, top_k=20, top_p=0.8),
+    "top_k_beyond_vocab": dict(temperature=1.0, top_k=1000),  # clamped to the vocabulary
+    "top_k_beyond_vocab_top_p": dict(temperature=1.0, top_k=1000, top_p=0.7),
     "min_p": dict(temperature=1.0, min_p=0.1),
     "everything": dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                        frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=4, stop_token_ids=(5,)),
