@@ -27,9 +27,10 @@ from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts impo
     CASCADE_BREAK_EVEN_BYTES_GRAPHED,
     cascade_threshold,
 )
-from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams
+from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams, TokenLogprobs  # noqa: F401
 from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.messages import StepInput
+from ray_attn.sampling_inputs import build_sampling_inputs, token_logprobs
 from ray_attn.scheduler import Scheduler
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
@@ -109,6 +110,7 @@ class LLMEngine:
             infos = getattr(executor, "infos", None) or [{}]
             self.async_scheduling = str(infos[0].get("device", "")).startswith("cuda")
         self._submitted: _Submitted | None = None  # async: the step whose tokens are still out
+        self._eos = frozenset(config.model.eos_token_ids)
         self._failures: list[float] = []
         self.dead: str | None = None
 
@@ -137,6 +139,9 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         total = len(prompt) + params.max_tokens
         limit = self.config.model.max_position_embeddings
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if total > limit:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                              f"exceeds the model's {limit}-token context")
@@ -251,14 +256,18 @@ class LLMEngine:
             rows = np.searchsorted(plan.attn.query_start_loc[1:], waiting_for, side="right")
             prev_index = waiting_for.astype(np.int32)
             prev_rows = np.fromiter((reqs[i].sampled_row for i in rows.tolist()), np.int32, len(rows))
+        # the index of the token drawn now, counting those still out
+        sample_index = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32)
         step_in = StepInput(
             plan=plan,
             temperatures=np.array([r.params.temperature for r in reqs], np.float32),
             seeds=np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64),
-            # the index of the token drawn now, counting those still out
-            sample_index=np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32),
+            sample_index=sample_index,
             step_id=self._step_id, defer=self.async_scheduling,
-            prev_token_index=prev_index, prev_token_rows=prev_rows)
+            prev_token_index=prev_index, prev_token_rows=prev_rows,
+            # before this step's placeholders are appended (see build_sampling_inputs)
+            sampling=build_sampling_inputs(reqs, samples, sample_index, self._eos,
+                                           self.config.model.vocab_size))
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):
             if smp:
@@ -275,21 +284,31 @@ class LLMEngine:
         if out is None or out.step_id != done.step_id:
             got = None if out is None else out.step_id
             raise RuntimeError(f"expected the output of step {done.step_id}, got {got}")
-        outputs = []
-        for req, tok, sampled in zip(done.reqs, out.token_ids.tolist(), done.samples):
+        outputs, eos = [], self._eos
+        lp = out.logprobs
+        lp_index = {} if lp is None else dict(zip(lp.rows.tolist(), range(len(lp.rows))))
+        for row, (req, tok, sampled) in enumerate(zip(done.reqs, out.token_ids.tolist(), done.samples)):
             if not sampled or req.finished:
                 continue  # a prompt's chunk; or a request that stopped or was aborted meanwhile
             req.token_ids[len(req.token_ids) - req.pending] = tok
             req.pending -= 1
             self.stats.tokens_generated += 1
-            if tok in req.params.stop_token_ids:
+            p, new_lp = req.params, None
+            if req.logprobs is not None:
+                new_lp = [token_logprobs(lp, lp_index[row], p.logprobs)]
+                req.logprobs.append(new_lp[0])
+            # vLLM's check_stop: a stop token counts once min_tokens are out (the rank masks
+            # them until then; the rule holds here whatever a rank drew)
+            if (tok in p.stop_token_ids or (tok in eos and not p.ignore_eos)) \
+                    and req.num_output_tokens > p.min_tokens:
                 self._finish(req, "stop")
-            elif req.num_output_tokens >= req.params.max_tokens:
+            elif req.num_output_tokens >= p.max_tokens:
                 self._finish(req, "length")
             if req.finished:
-                outputs.append(self.output(req.request_id, new_token_ids=[tok]))
+                outputs.append(self.output(req.request_id, new_token_ids=[tok], new_logprobs=new_lp))
             else:
-                outputs.append(RequestOutput(req.request_id, [], [], [tok], False))
+                outputs.append(RequestOutput(req.request_id, [], [], [tok], False, new_logprobs=new_lp,
+                                             logprobs=None if new_lp is None else []))
         s = self.stats
         s.steps += 1
         s.tokens_computed += done.num_tokens
@@ -351,10 +370,14 @@ class LLMEngine:
             self.release(i)  # a long-lived engine must not keep every finished request
         return outs
 
-    def output(self, request_id: str, new_token_ids: list[int] | None = None) -> RequestOutput:
+    def output(self, request_id: str, new_token_ids: list[int] | None = None,
+               new_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         r = self.requests[request_id]
+        asked = r.logprobs is not None
         return RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                             new_token_ids or [], r.finished, r.finish_reason, r.error)
+                             new_token_ids or [], r.finished, r.finish_reason, r.error,
+                             new_logprobs=(new_logprobs or []) if asked else None,
+                             logprobs=list(r.logprobs) if asked else None)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (servers call this once the client has its result)."""

@@ -11,24 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ray_attn.planner import ScheduledRequest
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            # the seed travels as an int64 to the ranks; a larger one would fail mid-step
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+from ray_attn.sampling_params import SamplingParams  # noqa: F401  (importable from here)
 
 
 PLACEHOLDER = -1  # a token id sampled on the ranks but not yet read back (see LLMEngine.step)
@@ -49,12 +35,36 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    # One TokenLogprobs per output token read back, when params.logprobs is set.
+    logprobs: list[TokenLogprobs] | None = None
     # The same object goes to the planner every step, with the same growing token list: that is
     # what its fast path recognises, and no step copies a request's tokens.
     sched: ScheduledRequest = field(init=False)
 
+    # An int32 copy of token_ids[:_np_len], for the penalties' history: grown by the tokens that
+    # came back since the last step instead of converting the whole list every step.
+    _np_tokens: np.ndarray = field(init=False, repr=False)
+    _np_len: int = field(default=0, init=False, repr=False)
+
     def __post_init__(self):
         self.sched = ScheduledRequest(self.request_id, self.token_ids, None)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        self._np_tokens = np.empty(0, np.int32)
+
+    def token_array(self) -> np.ndarray:
+        """``all_token_ids`` as int32 (a view, valid until the next call).  The tokens read back
+        never change (preemption and recovery only drop the pending ones past them), so only the
+        new ones are converted."""
+        n = len(self.token_ids) - self.pending
+        if n > len(self._np_tokens):
+            grown = np.empty(max(n, 2 * len(self._np_tokens), 64), np.int32)
+            grown[: self._np_len] = self._np_tokens[: self._np_len]
+            self._np_tokens = grown
+        if n > self._np_len:
+            self._np_tokens[self._np_len: n] = self.token_ids[self._np_len: n]
+            self._np_len = n
+        return self._np_tokens[:n]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -89,10 +99,25 @@ class Request:
 
 
 @dataclass
+class TokenLogprobs:
+    """One sampled token's log-probability under the raw model logits (log_softmax before any
+    penalty, temperature or filter: vLLM's default ``raw_logprobs``), its rank there (1 = the most
+    likely; tokens that tie with it count as better, as in vLLM), and the ``logprobs`` most likely
+    tokens as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class RequestOutput:
     """A request's state.  From ``step()``: ``new_token_ids`` is what this step made, and the
     prompt and full output are filled only on the step the request finishes (copying them every
-    step would cost O(length) per request).  ``output(id)`` always fills them."""
+    step would cost O(length) per request).  ``output(id)`` always fills them.  The logprobs
+    follow the same rule, aligned with ``new_token_ids`` and ``output_token_ids``; they are None
+    for a request that did not ask (``SamplingParams.logprobs`` None)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -101,3 +126,5 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] | None = None

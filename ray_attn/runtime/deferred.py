@@ -6,6 +6,10 @@ only after the next step is queued behind it, so the GPU never idles while the d
 A copy that does not block needs pinned host memory, which is slow to allocate, so it is
 kept: two buffers, used in turn, since the previous deferred output may still be unread when
 the next copy starts.
+
+When rows asked for logprobs, they travel in the same copy: the tokens, ranks, ids and logprobs
+(as their bits) are packed into one int32 tensor on the device (``pack_output``), so an answer
+is one copy to the host either way, deferred or not.
 """
 
 from __future__ import annotations
@@ -15,9 +19,33 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ray_attn.runtime.messages import StepOutput
+from ray_attn.runtime.messages import LogprobsArrays, StepOutput
 
 MIN_CAPACITY = 256
+
+
+def pack_output(tokens: torch.Tensor, logprobs) -> tuple[torch.Tensor, tuple | None]:
+    """``tokens`` int32 [B] and the rows' ``LogprobsTensors`` (or None) as one int32 tensor, and
+    what ``unpack_output`` needs to read it back (None without logprobs: the tokens alone)."""
+    if logprobs is None:
+        return tokens, None
+    rows, ids, lps, ranks = logprobs
+    packed = torch.cat([tokens, ranks, ids.reshape(-1), lps.contiguous().view(torch.int32).reshape(-1)])
+    return packed, (rows, ids.shape[1])
+
+
+def unpack_output(a: np.ndarray, num_tokens: int, layout: tuple | None
+                  ) -> tuple[np.ndarray, LogprobsArrays | None]:
+    """The host side of ``pack_output``: the tokens and the logprobs (views of ``a``)."""
+    tokens = a[:num_tokens]
+    if layout is None:
+        return tokens, None
+    rows, cols = layout
+    L = len(rows)
+    ranks, rest = a[num_tokens:num_tokens + L], a[num_tokens + L:]
+    ids = rest[:L * cols].reshape(L, cols)
+    lps = rest[L * cols:2 * L * cols].view(np.float32).reshape(L, cols)
+    return tokens, LogprobsArrays(rows, ids, lps, ranks)
 
 
 @dataclass(slots=True)
@@ -28,6 +56,8 @@ class DeferredOutput:
     host_tokens: torch.Tensor | np.ndarray  # a view of a pinned buffer (CUDA), or a copy (CPU)
     step_id: int
     logits: np.ndarray | None
+    num_tokens: int = 0
+    layout: tuple | None = None  # pack_output's, when the copy holds logprobs too
 
     def collect(self) -> StepOutput:
         """Wait for the copy and answer.  The tokens are copied out of the pinned buffer: it is
@@ -35,8 +65,9 @@ class DeferredOutput:
         if self.event is not None:
             self.event.synchronize()
         host = self.host_tokens
-        tokens = host if isinstance(host, np.ndarray) else host.numpy().copy()
-        return StepOutput(token_ids=tokens, step_id=self.step_id, logits=self.logits)
+        packed = host if isinstance(host, np.ndarray) else host.numpy().copy()
+        tokens, logprobs = unpack_output(packed, self.num_tokens, self.layout)
+        return StepOutput(token_ids=tokens, step_id=self.step_id, logits=self.logits, logprobs=logprobs)
 
 
 class TokenStaging:
@@ -47,17 +78,20 @@ class TokenStaging:
         self._host: list[torch.Tensor | None] = [None, None]
         self._flip = 0
 
-    def defer(self, tokens: torch.Tensor, step_id: int, logits: np.ndarray | None) -> DeferredOutput:
-        """Start the copy of ``tokens`` (on the device) to the host, without waiting for it."""
+    def defer(self, tokens: torch.Tensor, step_id: int, logits: np.ndarray | None,
+              logprobs=None) -> DeferredOutput:
+        """Start the copy of ``tokens`` (on the device) and the rows' ``LogprobsTensors`` (or
+        None) to the host, without waiting for it."""
+        packed, layout = pack_output(tokens, logprobs)
         if not self.cuda:
-            return DeferredOutput(None, tokens.numpy().copy(), step_id, logits)
+            return DeferredOutput(None, packed.numpy().copy(), step_id, logits, len(tokens), layout)
         self._flip ^= 1
         host = self._host[self._flip]
-        if host is None or host.numel() < len(tokens):
-            host = torch.empty(max(2 * len(tokens), MIN_CAPACITY), dtype=torch.int32, pin_memory=True)
+        if host is None or host.numel() < len(packed):
+            host = torch.empty(max(2 * len(packed), MIN_CAPACITY), dtype=torch.int32, pin_memory=True)
             self._host[self._flip] = host
-        view = host[:len(tokens)]
-        view.copy_(tokens, non_blocking=True)
+        view = host[:len(packed)]
+        view.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return DeferredOutput(event, view, step_id, logits)
+        return DeferredOutput(event, view, step_id, logits, len(tokens), layout)

@@ -49,6 +49,51 @@ loads = pickle.loads
 
 
 @dataclass
+class SamplingInputs:
+    """A step's sampling inputs beyond temperature and seed, for the rows that use them; the
+    driver sends None when no row does, so a plain step carries none of this.
+
+    Penalties need each penalized row's token history on rank 0.  It travels whole every step
+    (the ranks keep no per-request state, so preemption, recovery and batch changes need no
+    bookkeeping there): 4 bytes per token of each such row -- its output, plus its prompt when
+    ``repetition_penalty`` != 1 -- i.e. 64 rows of 4k tokens send 1 MiB a step, ~50 us over
+    PCIe, in the same non-blocking copy as the other int32 inputs.
+    """
+
+    top_k: np.ndarray | None = None  # int32 [B]; 0 = off.  None: no row filters
+    top_p: np.ndarray | None = None  # float32 [B]; 1 = off
+    min_p: np.ndarray | None = None  # float32 [B]; 0 = off
+    penalty_rows: np.ndarray | None = None  # int32 [P] the rows with a penalty.  None: none
+    presence_penalty: np.ndarray | None = None  # float32 [P]
+    frequency_penalty: np.ndarray | None = None  # float32 [P]
+    repetition_penalty: np.ndarray | None = None  # float32 [P]
+    # Each penalty row's tokens, concatenated: prompt tokens as id + vocab (only with a repetition
+    # penalty), then output tokens as id; -1 is the previous step's token of that row, still on
+    # the ranks under async scheduling: ``history_prev_index`` are those positions and
+    # ``history_prev_rows`` the previous step's rows that fill them.
+    history: np.ndarray | None = None  # int32 [N]
+    history_lens: np.ndarray | None = None  # int32 [P]
+    history_prev_index: np.ndarray | None = None  # int32 [K]
+    history_prev_rows: np.ndarray | None = None  # int32 [K]
+    # (row, token id) pairs masked to -inf: stop ids and EOS of rows short of min_tokens.
+    min_tokens_rows: np.ndarray | None = None  # int32 [M]
+    min_tokens_ids: np.ndarray | None = None  # int32 [M]
+    logprobs: np.ndarray | None = None  # int32 [B]; -1 = none, else how many top logprobs
+
+
+@dataclass
+class LogprobsArrays:
+    """The raw logprobs of the rows that asked (vLLM's ``LogprobsTensors``), in row order.
+    Column 0 is the sampled token, then the top ``max_num_logprobs`` (padded to the step's
+    largest k; a row reads its own k)."""
+
+    rows: np.ndarray  # int32 [L]
+    logprob_token_ids: np.ndarray  # int32 [L, 1 + k]
+    logprobs: np.ndarray  # float32 [L, 1 + k]
+    selected_token_ranks: np.ndarray  # int32 [L]
+
+
+@dataclass
 class StepInput:
     """One step for every rank: ``ray.put`` once, read by all.
 
@@ -70,6 +115,7 @@ class StepInput:
     defer: bool = False
     prev_token_index: np.ndarray | None = None  # int32 [K] input positions to fill on the device
     prev_token_rows: np.ndarray | None = None  # int32 [K] rows of the previous step's tokens
+    sampling: SamplingInputs | None = None  # top-k/p, min-p, penalties, min_tokens, logprobs
 
     @classmethod
     def flush(cls, step_id: int) -> "StepInput":
@@ -83,6 +129,7 @@ class StepOutput:
     """Rank 0's answer: one sampled token per request, in the plan's order."""
 
     token_ids: np.ndarray  # int32 [B]
-    logits: np.ndarray | None = None  # float32 [B, vocab] when asked for
+    logits: np.ndarray | None = None  # float32 [B, vocab] when asked for (the raw logits)
     step_id: int = 0
     timings: dict = field(default_factory=dict)
+    logprobs: LogprobsArrays | None = None  # when some row asked

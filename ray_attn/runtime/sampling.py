@@ -1,18 +1,35 @@
-"""Greedy and seeded sampling on rank 0, so that only token ids travel back to the driver.
+"""Sampling on rank 0, so that only token ids (and logprobs when asked) travel back to the driver.
 
 Sampling is Gumbel-max: ``argmax(logits / T + g)`` with ``g = -log(-log(u))`` draws exactly from
 ``softmax(logits / T)``.  A seeded request's uniforms ``u`` come from a counter-based hash of
 (seed, token index, vocabulary id), so the whole batch is drawn with a handful of tensor ops
 instead of one generator per request (which cost ~60 us each on a GPU: 8 ms a step at 128
 sampled requests).
+
+Before the draw, the logits go through vLLM's pipeline (``logits_processors``): min_tokens
+masking and penalties on the raw logits, the temperature, then min-p, top-k and top-p.  Each
+stage runs once for the whole batch over just the rows that use it, which ``SamplingTensors.stage``
+picks out on the host; a batch that uses none is the argmax alone, as before.  Logprobs are of the
+raw logits (vLLM's default).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from ray_attn.runtime.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_only,
+    apply_top_k_top_p,
+    compute_logprobs,
+    gumbel_argmax,
+)
+from ray_attn.runtime.messages import LogprobsArrays, SamplingInputs
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads (seed, index) pairs apart
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's multipliers as int64
@@ -36,70 +53,216 @@ def hash_uniform(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.
     return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def _stage(a: np.ndarray, dev: torch.device, put) -> torch.Tensor:
-    """``a`` on ``dev`` through ``put`` (int32 staging, so other dtypes travel as their bits):
-    a non-blocking copy, where ``.to(dev)`` from pageable memory would wait for the whole stream
-    -- and with it for the step that async scheduling keeps running ahead of this one."""
-    if put is None:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-    bits = np.ascontiguousarray(a).view(np.int32)
-    return put(f"sample_{a.dtype.name}", bits).view(getattr(torch, a.dtype.name))
+class _Pack:
+    """Arrays of one dtype sent to the device as one: a single non-blocking copy (through
+    ``put(name, int32 array)``, i.e. ``StepBuffers.put``, when given: other dtypes travel as their
+    bits), where ``.to(dev)`` from pageable memory would wait for the whole stream -- and with it
+    for the step that async scheduling keeps running ahead of this one."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.parts: list[np.ndarray] = []
+
+    def add(self, a) -> int:
+        self.parts.append(np.asarray(a, self.dtype).reshape(-1))
+        return len(self.parts) - 1
+
+    def send(self, device: torch.device, put, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The parts on ``device`` (views of one tensor, converted to ``dtype`` in one kernel)."""
+        if not self.parts:
+            return []
+        a = np.concatenate(self.parts)
+        if put is None:
+            d = torch.from_numpy(a).to(device)
+        else:
+            d = put(f"sample_{self.dtype.name}", a.view(np.int32)).view(getattr(torch, self.dtype.name))
+        return list(torch.split(d if dtype is None else d.to(dtype), [len(p) for p in self.parts]))
+
+
+class LogprobsTensors(NamedTuple):
+    """The rows' raw logprobs on the device (vLLM's name): see ``LogprobsArrays``."""
+
+    rows: np.ndarray  # int32 [L], on the host
+    logprob_token_ids: torch.Tensor  # int32 [L, 1 + k]
+    logprobs: torch.Tensor  # float32 [L, 1 + k]
+    selected_token_ranks: torch.Tensor  # int32 [L]
+
+    def to_numpy(self) -> LogprobsArrays:
+        return LogprobsArrays(self.rows, self.logprob_token_ids.cpu().numpy(),
+                              self.logprobs.cpu().numpy(), self.selected_token_ranks.cpu().numpy())
 
 
 @dataclass
 class SamplingTensors:
-    """A step's sampling parameters on the device, for the rows that draw (temperature > 0)."""
+    """A step's sampling inputs on the device.  Each group is None when no row uses it.
 
-    rows: torch.Tensor | None = None  # long [k]; None: every row is greedy
-    temperatures: torch.Tensor | None = None  # float32 [k, 1]
+    The draw covers the hot rows (temperature > 0); the filters' ``*_pos`` are positions among
+    them.  Penalties, min_tokens and logprobs name rows of the batch."""
+
+    rows: torch.Tensor | None = None  # long [h] the hot rows; None: every row is greedy
+    temperatures: torch.Tensor | None = None  # float32 [h, 1]
     seeded_pos: torch.Tensor | None = None  # long [s] positions in ``rows`` with a seed
     seeds: torch.Tensor | None = None  # int64 [s]
     index: torch.Tensor | None = None  # long [s] each seeded row's token index
-    free_pos: torch.Tensor | None = None  # long [k - s] positions drawing from the generator
+    free_pos: torch.Tensor | None = None  # long [h - s] positions drawing from the generator
+    min_p_pos: torch.Tensor | None = None  # long [a]
+    min_p: torch.Tensor | None = None  # float32 [a, 1]
+    sort_pos: torch.Tensor | None = None  # long [b] rows with top_p < 1 (sorted)
+    sort_k: torch.Tensor | None = None  # long [b] their top_k (2**31 - 1 = off)
+    sort_p: torch.Tensor | None = None  # float32 [b]
+    top_k_pos: torch.Tensor | None = None  # long [c] rows with only top_k (torch.topk)
+    top_k: torch.Tensor | None = None  # long [c]
+    max_top_k: int = 0
+    penalty_rows: torch.Tensor | None = None  # long [P]
+    presence: torch.Tensor | None = None  # float32 [P, 1]
+    frequency: torch.Tensor | None = None  # float32 [P, 1]
+    repetition: torch.Tensor | None = None  # float32 [P, 1]
+    history: torch.Tensor | None = None  # long [N] (see SamplingInputs)
+    history_lens: torch.Tensor | None = None  # long [P]
+    history_prev_index: torch.Tensor | None = None  # long [K]; None: no placeholder
+    history_prev_rows: torch.Tensor | None = None  # long [K]
+    min_tokens_rows: torch.Tensor | None = None  # long [M]
+    min_tokens_ids: torch.Tensor | None = None  # long [M]
+    logprob_rows: np.ndarray | None = None  # int32 [L] on the host
+    logprob_rows_dev: torch.Tensor | None = None  # long [L]
+    max_num_logprobs: int = 0
 
     @classmethod
     def stage(cls, temperatures: np.ndarray, seeds: np.ndarray, sample_index: np.ndarray,
-              device: torch.device, put=None) -> "SamplingTensors":
-        """Copy what the draw needs to ``device`` (through ``put(name, int32 array)``, i.e.
-        ``StepBuffers.put``, when given): one array per dtype, before the step's forward."""
+              device: torch.device, put=None, inputs: SamplingInputs | None = None) -> "SamplingTensors":
+        """Copy what sampling needs to ``device``: one array per dtype (int32, float32, int64),
+        before the step's forward.  Only the rows that use a stage are sent for it."""
+        ints, floats, longs = _Pack(np.int32), _Pack(np.float32), _Pack(np.int64)
+        i: dict[str, int] = {}  # field -> its part in ``ints``
+        f: dict[str, int] = {}
+        extra: dict = {}
         hot = np.nonzero(temperatures > 0)[0]
-        if not hot.size:
+        if hot.size:
+            seeded = seeds[hot] >= 0
+            for name, a in (("rows", hot), ("seeded_pos", np.nonzero(seeded)[0]),
+                            ("free_pos", np.nonzero(~seeded)[0]), ("index", sample_index[hot][seeded])):
+                i[name] = ints.add(a)
+            f["temperatures"] = floats.add(temperatures[hot])
+            longs.add(seeds[hot][seeded])
+        if inputs is not None:
+            if hot.size and inputs.top_k is not None:
+                _stage_filters(inputs, hot, ints, floats, i, f, extra)
+            if inputs.penalty_rows is not None:
+                for name in ("penalty_rows", "history", "history_lens"):
+                    i[name] = ints.add(getattr(inputs, name))
+                for name in ("presence", "frequency", "repetition"):
+                    f[name] = floats.add(getattr(inputs, f"{name}_penalty"))
+                if inputs.history_prev_index is not None and len(inputs.history_prev_index):
+                    i["history_prev_index"] = ints.add(inputs.history_prev_index)
+                    i["history_prev_rows"] = ints.add(inputs.history_prev_rows)
+            if inputs.min_tokens_rows is not None and len(inputs.min_tokens_rows):
+                i["min_tokens_rows"] = ints.add(inputs.min_tokens_rows)
+                i["min_tokens_ids"] = ints.add(inputs.min_tokens_ids)
+            if inputs.logprobs is not None:
+                rows = np.nonzero(inputs.logprobs >= 0)[0].astype(np.int32)
+                if rows.size:
+                    i["logprob_rows_dev"] = ints.add(rows)
+                    extra.update(logprob_rows=rows, max_num_logprobs=int(inputs.logprobs[rows].max()))
+        if not ints.parts:
             return cls()
-        seeded = seeds[hot] >= 0
-        ints = np.concatenate([hot, np.nonzero(seeded)[0], np.nonzero(~seeded)[0],
-                               sample_index[hot][seeded]]).astype(np.int32)
-        d = _stage(ints, device, put).long()
-        k, s = len(hot), int(seeded.sum())
-        return cls(rows=d[:k], seeded_pos=d[k:k + s], free_pos=d[k + s:2 * k], index=d[2 * k:],
-                   temperatures=_stage(temperatures[hot].astype(np.float32), device, put)[:, None],
-                   seeds=_stage(seeds[hot][seeded].astype(np.int64), device, put))
+        # every index as long (what indexing wants); the float views are [n] or [n, 1]
+        di, df, dl = ints.send(device, put, torch.long), floats.send(device, put), longs.send(device, put)
+        out = {name: di[k] for name, k in i.items()}
+        out.update({name: df[k] if name == "sort_p" else df[k][:, None] for name, k in f.items()})
+        if dl:
+            out["seeds"] = dl[0]
+        return cls(**out, **extra)
 
 
-def sample_on_device(logits: torch.Tensor, st: SamplingTensors,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [B] (int32, on the logits' device), with no host-device sync: argmax where
-    temperature is 0, else a draw from softmax(logits / T).
+def _stage_filters(inputs: SamplingInputs, hot: np.ndarray, ints: _Pack, floats: _Pack,
+                   i: dict, f: dict, extra: dict) -> None:
+    """min-p, top-k and top-p of the hot rows: a sort only for rows with top_p < 1; rows with
+    top_k alone take one ``topk`` of the largest k."""
+    top_k, top_p, min_p = inputs.top_k[hot], inputs.top_p[hot], inputs.min_p[hot]
+    pos = np.nonzero(min_p > 0)[0]
+    if pos.size:
+        i["min_p_pos"], f["min_p"] = ints.add(pos), floats.add(min_p[pos])
+    pos = np.nonzero(top_p < 1)[0]
+    if pos.size:
+        i["sort_pos"] = ints.add(pos)
+        i["sort_k"] = ints.add(np.where(top_k[pos] > 0, top_k[pos], np.iinfo(np.int32).max))
+        f["sort_p"] = floats.add(top_p[pos])
+    pos = np.nonzero((top_k > 0) & (top_p >= 1))[0]
+    if pos.size:
+        i["top_k_pos"], i["top_k"] = ints.add(pos), ints.add(top_k[pos])
+        extra["max_top_k"] = int(top_k[pos].max())
 
-    A seeded request's n-th token depends only on (seed, n) and its logits -- not on the batch it
-    shares, the step it lands in, or the TP size.  Unseeded requests draw from ``generator``.
+
+def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
+                         last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits [B, V] after min_tokens masking and the penalties: what greedy rows take the
+    argmax of.  ``logits`` itself when no row uses either, else a new tensor (the raw logits
+    stay as they are, for logprobs and ``return_logits``).  ``last_tokens`` are the previous
+    step's tokens, which fill the histories' placeholders under async scheduling."""
+    if st.min_tokens_rows is None and st.penalty_rows is None:
+        return logits
+    logits = logits.float().clone()
+    if st.min_tokens_rows is not None:
+        logits[st.min_tokens_rows, st.min_tokens_ids] = float("-inf")
+    if st.penalty_rows is not None:
+        history = st.history
+        if st.history_prev_index is not None:
+            if last_tokens is None:
+                raise RuntimeError("a penalty row's history reads the previous step's token, "
+                                   "but no previous step's tokens are on this rank")
+            history[st.history_prev_index] = last_tokens[st.history_prev_rows].long()
+        logits[st.penalty_rows] = apply_penalties(
+            logits[st.penalty_rows], history, st.history_lens, len(history),
+            st.presence, st.frequency, st.repetition)
+    return logits
+
+
+def apply_hot_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The hot rows' logits [h, V] divided by their temperatures, then min-p, top-k and top-p
+    (vLLM's order): the distribution they draw from is their softmax."""
+    x = logits[st.rows].float() / st.temperatures
+    if st.min_p_pos is not None:
+        x[st.min_p_pos] = apply_min_p(x[st.min_p_pos], st.min_p)
+    if st.sort_pos is not None:
+        x[st.sort_pos] = apply_top_k_top_p(x[st.sort_pos], st.sort_k, st.sort_p)
+    if st.top_k_pos is not None:
+        x[st.top_k_pos] = apply_top_k_only(x[st.top_k_pos], st.top_k, st.max_top_k)
+    return x
+
+
+def sample_on_device(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None,
+                     last_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, LogprobsTensors | None]:
+    """Token ids [B] (int32, on the logits' device) and the raw logprobs of the rows that asked,
+    with no host-device sync: argmax of the processed logits where temperature is 0, else a draw
+    from softmax(processed logits / T) restricted by min-p, top-k and top-p.
+
+    A seeded request's n-th token depends only on (seed, n) and its logits (and history) -- not
+    on the batch it shares, the step it lands in, or the TP size.  Unseeded requests draw from
+    ``generator``.  ``logits`` are left as they are (the raw logits).
     """
+    raw = logits
+    logits = apply_raw_processors(logits, st, last_tokens)
     tokens = logits.argmax(dim=-1).to(torch.int32)
-    if st.rows is None:
-        return tokens
-    k, V = len(st.rows), logits.shape[1]
-    u = torch.empty(k, V, device=logits.device)
-    if len(st.seeded_pos):
-        u[st.seeded_pos] = hash_uniform(st.seeds, st.index, V)
-    if len(st.free_pos):
-        u[st.free_pos] = torch.rand(len(st.free_pos), V, device=logits.device,
-                                    generator=generator).clamp_(1e-7, 1 - 1e-7)
-    gumbel = -torch.log(-torch.log(u))
-    tokens[st.rows] = (logits[st.rows].float() / st.temperatures + gumbel).argmax(dim=-1).to(torch.int32)
-    return tokens
+    if st.rows is not None:
+        x = apply_hot_processors(logits, st)
+        k, V = x.shape
+        u = torch.empty(k, V, device=logits.device)
+        if len(st.seeded_pos):
+            u[st.seeded_pos] = hash_uniform(st.seeds, st.index, V)
+        if len(st.free_pos):
+            u[st.free_pos] = torch.rand(len(st.free_pos), V, device=logits.device,
+                                        generator=generator).clamp_(1e-7, 1 - 1e-7)
+        tokens[st.rows] = gumbel_argmax(x, u).to(torch.int32)
+    lp = None
+    if st.logprob_rows is not None:
+        rows = st.logprob_rows_dev
+        lp = LogprobsTensors(st.logprob_rows, *compute_logprobs(raw[rows], tokens[rows], st.max_num_logprobs))
+    return tokens, lp
 
 
 def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
-           sample_index: np.ndarray, generator: torch.Generator | None = None) -> np.ndarray:
-    """``sample_on_device`` in one call, brought to the host as a numpy int32 array."""
-    st = SamplingTensors.stage(temperatures, seeds, sample_index, logits.device)
-    return sample_on_device(logits, st, generator).cpu().numpy()
+           sample_index: np.ndarray, generator: torch.Generator | None = None,
+           inputs: SamplingInputs | None = None, last_tokens: torch.Tensor | None = None) -> np.ndarray:
+    """``sample_on_device`` in one call, its tokens brought to the host as a numpy int32 array."""
+    st = SamplingTensors.stage(temperatures, seeds, sample_index, logits.device, inputs=inputs)
+    return sample_on_device(logits, st, generator, last_tokens)[0].cpu().numpy()

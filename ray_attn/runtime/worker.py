@@ -24,7 +24,7 @@ from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
 from ray_attn.runtime import messages, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
-from ray_attn.runtime.deferred import DeferredOutput, TokenStaging
+from ray_attn.runtime.deferred import DeferredOutput, TokenStaging, pack_output, unpack_output
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.profiling import time_by_kernel_kind
 from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
@@ -178,13 +178,13 @@ class AttentionWorker:
         with torch.inference_mode():
             hidden = self._forward(step)
             self.steps += 1
-            tokens, logits = self._sample(hidden, logits_indices, sampling)
+            tokens, logits, logprobs = self._sample(hidden, logits_indices, sampling)
             if step.defer and self.tp > 1:
                 tokens = self._broadcast_tokens(tokens, step.plan.attn.num_reqs)
             self.last_tokens = tokens
             if self.rank != 0:
                 return None
-            return self._answer(step, tokens, logits)
+            return self._answer(step, tokens, logits, logprobs)
 
     def _check(self, step: StepInput) -> None:
         """Refuse a step that would lose an answer or read outside the cache, before any of it
@@ -201,8 +201,8 @@ class AttentionWorker:
         sampling parameters (the other ranks do not sample)."""
         buf = self.buffers
         idx = buf.put("logits_indices", step.plan.logits_indices).long()
-        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put) \
-            if self.rank == 0 else None
+        st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put,
+                                   step.sampling) if self.rank == 0 else None
         return idx, st
 
     def _forward(self, step: StepInput) -> torch.Tensor:
@@ -234,14 +234,16 @@ class AttentionWorker:
         r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
         ids[i] = self.last_tokens[r].to(ids.dtype)
 
-    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
-                sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Rank 0's (tokens, logits), on the device; (None, None) on the other ranks: their
-        logits would be the same (the LM head is replicated), and only rank 0 answers."""
+    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sampling: SamplingTensors | None):
+        """Rank 0's (tokens, logits, logprobs), on the device; Nones on the other ranks: their
+        logits would be the same (the LM head is replicated), and only rank 0 answers.  Sampling
+        runs eagerly after the forward (a replayed decode graph ends at the hidden states), and
+        reads ``last_tokens`` -- the previous step's, not yet replaced -- for penalty histories."""
         if self.rank != 0:
-            return None, None
+            return None, None, None
         logits = self.model.compute_logits(hidden, logits_indices)
-        return sample_on_device(logits, sampling, self.generator), logits
+        tokens, logprobs = sample_on_device(logits, sampling, self.generator, self.last_tokens)
+        return tokens, logits, logprobs
 
     def _broadcast_tokens(self, tokens: torch.Tensor | None, num_reqs: int) -> torch.Tensor:
         """Rank 0's tokens on every rank.  The step after a deferred one reads them on the
@@ -253,14 +255,17 @@ class AttentionWorker:
         dist.broadcast(tokens, src=0)
         return tokens
 
-    def _answer(self, step: StepInput, tokens: torch.Tensor, logits: torch.Tensor) -> StepOutput | None:
+    def _answer(self, step: StepInput, tokens: torch.Tensor, logits: torch.Tensor,
+                logprobs) -> StepOutput | None:
         """Rank 0's answer: this step's output, or, for a deferred step, the previous deferred
         step's, waited for only now that this step is queued behind it."""
         logits_np = logits.float().cpu().numpy() if step.return_logits else None
         if not step.defer:
-            return StepOutput(token_ids=tokens.cpu().numpy(), step_id=step.step_id, logits=logits_np)
+            packed, layout = pack_output(tokens, logprobs)  # one copy to the host
+            token_ids, lp = unpack_output(packed.cpu().numpy(), len(tokens), layout)
+            return StepOutput(token_ids=token_ids, step_id=step.step_id, logits=logits_np, logprobs=lp)
         previous = self._collect_deferred()
-        self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np)
+        self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np, logprobs)
         return previous
 
     def _collect_deferred(self) -> StepOutput | None:

@@ -12,6 +12,7 @@ from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from ray_attn.engine import LLMEngine
 from ray_attn.planner import ScheduledRequest
 from ray_attn.runtime import InProcessExecutor, StepInput, StepOutput, messages
+from ray_attn.runtime.messages import SamplingInputs
 
 IDS = itertools.count()
 
@@ -89,3 +90,21 @@ def test_worker_answers_bytes_with_bytes(engine, worker):
     assert np.array_equal(direct.token_ids, wired.token_ids)
     assert np.array_equal(direct.logits, wired.logits)
     assert wired.timings["worker_s"] > 0
+
+
+def test_sampling_inputs_and_logprobs_travel(engine, worker):
+    """A step's sampling inputs go out, and its logprobs come back, through the wire format."""
+    f32 = np.float32
+    si = SamplingInputs(top_k=np.array([0, 3, 0, 0, 5], np.int32), top_p=np.full(5, 0.9, f32),
+                        min_p=np.zeros(5, f32), penalty_rows=np.array([1], np.int32),
+                        presence_penalty=np.array([0.5], f32), frequency_penalty=np.array([0.2], f32),
+                        repetition_penalty=np.array([1.3], f32), history=np.array([3, 130, 4], np.int32),
+                        history_lens=np.array([3], np.int32), min_tokens_rows=np.array([2], np.int32),
+                        min_tokens_ids=np.array([7], np.int32), logprobs=np.array([-1, 2, 0, -1, 4], np.int32))
+    step = a_step(engine, sampling=si)
+    assert_same(step, messages.loads(messages.dumps(step)))
+    direct = worker.execute_step(step)
+    wired = messages.loads(worker.execute_step(messages.dumps(step)))
+    assert direct.logprobs.rows.tolist() == [1, 2, 4] and direct.logprobs.logprobs.shape == (3, 5)
+    assert_same(direct.logprobs, wired.logprobs)
+    assert np.array_equal(direct.token_ids, wired.token_ids)

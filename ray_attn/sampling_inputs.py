@@ -1,0 +1,98 @@
+"""The driver's side of sampling beyond temperature and seed: what a step sends the ranks for it
+(``SamplingInputs``), and the logprobs it reads back (``TokenLogprobs``).
+
+Only rows that sample this step and use a feature are sent for it; a batch of plain requests
+(``SamplingParams.plain``) sends nothing, so it costs one attribute read per row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ray_attn.request import PLACEHOLDER, Request, TokenLogprobs
+from ray_attn.runtime.messages import LogprobsArrays, SamplingInputs
+
+
+def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], sample_index: np.ndarray,
+                          eos_token_ids: frozenset[int], vocab_size: int) -> SamplingInputs | None:
+    """The step's ``SamplingInputs`` (None when no sampling row needs any), built before the
+    step's placeholders are appended: a row's history then ends in at most one placeholder, the
+    previous step's token (async scheduling), which rank 0 fills from that step's ``sampled_row``.
+    ``sample_index[i]`` is the index of the token row i draws (tokens generated so far)."""
+    if all(r.params.plain for r in reqs):
+        return None
+    rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and not r.params.plain]
+    if not rows:
+        return None
+    B, si = len(reqs), SamplingInputs()
+    filtered = [i for i in rows if reqs[i].params.filters]
+    if filtered:
+        si.top_k, si.top_p, si.min_p = np.zeros(B, np.int32), np.ones(B, np.float32), np.zeros(B, np.float32)
+        for i in filtered:
+            p = reqs[i].params
+            si.top_k[i], si.top_p[i], si.min_p[i] = p.top_k, p.top_p, p.min_p
+    penalized = [i for i in rows if reqs[i].params.penalized]
+    if penalized:
+        _penalty_inputs(si, [reqs[i] for i in penalized], vocab_size)
+        si.penalty_rows = np.array(penalized, np.int32)
+    mask_rows, mask_ids = [], []
+    for i in rows:
+        p = reqs[i].params
+        if p.min_tokens and sample_index[i] < p.min_tokens:
+            ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos_token_ids
+            mask_rows += [i] * len(ids)
+            mask_ids += sorted(ids)
+    if mask_rows:
+        si.min_tokens_rows, si.min_tokens_ids = np.array(mask_rows, np.int32), np.array(mask_ids, np.int32)
+    wants = [i for i in rows if reqs[i].params.logprobs is not None]
+    if wants:
+        si.logprobs = np.full(B, -1, np.int32)
+        si.logprobs[wants] = [reqs[i].params.logprobs for i in wants]
+    return si
+
+
+def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int) -> None:
+    """Each penalized row's token history (see ``SamplingInputs``): its prompt, offset by the
+    vocabulary size, only when it has a repetition penalty; then its output; then the previous
+    step's token, as a placeholder, when that is still out."""
+    parts, lens, prev_index, prev_rows, offset = [], [], [], [], 0
+    presence, frequency, repetition = [], [], []
+    for r in reqs:
+        p = r.params
+        if r.pending > 1:
+            raise RuntimeError(f"request {r.request_id} has {r.pending} tokens out; a step's history "
+                               "can wait for one only")
+        toks = r.token_array()
+        n0 = r.num_prompt_tokens
+        n = len(toks) - n0
+        if p.repetition_penalty != 1:
+            parts.append(toks[:n0] + np.int32(vocab_size))
+            n += n0
+        parts.append(toks[n0:])
+        if r.pending:
+            prev_index.append(offset + n)
+            prev_rows.append(r.sampled_row)
+            parts.append(np.array([PLACEHOLDER], np.int32))
+            n += 1
+        lens.append(n)
+        offset += n
+        presence.append(p.presence_penalty)
+        frequency.append(p.frequency_penalty)
+        repetition.append(p.repetition_penalty)
+    si.history = np.concatenate(parts).astype(np.int32, copy=False)
+    si.history_lens = np.array(lens, np.int32)
+    si.presence_penalty = np.array(presence, np.float32)
+    si.frequency_penalty = np.array(frequency, np.float32)
+    si.repetition_penalty = np.array(repetition, np.float32)
+    if prev_index:
+        si.history_prev_index, si.history_prev_rows = np.array(prev_index, np.int32), np.array(prev_rows, np.int32)
+
+
+def token_logprobs(lp: LogprobsArrays, j: int, k: int) -> TokenLogprobs:
+    """Row ``j`` of a step's logprobs, with its own ``k`` top entries (the step pads to its
+    largest k)."""
+    ids, lps = lp.logprob_token_ids[j], lp.logprobs[j]
+    return TokenLogprobs(int(ids[0]), float(lps[0]), int(lp.selected_token_ranks[j]),
+                         list(zip(ids[1:1 + k].tolist(), lps[1:1 + k].tolist())))
