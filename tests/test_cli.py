@@ -37,3 +37,75 @@ def test_cuda_on_a_cluster_without_gpus_fails_at_once(capsys):
             ray.shutdown()
     assert e.value.code == 2
     assert "parallel.device='cuda' needs 2 GPU(s)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path):
+    """``ray-attn serve FOLDER``: the folder alone gives the shapes (config.json), the EOS and the
+    tokenizer with its chat template; a chat completion through the openai client is HF's greedy
+    continuation of the templated prompt."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+    import openai
+    import torch
+    import transformers
+
+    from tests.deploy.conftest import free_port
+    from tests.model.test_families import reinit
+    from tests.tokenizer_fixture import EOS_ID, build_tokenizer
+
+    folder = tmp_path / "tiny-qwen3"
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, eos_token_id=EOS_ID,
+        bos_token_id=None)).eval()
+    reinit(hf, seed=6, norm_offset=False)
+    hf.save_pretrained(str(folder))
+    build_tokenizer(folder, 512)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+    port = free_port()
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+               RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.Popen([sys.executable, "-m", "ray_attn.cli", "serve", str(folder), "--device", "cpu",
+                             "--tp", "1", "--port", str(port), "--max-num-seqs", "4"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(1)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            [card] = c.models.list().data
+            assert card.id == "tiny-qwen3" and card.model_extra["max_model_len"] == 512
+            msgs = [{"role": "user", "content": "hello world"}]
+            out = c.chat.completions.create(model="tiny-qwen3", messages=msgs, max_tokens=10, temperature=0,
+                                            extra_body={"return_token_ids": True})
+        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=EOS_ID,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        choice = out.choices[0]
+        assert choice.model_extra["token_ids"] == want
+        assert choice.message.content == tok.decode(want, skip_special_tokens=True)
+        assert choice.finish_reason == ("stop" if want[-1] == EOS_ID else "length")
+    finally:
+        proc.send_signal(signal.SIGINT)  # the CLI shuts Serve and its own Ray cluster down
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()

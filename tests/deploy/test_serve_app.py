@@ -221,7 +221,6 @@ BAD = [
     ("too many stop ids", b'{"prompt_token_ids": [1], "stop": [1, 2, 3, 4, 5]}', 422, "stop"),
     ("stop id outside vocab", b'{"prompt_token_ids": [1], "stop": [600]}', 422, "stop[0]"),
     ("empty text prompt", b'{"prompt": ""}', 422, "prompt"),
-    ("blank text prompt", b'{"prompt": "   "}', 422, "prompt"),
     ("over-long text prompt", json.dumps({"prompt": "w1 " * 65}).encode(), 422, "prompt"),
     ("body too large", json.dumps({"prompt_token_ids": [1] * 2000}).encode(), 413, "body"),
 ]
@@ -354,7 +353,9 @@ def test_dead_worker_is_recovered_in_place(served, direct_engine):
                     if len(events) == 1:
                         kill_one_rank()
         assert [t for e in events for t in e["token_ids"]] == want
-        assert events[-1]["finish_reason"] == "length" and not events[-1].get("error")
+        # the workload may meet the tokenizer's EOS before max_tokens: the no-fault run says which
+        ended = "length" if len(want) == body["max_tokens"] else "stop"
+        assert events[-1]["finish_reason"] == ended and not events[-1].get("error")
         assert stat(c, "recoveries") == before + 1
         print(f"\nrank restart took {stat(c, 'last_recovery_s'):.1f}s; "
               f"request done {time.perf_counter() - t0:.1f}s after the kill")
