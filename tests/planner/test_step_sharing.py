@@ -91,6 +91,19 @@ def test_a_running_chunk_shares_only_the_blocks_full_after_the_step():
     assert np.array_equal(held_counts(p, "abc"), p.pool.ref_cnt)
 
 
+def test_a_new_request_in_chunks_shares_only_its_chunk():
+    """a, new, computes a first chunk of 6 tokens: b, after it in the step, takes block 0 only."""
+    bs = 4
+    p, oracle = planner(bs), KVOracle(bs)
+    prompt = toks(30, 8)
+    t = {"a": list(prompt), "b": list(prompt)}
+    plan = p.plan([S("a", t["a"], 6), S("b", t["b"])])
+    check_plan(p, plan, t)
+    oracle.step(plan, t)
+    assert plan.num_computed_tokens.tolist() == [0, 4]
+    assert p.block_ids("b")[0] == p.block_ids("a")[0] and p.block_ids("b")[1] != p.block_ids("a")[1]
+
+
 @pytest.mark.parametrize("num_new,expect_hit", [(14, 0), (6, 8), (2, 12), (None, 12)])
 def test_an_explicit_num_new_caps_the_in_step_hit(num_new, expect_hit):
     bs = 4
