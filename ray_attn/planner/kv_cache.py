@@ -61,6 +61,7 @@ class PreparedBatch:
         "hit_hashes",  # per new row, the chain hash of its last hit block
         "hit_tokens",  # tokens the new rows take from the prefix cache
         "input_ids",  # [num tokens] this step's tokens, request after request (with ``gather``)
+        "index",  # the StepPrefixIndex of the new rows' hits (None: none built), its hashes reused
     )
 
 
@@ -124,7 +125,7 @@ class KVCacheManager:
         b.slots = slots
         computed = self.table.num_computed[slots]  # new rows read slot -1: overwritten below
         nblocks = self.table.num_blocks[slots]
-        b.hits, b.hit_hashes, b.hit_tokens, b.step_hits = [], [], 0, []
+        b.hits, b.hit_hashes, b.hit_tokens, b.step_hits, b.index = [], [], 0, [], None
         try:
             lens = np.fromiter(map(len, toks), np.int64, B)
         except TypeError as e:
@@ -138,10 +139,11 @@ class KVCacheManager:
             raise InvalidRequestError(f"num_new_tokens must be ints or None, got {raw_new[:8]!r}")
         index = None
         if b.new_rows and self.pool.enable_prefix_caching:
-            index = StepPrefixIndex(self)
+            index = b.index = StepPrefixIndex(self)
             run = np.flatnonzero(slots >= 0)
             if len(run):
-                n_run = np.where([raw_new[i] is None for i in run.tolist()], lens[run] - computed[run], num_new[run])
+                auto_run = [raw_new[i] is None for i in run.tolist()]
+                n_run = np.where(auto_run, lens[run] - computed[run], num_new[run])
                 # capped at the tokens a row has: a bad length is refused below, never read past
                 index.add_running(run, slots[run], [toks[i] for i in run.tolist()],
                                   np.minimum(computed[run] + n_run, lens[run]))
@@ -264,7 +266,8 @@ class KVCacheManager:
             full = (b.computed + b.num_new) // self.block_size
             rows = (full > self.table.num_hashed[b.slots]).nonzero()[0]
             if len(rows):
-                self._hash_rows(rows, b.slots, b.toks, full)
+                self._hash_rows(rows, b.slots, b.toks, full,
+                                known=None if b.index is None else b.index.filled_blocks())
 
     def free(self, req_id: Hashable) -> None:
         """Release a request's blocks, indexing first the full ones decode steps filled (lazy), so
@@ -311,21 +314,28 @@ class KVCacheManager:
             end = start + first
         return row, local + start[row], h, end
 
-    def _hash_rows(self, rows, slots, toks, full, dedupe: bool = True) -> None:
-        """Index the full blocks of batch ``rows`` up to ``full[row]`` blocks (``fill_hashes``).
+    def _hash_rows(self, rows, slots, toks, full, dedupe: bool = True, known=None) -> None:
+        """Index the full blocks of batch ``rows`` (ascending) up to ``full[row]`` blocks: hashed by
+        ``fill_hashes``, or ``known`` already (batch row, column, hash of each, by row).
 
         With ``dedupe``, a block whose content another block already holds is swapped for that
         block and freed.  Same KV, one copy: memory comes back and the requests now share the
         block ids that cascade groups are detected from.  The current step still writes the old
         block (its plan is built), and later steps read the shared one.  Requests of one step
-        share what an earlier one computes (``StepPrefixIndex``), so this is left to the blocks a
-        hit may not take: a prompt's last block, recomputed for its logits."""
+        share what an earlier one computes (``StepPrefixIndex``), so this is left mostly to the
+        blocks a hit may not take: a prompt's last block, recomputed for its logits, or those past
+        a hit capped by an explicit ``num_new_tokens``."""
         T = self.table
         s = slots[rows]
         rt = [toks[i] for i in rows.tolist()]
         for slot, t in zip(s.tolist(), rt):  # keep the latest reference for lazy hashing
             T.tokens[slot] = t
-        r, cols, h, end = self.fill_hashes(s, rt, full[rows])
+        if known is None:
+            r, cols, h, end = self.fill_hashes(s, rt, full[rows])
+        else:
+            brow, cols, h = known
+            r = np.searchsorted(rows, brow)
+            end = T.num_hashed[s] + np.bincount(r, minlength=len(s))
         if len(h):
             rs = s[r]
             blocks = T.block_table[rs, cols]

@@ -58,19 +58,28 @@ class PrefixMatch:
 class StepPrefixIndex:
     """The full blocks one step computes, by chain hash (see the module docstring)."""
 
-    __slots__ = ("kv", "block_size", "_filled")
+    __slots__ = ("kv", "block_size", "_filled", "_parts")
 
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
         self.block_size = kv.block_size
         self._filled: dict[int, tuple[int, int]] = {}  # chain hash -> (row, column) computing it
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # for ``filled_blocks``
 
     def add_running(self, rows, slots: np.ndarray, toks: list, ends: np.ndarray) -> None:
         """Rows already admitted (table rows ``slots``), holding ``ends[i]`` tokens once the step
         ran: their full blocks not indexed yet.  The first row to compute a content keeps it, as
         ``BlockPool.cache_blocks`` keeps the first block indexed under a hash."""
-        r, cols, h, _ = self.kv.fill_hashes(slots, toks, np.asarray(ends, np.int64) // self.block_size)
-        rows = np.asarray(rows, np.int64)[r]
+        full = np.asarray(ends, np.int64) // self.block_size
+        grow = np.flatnonzero(full > self.kv.table.num_hashed[slots])  # most decode rows: none
+        if not len(grow):
+            return
+        try:
+            r, cols, h, _ = self.kv.fill_hashes(slots[grow], [toks[i] for i in grow.tolist()], full[grow])
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"token ids must be ints: {e}") from None
+        rows = np.asarray(rows, np.int64)[grow[r]]
+        self._parts.append((rows, cols, h))
         filled = self._filled
         for key, row, col in zip(h.tolist(), rows.tolist(), cols.tolist()):
             filled.setdefault(key, (row, col))
@@ -107,6 +116,20 @@ class StepPrefixIndex:
         """Batch row ``row``, admitted with the hit ``m`` and computing ``num_new_tokens`` past it:
         the blocks it fills become hits for the rows after it."""
         end = min((m.num_tokens + int(num_new_tokens)) // self.block_size, len(m.hashes))
+        if end <= m.num_blocks:
+            return
+        h = m.hashes[m.num_blocks: end]
+        self._parts.append((np.full(len(h), row, np.int64), np.arange(m.num_blocks, end), h))
         filled = self._filled
-        for col, key in enumerate(m.hashes[m.num_blocks: end].tolist(), m.num_blocks):
+        for col, key in enumerate(h.tolist(), m.num_blocks):
             filled.setdefault(key, (row, col))
+
+    def filled_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every block the rows fill, not only the first of each content: (row, column, chain
+        hash), by row.  The planner indexes them once the step is planned, without hashing again:
+        they are what ``KVCacheManager.fill_hashes`` finds then."""
+        if not self._parts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64)
+        rows, cols, h = (np.concatenate(x) for x in zip(*self._parts))
+        order = np.argsort(rows, kind="stable")
+        return rows[order], cols[order], h[order]
