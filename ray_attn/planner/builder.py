@@ -9,7 +9,8 @@ in plan.py.
 
 Per-request state lives in persistent numpy arrays indexed by slot (``RequestTable``), so a decode
 step costs a few dozen numpy calls plus a few C-level ``map`` passes over the scheduled requests.
-Python loops run only over new requests (prefix-cache lookup).  The steady decode step, the last
+Python loops run only over new requests (prefix-cache lookup) and, in a step that admits some, over
+the blocks the step fills (``StepPrefixIndex``).  The steady decode step, the last
 batch again with one token each, skips the id lookups (``LastBatch``) and the cascade group search
 (``CascadeMemo``).
 
