@@ -68,14 +68,25 @@ class Scheduler:
             budget -= n
         admitted = 0
         limit = len(self.waiting) if admit is None else min(admit, len(self.waiting))
+        index = None  # the step's full blocks, for the prefix hits of the requests it admits
         for req in self.waiting:
             if admitted >= limit or budget <= 0 or len(reqs) >= self.max_num_seqs:
                 break
             if req.pending:
                 break  # preempted while its token was out: recompute once the token is back
             tokens = req.token_ids
-            hit = planner.num_cached_tokens(tokens) if planner.enable_prefix_caching else 0
+            hit = 0
+            if planner.enable_prefix_caching:
+                # A hit counts blocks the pool holds and blocks a request before it in this step
+                # computes (the n samples of one prompt compute it once), as the planner will.
+                if index is None:
+                    index = planner.step_prefix_index([r.request_id for r in reqs],
+                                                      [r.token_ids for r in reqs], num_new)
+                match = index.match(tokens)
+                hit = match.num_tokens
             n = min(len(tokens) - hit, budget)
+            if index is not None:
+                index.add_new(len(reqs), match, n)
             reqs.append(req)
             num_new.append(n)
             budget -= n

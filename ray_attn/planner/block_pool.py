@@ -198,6 +198,12 @@ class BlockPool:
         n = ids.index(None) if None in ids else len(ids)
         return ids[:n], (hashes[n - 1] if n else ROOT_HASH)
 
+    def cached_blocks(self, hashes: Sequence[int]) -> list:
+        """Read-only: the block indexed under each chain hash, None where none is."""
+        if not self.enable_prefix_caching:
+            return [None] * len(hashes)
+        return list(map(self._block_of.get, hashes))
+
     def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[tuple[int, int]]:
         """Index full blocks under their chain hashes.  When a hash is already indexed by another
         block (another request computed the same prefix) the older block keeps it; returns those

@@ -9,7 +9,8 @@ in plan.py.
 
 Per-request state lives in persistent numpy arrays indexed by slot (``RequestTable``), so a decode
 step costs a few dozen numpy calls plus a few C-level ``map`` passes over the scheduled requests.
-Python loops run only over new requests (prefix-cache lookup).  The steady decode step, the last
+Python loops run only over new requests (prefix-cache lookup) and, in a step that admits some, over
+the blocks the step fills (``StepPrefixIndex``).  The steady decode step, the last
 batch again with one token each, skips the id lookups (``LastBatch``) and the cascade group search
 (``CascadeMemo``).
 
@@ -28,6 +29,7 @@ from .cascade import CascadeChoice, CascadeConfig, decide_cascade
 from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
 from .kv_cache import KVCacheManager
 from .plan import ScheduledRequest, StepPlan
+from .step_prefix import StepPrefixIndex
 from .step import (
     CascadeMemo,
     LastBatch,
@@ -199,6 +201,12 @@ class Planner:
     def block_ids(self, req_id: Hashable) -> np.ndarray:
         slot = self._slot(req_id)
         return self.table.block_table[slot, : self.table.num_blocks[slot]].copy()
+
+    def step_prefix_index(self, req_ids, token_ids, num_new_tokens) -> StepPrefixIndex:
+        """For a scheduler proposing a step: the full blocks the running requests ``req_ids`` compute
+        with ``num_new_tokens`` more tokens each, which the requests it admits after them take as
+        prefix-cache hits (``StepPrefixIndex.match``, then ``add_new`` for each admission)."""
+        return self.kv.step_prefix_index(req_ids, token_ids, np.asarray(num_new_tokens, dtype=np.int64))
 
     def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
         """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""

@@ -316,7 +316,10 @@ def decide_cascade(cfg: CascadeConfig, bt, computed, q, max_seq: int, maybe_shar
     if not maybe_shared:
         return CascadeChoice(False, "no two requests share a prefix block")
     bs = cfg.block_size
-    cap = computed // bs  # blocks fully computed before this step: the prefix may only use these
+    # whole blocks before each row's first query -- in the cache before the step, or a hit on
+    # blocks another row writes in it, which every layer does before it attends: the prefix may
+    # only use these
+    cap = computed // bs
     if int(cap.max()) * bs < MIN_COMMON_PREFIX_LEN:
         return CascadeChoice(False, f"every computed prefix is < {MIN_COMMON_PREFIX_LEN} tokens")
     # Past the window / chunk checks the layer behaves as full causal attention (no window clips,

@@ -16,10 +16,11 @@ The step path reads the table (block table rows, ``num_computed``) and commits `
 itself: that is the step's own bookkeeping, not block ownership.
 
 Prefix-cache indexing: blocks filled by prefill steps are hashed in the step (so that requests
-arriving next step, e.g. more samples of the same prompt, share them); blocks filled by decode steps
-are hashed lazily, when the request is freed (finished or preempted), so that the steady decode
-step does no hashing.  A new request therefore shares another request's *generated* blocks only
-once that request has been freed (multi-turn chat, preemption by recompute).
+arriving next step share them), and the requests admitted *in* a step share the full blocks an
+earlier one of that step computes (``StepPrefixIndex``, step_prefix.py: the ``n`` samples of one
+prompt compute it once).  Blocks filled by decode steps are hashed lazily, by the next step that
+admits a request or when the request is freed (finished or preempted), so that the steady decode
+step does no hashing.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from typing import Hashable
 
 import numpy as np
 
-from .block_pool import BlockPool, chain_hashes, content_hashes
+from .block_pool import ROOT_HASH, BlockPool, chain_hashes, content_hashes
 from .errors import DoubleFreeError, InvalidRequestError, OutOfBlocksError, UnknownRequestError
 from .slots import RequestTable
+from .step_prefix import StepPrefixIndex
 
 _get_id = attrgetter("req_id")
 _get_toks = attrgetter("token_ids")
@@ -54,10 +56,12 @@ class PreparedBatch:
         "need",  # [B] blocks to allocate
         "num_new_blocks",  # need.sum()
         "new_rows",  # rows of requests not admitted yet
-        "hits",  # per new row, the prefix-cache blocks it takes
+        "hits",  # per new row, the prefix-cache blocks it takes (-1: one an earlier row computes)
+        "step_hits",  # (row, column, computing row, its column) for each -1 in ``hits``
         "hit_hashes",  # per new row, the chain hash of its last hit block
         "hit_tokens",  # tokens the new rows take from the prefix cache
         "input_ids",  # [num tokens] this step's tokens, request after request (with ``gather``)
+        "index",  # the StepPrefixIndex of the new rows' hits (None: none built), its hashes reused
     )
 
 
@@ -83,6 +87,15 @@ class KVCacheManager:
                 raise DoubleFreeError(f"request {req_id!r} was already freed")
             raise UnknownRequestError(f"unknown request id {req_id!r}")
         return slot
+
+    def step_prefix_index(self, req_ids, toks, num_new) -> StepPrefixIndex:
+        """The scheduler's look-ahead: a ``StepPrefixIndex`` holding what the running requests
+        ``req_ids`` fill with ``num_new`` more tokens each, for the requests it admits after them."""
+        index = StepPrefixIndex(self)
+        if req_ids:
+            slots = np.fromiter(map(self.slot, req_ids), np.intp, len(req_ids))
+            index.add_running(np.arange(len(slots)), slots, toks, self.table.num_computed[slots] + num_new)
+        return index
 
     def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
         """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""
@@ -112,7 +125,7 @@ class KVCacheManager:
         b.slots = slots
         computed = self.table.num_computed[slots]  # new rows read slot -1: overwritten below
         nblocks = self.table.num_blocks[slots]
-        b.hits, b.hit_hashes, b.hit_tokens = [], [], 0
+        b.hits, b.hit_hashes, b.hit_tokens, b.step_hits, b.index = [], [], 0, [], None
         try:
             lens = np.fromiter(map(len, toks), np.int64, B)
         except TypeError as e:
@@ -124,11 +137,27 @@ class KVCacheManager:
             raise InvalidRequestError(f"num_new_tokens must be ints or None: {e}") from None
         if num_new.shape != (B,):
             raise InvalidRequestError(f"num_new_tokens must be ints or None, got {raw_new[:8]!r}")
+        index = None
+        if b.new_rows and self.pool.enable_prefix_caching:
+            index = b.index = StepPrefixIndex(self)
+            run = np.flatnonzero(slots >= 0)
+            if len(run):
+                auto_run = [raw_new[i] is None for i in run.tolist()]
+                n_run = np.where(auto_run, lens[run] - computed[run], num_new[run])
+                # capped at the tokens a row has: a bad length is refused below, never read past
+                index.add_running(run, slots[run], [toks[i] for i in run.tolist()],
+                                  np.minimum(computed[run] + n_run, lens[run]))
         for i in b.new_rows:
             nn = None if raw_new[i] is None else int(num_new[i])
             if nn is not None and not 1 <= nn <= lens[i]:
                 self.bad_len(ids[i], nn, 0, int(lens[i]))
-            hit, last_hash = self.pool.lookup(toks[i], self.max_hit_blocks(int(lens[i]), nn))
+            if index is None:
+                hit, last_hash = [], ROOT_HASH
+            else:
+                m = index.match(toks[i], nn)
+                index.add_new(i, m, int(lens[i]) - m.num_tokens if nn is None else nn)
+                hit, last_hash = m.blocks, m.last_hash
+                b.step_hits += [(i, *src) for src in m.step_hits]
             b.hits.append(hit)
             b.hit_hashes.append(last_hash)
             computed[i] = len(hit) * self.block_size
@@ -159,7 +188,7 @@ class KVCacheManager:
             available = self.pool.num_free_blocks
             if b.new_rows and total:
                 # hits on evictable blocks take them out of the allocatable set
-                claimed = {x for hit in b.hits for x in hit if self.pool.is_evictable(x)}
+                claimed = {x for hit in b.hits for x in hit if x >= 0 and self.pool.is_evictable(x)}
                 available -= len(claimed)
             if total > available:
                 raise OutOfBlocksError(total, available, f"{B} requests scheduled")
@@ -188,8 +217,8 @@ class KVCacheManager:
             T.num_computed[slots] = n_hit * self.block_size
             T.last_hash[slots] = np.array(b.hit_hashes, dtype=np.uint64)
             if n_hit.any():
-                hits = [h for h in b.hits if h]
-                self.pool.acquire(list(chain.from_iterable(hits)))  # before allocating: no hit evicted
+                # before allocating: no hit evicted.  An in-step hit (-1) is taken after it.
+                self.pool.acquire([x for x in chain.from_iterable(b.hits) if x >= 0])
                 T.ensure_width(int(n_hit.max()))
                 for slot, hit in zip(slots, b.hits):
                     if hit:
@@ -207,6 +236,11 @@ class KVCacheManager:
             cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(len(blocks))
             T.block_table[np.repeat(slots, need), cols] = blocks
             T.num_blocks[slots] += need.astype(np.int32)
+        if b.step_hits:  # the blocks an earlier row of this step computes, allocated by now
+            row, col, src, src_col = np.array(b.step_hits, dtype=np.int64).T
+            shared = T.block_table[b.slots[src], src_col]
+            T.block_table[b.slots[row], col] = shared
+            self.pool.acquire(shared.tolist())
 
     def allocate_decode_blocks(self, slots: np.ndarray, computed: np.ndarray, nblocks: np.ndarray) -> int:
         """The decode fast path's allocation: a block for each request whose last block is full
@@ -232,7 +266,8 @@ class KVCacheManager:
             full = (b.computed + b.num_new) // self.block_size
             rows = (full > self.table.num_hashed[b.slots]).nonzero()[0]
             if len(rows):
-                self._hash_rows(rows, b.slots, b.toks, full)
+                self._hash_rows(rows, b.slots, b.toks, full,
+                                known=None if b.index is None else b.index.filled_blocks())
 
     def free(self, req_id: Hashable) -> None:
         """Release a request's blocks, indexing first the full ones decode steps filled (lazy), so
@@ -250,51 +285,68 @@ class KVCacheManager:
         if len(self.freed) > _REMEMBER_FREED:
             self.freed.popitem(last=False)
 
-    def _hash_rows(self, rows, slots, toks, full, dedupe: bool = True) -> None:
-        """Index the full blocks of batch ``rows`` up to ``full[row]`` blocks (vectorised: one
-        token gather, one content hash, one chain hash for all of them).
+    def fill_hashes(self, slots, toks, full):
+        """Chain hashes of the full blocks table rows ``slots`` (their tokens ``toks``) have not
+        indexed yet, columns ``num_hashed .. full - 1`` (vectorised: one token gather, one content
+        hash, one chain hash for all of them).  Returns each hash's row (an index into ``slots``),
+        its column, the hashes, and each row's new indexed end.
 
-        With ``dedupe``, a block whose content another block already holds (two requests prefilled
-        the same prompt in one step: prefix hits are only taken from earlier steps) is swapped for
-        that block and freed.  Same KV, one copy: memory comes back and the requests now share the
-        block ids that cascade groups are detected from.  The current step still writes the old
-        block (its plan is built), and later steps read the shared one."""
+        A negative id is a token not sampled yet (the engine's async scheduling plans the next step
+        before this one's tokens exist).  Hashing it would index -- and dedupe onto -- a block whose
+        content is unknown, so each row stops at its first such block; freeing the request hashes
+        the rest once the tokens are real."""
         T, bs = self.table, self.block_size
-        s = slots[rows]
-        start = T.num_hashed[s].astype(np.int64)
-        end = full[rows].astype(np.int64)
+        start = T.num_hashed[slots].astype(np.int64)
+        end = np.maximum(np.asarray(full, dtype=np.int64), start)
         nb = end - start
+        n = int(nb.sum())
+        spans = map(getitem, toks, map(slice, (start * bs).tolist(), (end * bs).tolist()))
+        tok = np.fromiter(chain.from_iterable(spans), np.int64, n * bs).reshape(n, bs)
+        row = np.repeat(np.arange(len(nb)), nb)
+        local = np.arange(n) - np.repeat(np.cumsum(nb) - nb, nb)
+        h = chain_hashes(content_hashes(tok), nb, T.last_hash[slots])
+        if n and tok.min() < 0:
+            first = np.array(nb, copy=True)
+            bad = np.flatnonzero((tok < 0).any(axis=1))
+            np.minimum.at(first, row[bad], local[bad])
+            keep = local < first[row]
+            row, local, h = row[keep], local[keep], h[keep]
+            end = start + first
+        return row, local + start[row], h, end
+
+    def _hash_rows(self, rows, slots, toks, full, dedupe: bool = True, known=None) -> None:
+        """Index the full blocks of batch ``rows`` (ascending) up to ``full[row]`` blocks: hashed by
+        ``fill_hashes``, or ``known`` already (batch row, column, hash of each, by row).
+
+        With ``dedupe``, a block whose content another block already holds is swapped for that
+        block and freed.  Same KV, one copy: memory comes back and the requests now share the
+        block ids that cascade groups are detected from.  The current step still writes the old
+        block (its plan is built), and later steps read the shared one.  Requests of one step
+        share what an earlier one computes (``StepPrefixIndex``), so this is left mostly to the
+        blocks a hit may not take: a prompt's last block, recomputed for its logits, or those past
+        a hit capped by an explicit ``num_new_tokens``."""
+        T = self.table
+        s = slots[rows]
         rt = [toks[i] for i in rows.tolist()]
         for slot, t in zip(s.tolist(), rt):  # keep the latest reference for lazy hashing
             T.tokens[slot] = t
-        spans = map(getitem, rt, map(slice, (start * bs).tolist(), (end * bs).tolist()))
-        n = int(nb.sum())
-        tok = np.fromiter(chain.from_iterable(spans), np.int64, n * bs).reshape(n, bs)
-        if n and tok.min() < 0:
-            # A negative id is a token not sampled yet (the engine's async scheduling plans the
-            # next step before this one's tokens exist).  Hashing it would index -- and dedupe
-            # onto -- a block whose content is unknown, so each row stops at its first such
-            # block; freeing the request hashes the rest once the tokens are real.
-            local = np.arange(n) - np.repeat(np.cumsum(nb) - nb, nb)
-            first = np.array(nb, copy=True)
-            bad = np.flatnonzero((tok < 0).any(axis=1))
-            np.minimum.at(first, np.repeat(np.arange(len(rows)), nb)[bad], local[bad])
-            full = np.array(full, copy=True)
-            full[rows] = start + first
-            keep = first > 0
-            if keep.any():
-                self._hash_rows(rows[keep], slots, toks, full, dedupe)
-            return
-        h = chain_hashes(content_hashes(tok), nb, T.last_hash[s])
-        cols = np.arange(n) - np.repeat(np.cumsum(nb) - nb, nb) + np.repeat(start, nb)
-        rs = np.repeat(s, nb)
-        blocks = T.block_table[rs, cols]
-        dups = self.pool.cache_blocks(blocks.tolist(), h.tolist())
-        if dups and dedupe:
-            idx = np.array([i for i, _ in dups])
-            canon = [c for _, c in dups]
-            self.pool.acquire(canon)
-            self.pool.release(blocks[idx])
-            T.block_table[rs[idx], cols[idx]] = canon
-        T.last_hash[s] = h[np.cumsum(nb) - 1]
+        if known is None:
+            r, cols, h, end = self.fill_hashes(s, rt, full[rows])
+        else:
+            brow, cols, h = known
+            r = np.searchsorted(rows, brow)
+            end = T.num_hashed[s] + np.bincount(r, minlength=len(s))
+        if len(h):
+            rs = s[r]
+            blocks = T.block_table[rs, cols]
+            dups = self.pool.cache_blocks(blocks.tolist(), h.tolist())
+            if dups and dedupe:
+                idx = np.array([i for i, _ in dups])
+                canon = [c for _, c in dups]
+                self.pool.acquire(canon)
+                self.pool.release(blocks[idx])
+                T.block_table[rs[idx], cols[idx]] = canon
+            counts = np.bincount(r, minlength=len(s))
+            has = counts > 0
+            T.last_hash[s[has]] = h[(np.cumsum(counts) - 1)[has]]
         T.num_hashed[s] = end

@@ -10,7 +10,9 @@ the same); here block_size 4, 6 tokens already in the cache and 3 computed this 
                       |------------- seq = 9 -------------|
 
     computed  num_computed_tokens[r]: tokens whose KV is in the cache before the step (vLLM's
-              context length); for a new request, its prefix-cache hit (whole blocks).
+              context length); for a new request, its prefix-cache hit (whole blocks), which
+              may take blocks an earlier row of the same step computes: every layer writes the
+              step's K/V into the cache before it attends.
     q         query_lens[r] = qsl[r + 1] - qsl[r]: r's tokens this step, at positions
               computed .. seq - 1 (``positions``); their ids are token_ids[computed:seq].
     seq       seq_lens[r] = computed + q: r's KV length once the step ran.

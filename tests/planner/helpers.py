@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from itertools import accumulate
 
 import numpy as np
 
@@ -74,3 +75,37 @@ def check_plan(p: Planner, plan, tokens: dict, computed_before: dict | None = No
     real = a.slot_mapping[:N]
     assert len(np.unique(real)) == N
     return q
+
+
+def prefix_keys(tokens) -> list:
+    """Per position p, a key of ``tokens[: p + 1]``: what the K/V at p depends on (every layer
+    mixes in the whole prefix), so two slots hold the same K/V exactly when their keys match."""
+    return list(accumulate(map(int, tokens), lambda h, t: hash((h, t)), initial=0))[1:]
+
+
+class KVOracle:
+    """The cache's contents, replayed from the plans: each step first writes every scheduled token's
+    key at its slot (a layer writes the whole step's K/V before its attention reads any), then
+    every row must find, at each position it attends to, the key of its own prefix -- whichever row
+    of whichever step wrote it.  Blocks keep their contents when freed, as memory does."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.slots: dict[int, int] = {}
+
+    def step(self, plan, tokens: dict) -> None:
+        a, bs = plan.attn, self.block_size
+        N = a.num_actual_tokens
+        written = a.slot_mapping[:N]
+        assert len(np.unique(written)) == N, "a slot is written twice in one step"
+        assert (written >= 0).all()
+        keys = {rid: prefix_keys(tokens[rid]) for rid in plan.req_ids}
+        qsl = a.query_start_loc
+        for i, rid in enumerate(plan.req_ids):
+            for t in range(qsl[i], qsl[i + 1]):
+                self.slots[int(written[t])] = keys[rid][int(plan.positions[t])]
+        for i, rid in enumerate(plan.req_ids):
+            row, k = a.block_table[i], keys[rid]
+            for pos in range(int(a.seq_lens[i])):
+                slot = int(row[pos // bs]) * bs + pos % bs
+                assert self.slots.get(slot) == k[pos], f"{rid!r} reads a wrong K/V at position {pos}"

@@ -17,7 +17,7 @@ from ray_attn.planner import (
     UnknownRequestError,
 )
 
-from .helpers import check_plan, same_state, snapshot
+from .helpers import KVOracle, check_plan, same_state, snapshot
 
 S = ScheduledRequest
 
@@ -345,7 +345,7 @@ def test_random_engine_run(seed):
                 enable_prefix_caching=bool(seed % 4 != 3), attention_chunk_size=4 * bs if seed % 2 else None,
                 token_buckets=[16, 64] if seed % 3 == 0 else None)
     prompts = [toks(int(rng.integers(1, 6 * bs)), 100 + k) for k in range(4)]
-    running, nxt = {}, 0
+    running, nxt, oracle = {}, 0, KVOracle(bs)
     for step in range(40):
         sched = []
         if rng.random() < 0.4 or not running:
@@ -369,6 +369,7 @@ def test_random_engine_run(seed):
             p.free(victim)  # preempt by recompute: it starts over next step
             continue
         q = check_plan(p, plan, running)
+        oracle.step(plan, running)
         for i, r in enumerate(plan.req_ids):
             if before[r] is not None:
                 assert plan.num_computed_tokens[i] == before[r]
