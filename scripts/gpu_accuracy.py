@@ -99,6 +99,9 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: need(i["kernel"] == "fa2", f"kernel {i['kernel']}, not fa2") if gpu else None),
         Row("prefix_cache", what="prefix-cache hits (shared prefix served first)", warm_prefix=True,
             expect=lambda s, i: default(s, i) or need(s["prefix_cache_hit_tokens"] > 0, "no prefix-cache hit")),
+        Row("same_step_sharing", prompts="repeats", what="n=3 copies of 4 prompts admitted together "
+            "share blocks in the step that computes them", engine=dict(cascade_min_saved_kv_tokens=0),
+            expect=lambda s, i: default(s, i) or need(s["prefix_cache_hit_tokens"] > 0, "no in-step prefix hit")),
         Row("preemption", what="preemption by recompute (small KV pool)", cache=dict(num_blocks=200 if gpu else 60),
             expect=lambda s, i: default(s, i) or need(s["preemptions"] > 0, "no preemption")),
         Row("async_off", what="async scheduling off", engine=dict(async_scheduling=False),
@@ -114,7 +117,8 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
 
 def prompt_sets(vocab: int, gpu: bool, seed: int = 0) -> dict[str, list[list[int]]]:
     """12 prompts each: ``mixed`` = 8 sharing a long prefix + 4 unrelated (two short, two long);
-    ``one_prefix`` = 12 sharing one; ``three_prefixes`` = 4 on each of three prefixes."""
+    ``one_prefix`` = 12 sharing one; ``three_prefixes`` = 4 on each of three prefixes;
+    ``repeats`` = 4 prompts, each 3 times (the n samples of a request, as the OpenAI app sends them)."""
     r = np.random.default_rng(seed)
     tok = lambda n: r.integers(0, vocab, n).tolist()
     k = 1 if gpu else 4  # CPU: the same shapes, shorter (the prefix still passes cascade's 256-token minimum)
@@ -125,6 +129,7 @@ def prompt_sets(vocab: int, gpu: bool, seed: int = 0) -> dict[str, list[list[int
     return {"mixed": [prefix + s for s in suffixes[:8]] + singles,
             "one_prefix": [prefix + s for s in suffixes],
             "three_prefixes": [prefixes[i // 4] + suffixes[i] for i in range(12)],
+            "repeats": [p for p in [prefixes[i] + suffixes[i] for i in range(3)] + [singles[2]] for _ in range(3)],
             "_prefix": [prefix]}
 
 
@@ -144,7 +149,9 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
     try:
         if row.warm_prefix:
             engine.generate([prefix[0] + [0]], SamplingParams(max_tokens=1))
-        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        # HF's control runs all MAX_TOKENS whatever it emits, so ours does too (a checkpoint's
+        # eos_token_id would otherwise end some outputs early).
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
                 "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs"))}  # what rank 0 captured
         return [o.output_token_ids for o in outs], engine.stats.as_dict(), info

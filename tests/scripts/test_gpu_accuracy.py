@@ -43,7 +43,8 @@ def rows(gate, *names):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3",
+                                  "same_step_sharing"])
 def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     (row,) = rows(gate, name)
     res = gate.run(row)
@@ -55,6 +56,8 @@ def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
         assert res["stats"]["local_steps"] > 0
     if name == "preemption":
         assert res["stats"]["preemptions"] > 0
+    if name == "same_step_sharing":
+        assert res["stats"]["prefix_cache_hit_tokens"] > 0
 
 
 @pytest.mark.slow
