@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated row names (default: every TP=1 row)")
     ap.add_argument("--suffix", default="", help="result file suffix, e.g. _tp2")
     ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/gpu_accuracy{suffix}.json)")
+    ap.add_argument("--update", action="store_true", help="keep the result file's rows that this run does not redo")
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
     ap.add_argument("--init", choices=["alive", "hf"], default="alive",
                     help="weights: re-drawn to keep the model alive (default), or transformers' own init")
@@ -273,20 +274,27 @@ def main() -> None:
         sys.exit(f"unknown rows {sorted(unknown)}; choose from {[r.name for r in all_rows]}")
     transformers.utils.logging.disable_progress_bar()
     ensure_ray()
+    path = Path(args.out) if args.out else (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+                                            / f"gpu_accuracy{args.suffix}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # --update keeps the file's other rows (a run split over several time-limited GPU calls)
+    kept = [r for r in json.loads(path.read_text())["rows"] if r["row"] not in names] \
+        if args.update and path.exists() else []
     results = []
     bar = tqdm([r for r in all_rows if r.name in names], desc="accuracy rows", unit="row")
     for row in bar:
         bar.set_postfix_str(row.name)
         results.append(gate.run(row))
         tqdm.write(format_row(results[-1]))
+        # written after every row, so that a run cut short keeps what it measured
+        order = {r.name: i for i, r in enumerate(all_rows)}
+        rows_out = sorted(kept + results, key=lambda r: order.get(r["row"], len(order)))
+        out = hf_env(gpu) | dict(margin=MARGIN, max_tokens=MAX_TOKENS, size=gate.size, init=args.init,
+                                 rows=rows_out)
+        path.write_text(json.dumps(out, indent=1))
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], path.name).write_text(path.read_text())
     ray.shutdown()
-    out = hf_env(gpu) | dict(margin=MARGIN, max_tokens=MAX_TOKENS, size=gate.size, init=args.init, rows=results)
-    path = Path(args.out) if args.out else (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-                                            / f"gpu_accuracy{args.suffix}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], path.name).write_text(path.read_text())
     failed = [r["row"] for r in results if not r["passed"]]
     print(f"{len(results) - len(failed)}/{len(results)} rows passed" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

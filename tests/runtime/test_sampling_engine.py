@@ -143,7 +143,7 @@ def check_each_token_against_reference(eng, eos=()):
                 j = rows.index(row)
                 lp = ref.log_softmax(raw)
                 assert abs(out.logprobs.logprobs[j, 0] - lp[tok]) < 1e-5
-                assert out.logprobs.selected_token_ranks[j] == 1 + (lp > lp[tok]).sum()
+                assert out.logprobs.selected_token_ranks[j] == (lp >= lp[tok]).sum()  # ties count (vLLM; bf16 ties often)
                 made["logprobs"] += 1
         return apply(done, out)
 
