@@ -29,6 +29,7 @@ from ray import serve
 
 from deploy.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
 from deploy.metrics import RayMetricsHooks
+from deploy.scaling import scaling_options
 from deploy.schemas import (
     ErrorResponse,
     GenerateRequest,
@@ -353,7 +354,7 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
                                                      for _ in range(cfg.engine.parallel.tensor_parallel_size)]
         actor = {"num_cpus": cfg.replica_num_cpus}
     return dict(
-        num_replicas=cfg.num_replicas,
+        **scaling_options(cfg),  # replicas (fixed or autoscaled) and the request router
         ray_actor_options=actor,
         placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
@@ -371,4 +372,8 @@ def build_app(args: dict | ServeAppConfig | None = None):
     """Serve app builder (``import_path: deploy.app:build_app``); ``args`` is a ServeAppConfig."""
     cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(args or {})
     cfg = cfg.model_copy(update={"use_gpu": resolve_use_gpu(cfg)})
+    if cfg.request_router == "prefix_aware":
+        from deploy.ingress import build_routed_app
+
+        return build_routed_app(cfg, deployment_options(cfg))
     return LLMServer.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"))
