@@ -30,13 +30,14 @@ from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deploy.app import LLMServer
+from deploy.app import LLMServer, _replica_tag
 from deploy.schemas import ErrorResponse, ServeAppConfig
 from ray_attn.planner.block_pool import prompt_hashes
 
 log = logging.getLogger("ray.serve")
 
 TEXT_BYTES_PER_TOKEN = 4
+REPLICA_HEADER = b"x-replica-id"
 _TEXT_SALT = 0x7E47_0000_0000_0001  # keeps text-chunk hashes apart from token-block hashes
 _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path",
                "query_string", "headers", "client", "server")
@@ -151,13 +152,19 @@ async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[dict]:
 
 
 class RoutedLLMServer(LLMServer.func_or_class):
-    """LLMServer plus ``handle_http``: its HTTP app reached through a handle call."""
+    """LLMServer plus ``handle_http``: its HTTP app reached through a handle call.
+
+    Every answer names the replica in ``X-Replica-Id`` (behind the front deployment a client
+    cannot pick a replica, so that is how per-replica ``/stats`` are told apart)."""
 
     async def __init__(self, app_config: dict):
         await super().__init__(app_config)
+        self.replica_header = (REPLICA_HEADER, _replica_tag().encode())
 
     async def handle_http(self, request: RoutedHTTPRequest) -> AsyncIterator[dict]:
         async for message in run_asgi(self.app, request.scope, request.body):
+            if message.get("type") == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), self.replica_header])
             yield message
 
 
@@ -255,5 +262,5 @@ def build_routed_app(cfg: ServeAppConfig, llm_options: dict):
            retry_after_s=cfg.retry_after_s)
 
 
-__all__ = ["PrefixRoutingIngress", "RoutedHTTPRequest", "RoutedLLMServer", "build_routed_app",
+__all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "RoutedLLMServer", "build_routed_app",
            "forwarded_scope", "prefix_block_hashes", "prompt_units", "run_asgi"]
