@@ -196,12 +196,11 @@ class RelayedResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         started = False
         try:
+            # A client that goes away cancels this; Serve then cancels the handle call, and
+            # run_asgi the replica's handler, which aborts the request and frees its blocks.
             async for message in self.response:
                 started = started or message.get("type") == "http.response.start"
                 await send(message)
-        except asyncio.CancelledError:
-            self.response.cancel()  # the client went away: stop the replica's handler too
-            raise
         except BackPressureError as e:
             if started:
                 raise
