@@ -9,14 +9,21 @@ naming the line and the field.  Each output line, in input order::
     {"index": 0, "id": "a", "token_ids": [...], "text": null, "finish_reason": "length",
      "error": null, "usage": {"prompt_tokens": 5, "completion_tokens": 16}}
 
-The output is written to ``OUTPUT.partial`` and renamed to ``OUTPUT`` once complete.  At most
-``--max-in-flight`` requests are in the engine at once, so memory stays bounded for any input size.
+With one engine the output is written to ``OUTPUT.partial`` and renamed to ``OUTPUT`` once
+complete.  ``--replicas N`` runs N engines (``deploy/engine_pool.py``: a Ray actor each, in its own
+placement group with its TP ranks); ``--replicas N`` or ``--resume`` write each line the moment it
+finishes (completion order; sort by ``index``), so a crash loses no finished record, and
+``--resume`` skips the records already in ``OUTPUT`` (by ``id``, else by line index;
+``deploy/batch_output.py``).  At most ``--max-in-flight`` requests are in each engine at once, so
+memory stays bounded for any input size.
 
 Runs on the embedded local Ray, or on the cluster in ``RAY_ADDRESS`` (as set under ``ray job
-submit``); ``--executor in_process`` runs TP=1 without Ray.  Examples::
+submit``); ``--executor in_process`` runs TP=1 without Ray (inside each replica actor with
+``--replicas``).  Examples::
 
     python scripts/batch_generate.py --input prompts.jsonl --output results.jsonl
     python scripts/batch_generate.py --config deploy/serve_config.yaml --input p.jsonl --output r.jsonl
+    python scripts/batch_generate.py --replicas 2 --resume --input p.jsonl --output r.jsonl
 """
 
 from __future__ import annotations
@@ -144,8 +151,8 @@ def make_record(index: int, rec: BatchRecord, prompt_len: int, token_ids: list[i
 
 
 def generate_local(engine, items, output, window: int, finish) -> int:
-    """One engine driven here, step by step; ``finish(index, rec, plen, output)`` per finished
-    request.  Returns the tokens generated."""
+    """One engine driven here, step by step; ``finish`` takes each finished request.  Returns the
+    tokens generated."""
     pending: dict[str, tuple[int, BatchRecord, int]] = {}  # engine id -> (index, record, prompt len)
     exhausted, generated = False, 0
     while True:

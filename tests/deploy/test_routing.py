@@ -187,3 +187,38 @@ def test_health_through_the_front(app_url):
     url, _ = app_url
     r = httpx.get(url + "/health", timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_autoscaled_replicas_each_reserve_their_own_placement_group(app_url):
+    """autoscaling_config reaches Serve (min_replicas=2 starts two), and each replica reserves its
+    own STRICT_PACK group: its bundle plus one per TP rank, all in use."""
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+    from tests.deploy.helpers import engine_config
+
+    url = app_url[0].removesuffix(ROUTE) + "/autoscaled"
+    args = {"engine": engine_config(tp=2).model_dump(mode="json"), "replica_num_cpus": 0.25,
+            "autoscaling_config": {"min_replicas": 2, "max_replicas": 3, "upscale_delay_s": 5,
+                                   "downscale_delay_s": 60}}
+    bundles = [{"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}]  # unlike any other test app's
+    serve.run(build_app(args), name="autoscaled", route_prefix="/autoscaled", blocking=False)
+    try:
+        pgs = [pg for pg in ray.util.placement_group_table().values()
+               if pg["state"] == "CREATED" and pg["strategy"] == "STRICT_PACK"
+               and list(pg["bundles"].values()) == bundles]
+        assert len(pgs) == 2, ray.util.placement_group_table()
+        avail = ray.available_resources()
+        for pg in pgs:
+            for i in range(3):
+                assert avail.get(f"CPU_group_{i}_{pg['placement_group_id']}", 0.0) == 0.0
+        placed = set()
+        with httpx.Client(base_url=url, timeout=60) as c:
+            for i in range(16):  # default router, idle replicas: both answer (2**-15 chance not)
+                r = c.post("/v1/generate", json={"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                placed.add(r.json()["id"].rsplit("-", 2)[0])
+        assert len(placed) == 2
+    finally:
+        serve.delete("autoscaled")
