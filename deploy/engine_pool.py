@@ -16,7 +16,6 @@ brings pyarrow and pandas into the install.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Iterable, Iterator, Optional
 
 import ray
@@ -26,7 +25,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_attn.config import EngineConfig
 from ray_attn.runtime.cluster import worker_bundle
 
-log = logging.getLogger(__name__)
 PG_TIMEOUT_S = 120.0
 
 

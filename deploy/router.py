@@ -25,12 +25,10 @@ have evicted a block the table still lists (a wasted preference, never a wrong a
 
 from __future__ import annotations
 
-import logging
 import random
 from collections import OrderedDict
 from typing import Iterable, List, Optional, Sequence
 
-from ray.serve._private.constants import SERVE_LOGGER_NAME
 from ray.serve.request_router import (
     LocalityMixin,
     MultiplexMixin,
@@ -39,8 +37,6 @@ from ray.serve.request_router import (
     RequestRouter,
     RunningReplica,
 )
-
-logger = logging.getLogger(SERVE_LOGGER_NAME)
 
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 65536
 
