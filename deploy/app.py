@@ -38,6 +38,7 @@ from deploy.openai.chat import create_chat_completion
 from deploy.openai.completions import create_completion
 from deploy.openai.models import list_models
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from deploy.scaling import scaling_options
 from deploy.schemas import (
     GenerateRequest,
     GenerateResponse,
@@ -357,7 +358,7 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
                                                      for _ in range(cfg.engine.parallel.tensor_parallel_size)]
         actor = {"num_cpus": cfg.replica_num_cpus}
     return dict(
-        num_replicas=cfg.num_replicas,
+        **scaling_options(cfg),  # replicas (fixed or autoscaled) and the request router
         ray_actor_options=actor,
         placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
@@ -375,4 +376,8 @@ def build_app(args: dict | ServeAppConfig | None = None):
     """Serve app builder (``import_path: deploy.app:build_app``); ``args`` is a ServeAppConfig."""
     cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(args or {})
     cfg = cfg.model_copy(update={"use_gpu": resolve_use_gpu(cfg)})
+    if cfg.request_router == "prefix_aware":
+        from deploy.ingress import build_routed_app
+
+        return build_routed_app(cfg, deployment_options(cfg))
     return LLMServer.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"))

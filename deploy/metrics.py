@@ -39,11 +39,20 @@ class RayMetricsHooks(LoopHooks):
         self.rejected = metrics.Counter("ray_attn_requests_rejected",
                                         description="Requests refused, by HTTP status.",
                                         tag_keys=tags + ("status",))
+        # Per replica, so that a router's effect shows: hits / queries is that replica's hit rate.
+        self.prefix_hits = metrics.Counter("ray_attn_prefix_cache_hits",
+                                           description="Prompt tokens served from the prefix cache.",
+                                           tag_keys=tags)
+        self.prefix_queries = metrics.Counter("ray_attn_prefix_cache_queries",
+                                              description="Prompt tokens looked up in the prefix cache.",
+                                              tag_keys=tags)
         for m in (self.step_latency, self.tokens, self.tokens_per_s, self.kv_usage, self.kv_used,
-                  self.queue_depth, self.running, self.finished, self.rejected):
+                  self.queue_depth, self.running, self.finished, self.rejected, self.prefix_hits,
+                  self.prefix_queries):
             m.set_default_tags({"replica": replica})
         self.min_gauge_interval_s = min_gauge_interval_s
         self._last_gauges = 0.0
+        self._prefix_seen = (0, 0)  # (hits, queries) already counted
 
     def on_step(self, latency_s: float, num_tokens: int, batch_size: int) -> None:
         self.step_latency.observe(latency_s)
@@ -60,6 +69,12 @@ class RayMetricsHooks(LoopHooks):
         self.queue_depth.set(snap["queue_depth"])
         self.running.set(snap["running"])
         self.tokens_per_s.set(snap["tokens_per_s"])
+        hits, queries = snap["prefix_cache_hits"], snap["prefix_cache_queries"]
+        if hits > self._prefix_seen[0]:
+            self.prefix_hits.inc(hits - self._prefix_seen[0])
+        if queries > self._prefix_seen[1]:
+            self.prefix_queries.inc(queries - self._prefix_seen[1])
+        self._prefix_seen = (max(hits, self._prefix_seen[0]), max(queries, self._prefix_seen[1]))
 
     def on_request_done(self, finish_reason: str) -> None:
         self.finished.inc(tags={"finish_reason": finish_reason})

@@ -32,6 +32,56 @@ def default_engine_config() -> EngineConfig:
         max_num_seqs=32, max_num_batched_tokens=1024)
 
 
+class AutoscalingSpec(BaseModel):
+    """Serve's autoscaling of the LLMServer deployment (``autoscaling_config`` of the app args).
+    Each replica Serve adds is a whole engine with its own placement group (replica + TP ranks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 lets the app scale to zero "
+                                                   "when idle (the first request then waits for one).")
+    max_replicas: int = Field(2, ge=1, description="Most replicas; each needs its own replica bundle "
+                                                   "and TP bundles on one node.")
+    target_ongoing_requests: Optional[float] = Field(
+        None, gt=0, description="Requests in flight per replica that Serve steers towards (it adds "
+                                "replicas above it, removes them below). Unset: engine.max_num_seqs, "
+                                "one full running batch per replica.")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay above target "
+                                                           "before Serve adds a replica.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long load must stay below target "
+                                                              "before Serve removes a replica.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas: {self.max_replicas} is below min_replicas "
+                             f"({self.min_replicas})")
+        return self
+
+
+class PrefixRouterConfig(BaseModel):
+    """Settings of the prefix-cache-aware router (``request_router: prefix_aware``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    imbalanced_threshold: int = Field(
+        8, ge=0, description="Largest lead, in requests in flight, that the replica holding a "
+                             "request's prefix may have over the least loaded replica and still get "
+                             "the request; beyond it the request goes by power-of-two choices.")
+    min_match_blocks: int = Field(
+        1, ge=1, description="Full prompt blocks a replica must already hold for the request to "
+                             "prefer it.")
+    max_blocks_per_replica: Optional[int] = Field(
+        None, gt=0, description="Block hashes remembered per replica (least recently routed "
+                                "forgotten first). Unset: engine.cache.num_blocks, or 65536 when the "
+                                "cache is sized from GPU memory.")
+    ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs of the front deployment that "
+                                                            "reads bodies and forwards requests.")
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="Requests the front deployment holds at once (it only forwards; "
+                                "admission stays with the replicas).")
+
+
 class ServeAppConfig(BaseModel):
     """The ``args:`` of the Serve app (``deploy.app:build_app``): the engine plus the HTTP limits."""
 
@@ -61,7 +111,18 @@ class ServeAppConfig(BaseModel):
     max_body_bytes: int = Field(1 << 20, gt=0, description="Largest request body, in bytes (413 beyond).")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
     replica_num_cpus: float = Field(1.0, gt=0, description="CPUs of the replica's own bundle (bundle 0).")
-    num_replicas: int = Field(1, gt=0, description="Replicas; each one is an engine plus its TP workers.")
+    num_replicas: Optional[int] = Field(
+        None, gt=0, description="A fixed number of replicas, each an engine plus its TP workers "
+                                "(1 when neither this nor autoscaling_config is given).")
+    autoscaling_config: Optional[AutoscalingSpec] = Field(
+        None, description="Let Serve scale the replicas with load; excludes num_replicas.")
+    request_router: Literal["default", "prefix_aware"] = Field(
+        "default", description="'default': Serve's power-of-two choices by queue length, HTTP "
+                               "straight to the replicas; 'prefix_aware': a front deployment reads "
+                               "each prompt and sends it to the replica that holds its prefix "
+                               "(deploy/router.py).")
+    prefix_router: PrefixRouterConfig = Field(
+        default_factory=PrefixRouterConfig, description="Settings of the prefix-aware router.")
     use_gpu: Optional[bool] = Field(
         None, description="Give each rank's bundle a GPU; when unset, true iff engine.parallel.device "
                           "is 'cuda' (or 'auto' on a cluster with GPUs).")
@@ -84,6 +145,13 @@ class ServeAppConfig(BaseModel):
         tp = self.engine.parallel.tensor_parallel_size
         if self.executor == "in_process" and tp != 1:
             raise ValueError(f"executor='in_process' runs tensor_parallel_size=1 only, got {tp}")
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("num_replicas: give either a fixed num_replicas or autoscaling_config, "
+                             "not both")
+        target = self.autoscaling_config and self.autoscaling_config.target_ongoing_requests
+        if target and target > self.max_in_flight:
+            raise ValueError(f"autoscaling_config.target_ongoing_requests: {target:g} is above what a "
+                             f"replica admits (max_num_seqs + max_queue_depth = {self.max_in_flight})")
         return self
 
     def tokenizer_folder(self) -> Optional[str]:

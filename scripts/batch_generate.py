@@ -9,14 +9,21 @@ naming the line and the field.  Each output line, in input order::
     {"index": 0, "id": "a", "token_ids": [...], "text": null, "finish_reason": "length",
      "error": null, "usage": {"prompt_tokens": 5, "completion_tokens": 16}}
 
-The output is written to ``OUTPUT.partial`` and renamed to ``OUTPUT`` once complete.  At most
-``--max-in-flight`` requests are in the engine at once, so memory stays bounded for any input size.
+With one engine the output is written to ``OUTPUT.partial`` and renamed to ``OUTPUT`` once
+complete.  ``--replicas N`` runs N engines (``deploy/engine_pool.py``: a Ray actor each, in its own
+placement group with its TP ranks); ``--replicas N`` or ``--resume`` write each line the moment it
+finishes (completion order; sort by ``index``), so a crash loses no finished record, and
+``--resume`` skips the records already in ``OUTPUT`` (by ``id``, else by line index;
+``deploy/batch_output.py``).  At most ``--max-in-flight`` requests are in each engine at once, so
+memory stays bounded for any input size.
 
 Runs on the embedded local Ray, or on the cluster in ``RAY_ADDRESS`` (as set under ``ray job
-submit``); ``--executor in_process`` runs TP=1 without Ray.  Examples::
+submit``); ``--executor in_process`` runs TP=1 without Ray (inside each replica actor with
+``--replicas``).  Examples::
 
     python scripts/batch_generate.py --input prompts.jsonl --output results.jsonl
     python scripts/batch_generate.py --config deploy/serve_config.yaml --input p.jsonl --output r.jsonl
+    python scripts/batch_generate.py --replicas 2 --resume --input p.jsonl --output r.jsonl
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (or working_dir)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout (or working_dir)
 
 from pydantic import ValidationError  # noqa: E402
 
+from deploy.batch_output import AppendOutput, OrderedOutput, record_key  # noqa: E402
 from deploy.schemas import BatchRecord, default_engine_config, limit_errors, validation_errors  # noqa: E402
 from ray_attn.config import EngineConfig  # noqa: E402
 
@@ -80,9 +89,11 @@ class InputError(Exception):
     pass
 
 
-def read_records(path: str, tokenizer, cfg: EngineConfig):
-    """Yield (index, record, prompt ids) for each non-blank line; raise InputError naming the line."""
+def read_records(path: str, tokenizer, cfg: EngineConfig, unique_ids: bool = False):
+    """Yield (index, record, prompt ids) for each non-blank line; raise InputError naming the line.
+    With ``unique_ids`` (a resumable run keys records by id), a repeated id is an error too."""
     vocab, ctx = cfg.model.vocab_size, cfg.model.max_position_embeddings
+    first_line: dict[str, int] = {}
     with open(path, "rb") as f:
         index = 0
         for lineno, line in enumerate(f, 1):
@@ -105,6 +116,11 @@ def read_records(path: str, tokenizer, cfg: EngineConfig):
                                 max_prompt_tokens=ctx, max_tokens_limit=ctx, max_stop_token_ids=1024)
             if errs:
                 raise InputError(f"{path}:{lineno}: " + "; ".join(m for _, m in errs))
+            if unique_ids and rec.id is not None:
+                if rec.id in first_line:
+                    raise InputError(f"{path}:{lineno}: id: {rec.id!r} repeats line "
+                                     f"{first_line[rec.id]}; a resumed run needs unique ids")
+                first_line[rec.id] = lineno
             yield index, rec, prompt
             index += 1
 
@@ -119,6 +135,82 @@ def make_engine(cfg: EngineConfig, executor: str):
     return LLMEngine(cfg)  # AttentionCluster: joins RAY_ADDRESS, else starts a local Ray
 
 
+def sampling_params(rec: BatchRecord):
+    from ray_attn.engine import SamplingParams
+
+    return SamplingParams(max_tokens=rec.max_tokens, temperature=rec.temperature, seed=rec.seed,
+                          stop_token_ids=tuple(rec.stop))
+
+
+def make_record(index: int, rec: BatchRecord, prompt_len: int, token_ids: list[int],
+                finish_reason: str, error, tokenizer) -> dict:
+    return {"index": index, "id": rec.id, "token_ids": token_ids,
+            "text": tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer else None,
+            "finish_reason": finish_reason, "error": error,
+            "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(token_ids)}}
+
+
+def generate_local(engine, items, output, window: int, finish) -> int:
+    """One engine driven here, step by step; ``finish`` takes each finished request.  Returns the
+    tokens generated."""
+    pending: dict[str, tuple[int, BatchRecord, int]] = {}  # engine id -> (index, record, prompt len)
+    exhausted, generated = False, 0
+    while True:
+        # Admit lines while the window (counting finished lines held back for order) has room.
+        while not exhausted and len(pending) + output.waiting < window:
+            item = next(items, None)
+            if item is None:
+                exhausted = True
+                break
+            index, rec, prompt = item
+            rid = engine.add_request(prompt, sampling_params(rec), request_id=f"line-{index}")
+            pending[rid] = (index, rec, len(prompt))
+        if not pending:
+            return generated
+        outs = engine.step()
+        generated += len(outs)
+        finish.bar.update(len(outs))
+        for rid in [r for r in pending if engine.requests[r].finished]:
+            index, rec, plen = pending.pop(rid)
+            o = engine.output(rid)
+            engine.release(rid)
+            finish(index, rec, plen, o.output_token_ids, o.finish_reason, o.error)
+
+
+def start_pool(cfg: EngineConfig, args):
+    """The engine replicas, on the cluster in RAY_ADDRESS or on a local Ray started here."""
+    import ray
+
+    from deploy.engine_pool import EnginePool
+    from ray_attn.runtime.cluster import ensure_ray
+
+    if not ray.is_initialized() and not (cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")):
+        # Workers of a local Ray import deploy/ and ray_attn/ from this checkout, as the driver does.
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x)
+    ranks = cfg.parallel.tensor_parallel_size if args.executor == "ray" else 0
+    need = args.replicas * (args.replica_cpus + ranks * cfg.parallel.num_cpus_per_worker)
+    ensure_ray(cfg.parallel.ray_address, min_cpus=int(need) + 1)
+    return EnginePool(cfg, args.replicas, executor=args.executor, replica_num_cpus=args.replica_cpus,
+                      max_in_flight=args.max_in_flight)
+
+
+class Finisher:
+    """Turns finished requests into output lines, the progress bar and the counts."""
+
+    def __init__(self, output, bar, tokenizer):
+        self.output, self.bar, self.tokenizer = output, bar, tokenizer
+        self.errors = 0
+        self.done = 0
+
+    def __call__(self, index, rec, plen, token_ids, finish_reason, error) -> None:
+        self.errors += finish_reason == "error"
+        self.done += 1
+        # Requests that stop early leave part of their max_tokens unused.
+        self.bar.total -= rec.max_tokens - len(token_ids)
+        self.output.write(make_record(index, rec, plen, token_ids, finish_reason, error, self.tokenizer))
+
+
 def run(args) -> int:
     cfg = apply_overrides(load_engine_config(args.config), args)
     tokenizer = None
@@ -127,80 +219,70 @@ def run(args) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True,
                                                   trust_remote_code=False)
-    # Pass 1: validate every line before reserving any resources.
-    n, total_tokens = 0, 0
+    out_path = Path(args.output)
+    stream = args.replicas > 1 or args.resume
+    # Pass 1: validate every line (and what a resume would keep) before reserving any resources.
+    n, todo, total_tokens = 0, 0, 0
     try:
-        for _, rec, _ in read_records(args.input, tokenizer, cfg):
+        skip = AppendOutput.existing_keys(out_path) if args.resume else set()
+        for index, rec, _ in read_records(args.input, tokenizer, cfg, unique_ids=args.resume):
             n += 1
-            total_tokens += rec.max_tokens
-    except (InputError, OSError) as e:
+            if record_key(index, rec.id) not in skip:
+                todo += 1
+                total_tokens += rec.max_tokens
+    except (InputError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     from tqdm.auto import tqdm
 
-    from ray_attn.engine import SamplingParams
-
     t0 = time.perf_counter()
-    engine = make_engine(cfg, args.executor)
+    pool = start_pool(cfg, args) if args.replicas > 1 else None
+    engine = make_engine(cfg, args.executor) if pool is None else None
     startup = time.perf_counter() - t0
-    out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_path.with_name(out_path.name + ".partial")
-    records = read_records(args.input, tokenizer, cfg)
-    pending: dict[str, tuple[int, BatchRecord, int]] = {}  # engine id -> (index, record, prompt len)
-    done: dict[int, dict] = {}  # finished, waiting for their turn in input order
-    next_write, exhausted, errors, generated = 0, False, 0, 0
+    output = AppendOutput(out_path, resume=args.resume) if stream else OrderedOutput(out_path)
+    items = ((i, rec, prompt) for i, rec, prompt in read_records(args.input, tokenizer, cfg)
+             if record_key(i, rec.id) not in skip)
     bar = tqdm(total=total_tokens, desc="generate", unit="tok", disable=args.no_progress,
                file=sys.stderr, mininterval=0.5)
+    finish = Finisher(output, bar, tokenizer)
     t0 = time.perf_counter()
+    complete, extra = False, {}
     try:
-        with open(partial, "w") as out:
-            while True:
-                # Admit lines while the window (counted from the oldest unwritten line) has room.
-                while not exhausted and len(pending) + len(done) < args.max_in_flight:
-                    item = next(records, None)
-                    if item is None:
-                        exhausted = True
-                        break
-                    index, rec, prompt = item
-                    sp = SamplingParams(max_tokens=rec.max_tokens, temperature=rec.temperature,
-                                        seed=rec.seed, stop_token_ids=tuple(rec.stop))
-                    rid = engine.add_request(prompt, sp, request_id=f"line-{index}")
-                    pending[rid] = (index, rec, len(prompt))
-                if not pending and exhausted and not done:
-                    break
-                if pending:
-                    outs = engine.step()
-                    bar.update(len(outs))
-                    generated += len(outs)
-                for rid in [r for r in pending if engine.requests[r].finished]:
-                    index, rec, plen = pending.pop(rid)
-                    o = engine.output(rid)
-                    engine.release(rid)
-                    errors += o.finish_reason == "error"
-                    # Requests that stop early leave part of their max_tokens unused.
-                    bar.total -= rec.max_tokens - len(o.output_token_ids)
-                    done[index] = {
-                        "index": index, "id": rec.id, "token_ids": o.output_token_ids,
-                        "text": tokenizer.decode(o.output_token_ids, skip_special_tokens=True) if tokenizer else None,
-                        "finish_reason": o.finish_reason, "error": o.error,
-                        "usage": {"prompt_tokens": plen, "completion_tokens": len(o.output_token_ids)},
-                    }
-                while next_write in done:
-                    out.write(json.dumps(done.pop(next_write)) + "\n")
-                    next_write += 1
-        os.replace(partial, out_path)
+        if pool is None:
+            generated = generate_local(engine, items, output, args.max_in_flight, finish)
+            steps = engine.stats.steps
+        else:
+            prompts = {}
+
+            def on_done(index, result):
+                rec, plen = prompts.pop(index)
+                bar.update(len(result["token_ids"]))
+                finish(index, rec, plen, result["token_ids"], result["finish_reason"], result["error"])
+
+            def feed():
+                for index, rec, prompt in items:
+                    prompts[index] = (rec, len(prompt))
+                    yield index, prompt, sampling_params(rec)
+
+            pool.run(feed(), on_done)
+            per_replica = pool.stats()
+            generated = sum(s["tokens_generated"] for s in per_replica)
+            steps = sum(s["steps"] for s in per_replica)
+            extra["requests_per_replica"] = [s["requests_finished"] for s in per_replica]
+        complete = True
     finally:
         bar.close()
-        engine.shutdown()
+        output.close(complete)
+        (engine or pool).shutdown()
     wall = time.perf_counter() - t0
-    summary = {"requests": n, "errors": errors, "tokens_generated": generated,
+    summary = {"requests": n, "skipped": n - todo, "errors": finish.errors, "tokens_generated": generated,
                "wall_s": round(wall, 3), "startup_s": round(startup, 3),
                "tokens_per_s": round(generated / wall, 1) if wall > 0 else 0.0,
-               "steps": engine.stats.steps, "output": str(out_path)}
+               "steps": steps, "replicas": args.replicas, **extra, "output": str(out_path)}
     print(json.dumps(summary), flush=True)
-    return 1 if errors else 0
+    return 1 if finish.errors else 0
 
 
 def main(argv=None) -> int:
@@ -216,11 +298,24 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override parallel.device")
     p.add_argument("--num-blocks", type=int, default=None, help="override KV blocks per rank")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (for text prompts)")
-    p.add_argument("--max-in-flight", type=int, default=256, help="most requests in the engine at once")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="most requests in each engine at once")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas, each a Ray actor with its own TP placement group; above 1, "
+                        "lines are written as they finish (completion order, each with its index)")
+    p.add_argument("--replica-cpus", type=float, default=0.5,
+                   help="CPUs of each replica's own bundle (its TP ranks get theirs)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the records already in OUTPUT and generate only the others; lines are "
+                        "appended as they finish")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.max_in_flight < 1:
         p.error("--max-in-flight must be >= 1")
+    if args.replicas < 1:
+        p.error("--replicas must be >= 1")
+    if not args.replica_cpus > 0:
+        p.error("--replica-cpus must be > 0")
     return run(args)
 
 

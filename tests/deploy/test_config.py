@@ -89,3 +89,71 @@ def test_request_errors_start_with_the_field(body, field):
 def test_seed_zero_is_a_seed():
     # Only a missing seed means "unseeded"; 0 is as valid as any other.
     assert GenerateRequest.model_validate_json(b'{"prompt_token_ids": [1], "seed": 0}').seed == 0
+
+
+# ------------------------------------------------------------------------ replicas and routing
+def test_replicas_yaml_is_two_prefix_routed_replicas_on_two_cores():
+    from ray._common.utils import import_attr
+
+    from deploy.router import PrefixAwareRequestRouter
+
+    _, args = app_args("serve_config.replicas.yaml")
+    cfg = ServeAppConfig.model_validate(args)
+    opts = deployment_options(cfg)
+    assert opts["num_replicas"] == 2 and "autoscaling_config" not in opts
+    assert cfg.executor == "in_process" and cfg.engine.parallel.tensor_parallel_size == 1
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}]
+    cpus = opts["num_replicas"] * sum(b["CPU"] for b in opts["placement_group_bundles"])
+    assert cpus + cfg.prefix_router.ingress_num_cpus <= 2
+    router = opts["request_router_config"]
+    assert import_attr(router["request_router_class"]) is PrefixAwareRequestRouter
+    assert router["request_router_kwargs"] == {"imbalanced_threshold": 8, "min_match_blocks": 1,
+                                               "max_blocks_per_replica": cfg.engine.cache.num_blocks}
+    assert build_app(args) is not None
+
+
+def test_default_is_one_replica_and_the_default_router():
+    opts = deployment_options(ServeAppConfig())
+    assert opts["num_replicas"] == 1
+    assert "request_router_config" not in opts and "autoscaling_config" not in opts
+
+
+@pytest.mark.parametrize("tp,target", [(2, None), (2, 5.0), (1, 12.0)])
+def test_autoscaling_replaces_a_fixed_count_and_keeps_a_placement_group_per_replica(tp, target):
+    engine = {"parallel": {"tensor_parallel_size": tp, "device": "cpu", "num_cpus_per_worker": 0.5},
+              "max_num_seqs": 12}
+    auto = {"min_replicas": 0, "max_replicas": 3, "upscale_delay_s": 2.0, "downscale_delay_s": 60.0}
+    if target is not None:
+        auto["target_ongoing_requests"] = target
+    cfg = ServeAppConfig.model_validate({"engine": engine, "autoscaling_config": auto,
+                                         "replica_num_cpus": 0.5})
+    opts = deployment_options(cfg)
+    assert "num_replicas" not in opts
+    assert opts["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 3,
+                                          "target_ongoing_requests": target or 12,
+                                          "upscale_delay_s": 2.0, "downscale_delay_s": 60.0}
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}] + [{"CPU": 0.5}] * tp
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    # Serve accepts the options as they are.
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**opts["autoscaling_config"])
+    assert build_app(cfg) is not None
+
+
+@pytest.mark.parametrize("args,needles", [
+    ({"num_replicas": 2, "autoscaling_config": {}}, ["num_replicas", "autoscaling_config"]),
+    ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}, ["max_replicas", "min_replicas"]),
+    ({"autoscaling_config": {"target_ongoing_requests": 1000}}, ["autoscaling_config.target_ongoing_requests"]),
+    ({"autoscaling_config": {"target_ongoing_requests": 0}}, ["target_ongoing_requests"]),
+    ({"autoscaling_config": {"max_replica": 2}}, ["max_replica"]),
+    ({"num_replicas": 0}, ["num_replicas"]),
+    ({"request_router": "round_robin"}, ["request_router"]),
+    ({"prefix_router": {"imbalanced_threshold": -1}}, ["imbalanced_threshold"]),
+    ({"prefix_router": {"min_match_blocks": 0}}, ["min_match_blocks"]),
+])
+def test_bad_scaling_config_names_the_fields(args, needles):
+    with pytest.raises(ValidationError) as e:
+        ServeAppConfig.model_validate(args)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))

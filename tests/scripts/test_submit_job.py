@@ -107,6 +107,27 @@ def test_submitted_batch_job_writes_the_expected_output(head_node, tmp_path):
     print(f"job submitted, run and checked in {wall:.1f}s")
 
 
+def test_submitted_job_on_two_engine_replicas_resumes_a_partial_output(head_node, tmp_path):
+    """The job's replica actors run under the job's runtime env (the uploaded working dir), on
+    the cluster's CPUs; an output with 3 finished lines is resumed, not redone."""
+    address, env = head_node
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    bodies = write_prompts(inp, n=8, seed=32)
+    want = reference(bodies)
+    head = "".join(json.dumps({"index": i, "id": f"r{i}", "token_ids": want[i], "text": None,
+                               "finish_reason": "length", "error": None, "usage": {}}) + "\n"
+                   for i in (0, 3, 6))
+    out.write_text(head)
+    proc = submit(address, env, ["--input", inp, "--output", out, "--replicas", 2, "--executor",
+                                 "in_process", "--resume", "--max-in-flight", 2])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert '"skipped": 3' in proc.stdout and '"replicas": 2' in proc.stdout
+    assert out.read_text().startswith(head)
+    rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"])
+    assert [r["index"] for r in rows] == list(range(len(bodies)))
+    assert [r["token_ids"] for r in rows] == want
+
+
 def test_submission_without_the_token_is_refused(head_node, tmp_path):
     address, env = head_node
     env = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}

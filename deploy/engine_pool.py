@@ -1,0 +1,156 @@
+"""N engine replicas as Ray actors, for batch generation over many engines.
+
+Each replica is one actor owning one ``LLMEngine`` driven by an ``EngineLoop`` thread (continuous
+batching, as in a Serve replica), in its own ``STRICT_PACK`` placement group: bundle 0 holds the
+actor, bundles 1..tp its TP rank actors (``executor='ray'``), or the actor alone runs TP=1
+(``executor='in_process'``).  The driver keeps at most ``max_in_flight`` requests on each replica,
+sends the next one to the replica with the fewest, and hands every result over as it finishes.
+
+Why an actor pool and not Ray Data's ``map_batches``: a callable class there gets one batch per
+call and returns when the whole batch is done, so an engine idles on each batch's tail instead of
+admitting the next requests as slots free up, and results surface a batch at a time rather than
+one by one (the batch job writes each record as it finishes, so that a crash loses nothing).
+Ray Data would also not see the placement groups its actors reserve for their TP ranks, and it
+brings pyarrow and pandas into the install.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_attn.config import EngineConfig
+from ray_attn.runtime.cluster import worker_bundle
+
+PG_TIMEOUT_S = 120.0
+
+
+class EngineReplica:
+    """One engine (+ its TP ranks in this actor's placement group), fed through an EngineLoop."""
+
+    def __init__(self, config: dict, executor: str, use_gpu: bool, max_in_flight: int):
+        from deploy.loop import EngineLoop
+        from ray_attn.engine import LLMEngine
+
+        cfg = EngineConfig.model_validate(config)
+        if executor == "in_process":
+            from ray_attn.runtime import InProcessExecutor
+
+            self.executor = InProcessExecutor(cfg)
+        else:
+            from ray_attn.runtime import AttentionCluster
+
+            self.executor = AttentionCluster(cfg, placement_group=ray.util.get_current_placement_group(),
+                                             bundle_offset=1, use_gpu=use_gpu)
+        self.engine = LLMEngine(cfg, self.executor)
+        self.loop = EngineLoop(self.engine, max_in_flight).start()
+
+    def ready(self) -> int:
+        return self.executor.num_blocks
+
+    async def generate(self, prompt_token_ids: list[int], params) -> dict:
+        from deploy.loop import AsyncioSink
+
+        sink = AsyncioSink()
+        self.loop.submit(prompt_token_ids, params, sink)
+        tokens, ev = [], await sink.get()
+        if ev.kind in ("rejected", "failed"):
+            return {"token_ids": [], "finish_reason": "error", "error": ev.error}
+        while not ev.finished:
+            ev = await sink.get()
+            tokens += ev.token_ids
+        return {"token_ids": tokens, "finish_reason": ev.finish_reason or "error", "error": ev.error}
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.executor.shutdown()
+
+
+class EnginePool:
+    """``num_replicas`` EngineReplica actors, each in its own placement group."""
+
+    def __init__(self, config: EngineConfig, num_replicas: int, executor: str = "ray",
+                 replica_num_cpus: float = 0.5, use_gpu: Optional[bool] = None, max_in_flight: int = 64):
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas: must be >= 1, got {num_replicas}")
+        if executor not in ("ray", "in_process"):
+            raise ValueError(f"executor: 'ray' or 'in_process', got {executor!r}")
+        tp = config.parallel.tensor_parallel_size
+        if executor == "in_process" and tp != 1:
+            raise ValueError(f"executor='in_process' runs tensor_parallel_size=1 only, got {tp}")
+        if use_gpu is None:
+            want = config.parallel.device
+            use_gpu = want == "cuda" or (want == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+        self.max_in_flight = max_in_flight
+        own = {"CPU": replica_num_cpus, **({"GPU": 1} if use_gpu and executor == "in_process" else {})}
+        bundles = [own] + [worker_bundle(config, use_gpu) for _ in range(tp if executor == "ray" else 0)]
+        self.pgs = [placement_group([dict(b) for b in bundles], strategy="STRICT_PACK")
+                    for _ in range(num_replicas)]
+        self.actors: list = []
+        try:
+            try:
+                ray.get([pg.ready() for pg in self.pgs], timeout=PG_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"could not reserve {num_replicas} placement groups of {bundles} "
+                                   f"within {PG_TIMEOUT_S:.0f}s; cluster has "
+                                   f"{ray.cluster_resources()}") from None
+            cls = ray.remote(EngineReplica)
+            self.actors = [cls.options(
+                num_cpus=own["CPU"], num_gpus=own.get("GPU", 0), max_concurrency=max_in_flight + 4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(config.model_dump(mode="json"), executor, use_gpu, max_in_flight) for pg in self.pgs]
+            self.num_blocks = ray.get([a.ready.remote() for a in self.actors])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def run(self, items: Iterable[tuple], on_done: Callable[[object, dict], None]) -> None:
+        """Generate ``(key, prompt_token_ids, SamplingParams)`` items; ``on_done(key, result)`` is
+        called on this thread as each finishes.  A replica that dies raises (finished results
+        have been handed over already; rerun the rest)."""
+        todo: Iterator[tuple] = iter(items)
+        busy = [0] * len(self.actors)
+        refs: dict = {}  # ObjectRef -> (replica index, key)
+        exhausted = False
+        while True:
+            while not exhausted and min(busy) < self.max_in_flight:
+                item = next(todo, None)
+                if item is None:
+                    exhausted = True
+                    break
+                key, prompt, params = item
+                i = busy.index(min(busy))
+                refs[self.actors[i].generate.remote(prompt, params)] = (i, key)
+                busy[i] += 1
+            if not refs:
+                return
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=None)
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)  # all that are ready
+            for ref in done:
+                i, key = refs.pop(ref)
+                busy[i] -= 1
+                on_done(key, ray.get(ref))
+
+    def stats(self) -> list[dict]:
+        return ray.get([a.stats.remote() for a in self.actors], timeout=30)
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
+                pass
+            ray.kill(a)
+        self.actors = []
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []
+
+
+__all__ = ["EnginePool", "EngineReplica"]

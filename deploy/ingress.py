@@ -1,0 +1,265 @@
+"""The prefix-aware app: a front deployment that reads each request's prompt, then the replicas.
+
+``request_router: prefix_aware`` builds::
+
+    HTTP proxy -> PrefixRoutingIngress (1 replica) --handle--> LLMServer replicas (PrefixAwareRequestRouter)
+
+A request router only sees the arguments of a handle call, and behind the HTTP proxy those hold no
+body (``deploy/router.py`` says why).  So the front deployment reads the body (bounded by
+``max_body_bytes``), hashes the prompt's leading blocks, and forwards the whole HTTP request --
+scope, body and hashes in a ``RoutedHTTPRequest`` -- to an LLMServer replica's ``handle_http``.
+That method runs the replica's own FastAPI app on it and streams the ASGI messages back, which the
+front relays unchanged: every route, status, header and server-sent event is what a direct
+request would get, and only the routing differs.
+
+Prompts are read from ``prompt_token_ids``, a ``prompt`` given as token ids, a text ``prompt`` or
+chat ``messages``.  Text is hashed by UTF-8 chunks of ``4 * block_size`` bytes (no tokenizer
+here): equal text prefixes still meet on one replica.  A body with no prompt (``/stats``,
+``/health``, malformed JSON) routes by load alone.
+"""
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import numpy as np
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deploy.app import LLMServer, _replica_tag
+from deploy.schemas import ErrorResponse, ServeAppConfig
+from ray_attn.planner.block_pool import prompt_hashes
+
+log = logging.getLogger("ray.serve")
+
+TEXT_BYTES_PER_TOKEN = 4
+REPLICA_HEADER = b"x-replica-id"
+_TEXT_SALT = 0x7E47_0000_0000_0001  # keeps text-chunk hashes apart from token-block hashes
+_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path",
+               "query_string", "headers", "client", "server")
+
+
+# ------------------------------------------------------------------------------------ the request
+@dataclass(frozen=True)
+class RoutedHTTPRequest:
+    """An HTTP request forwarded over a handle; the router reads ``prefix_block_hashes``."""
+
+    scope: dict
+    body: bytes
+    prefix_block_hashes: tuple = field(default=())
+
+
+def prompt_units(body: bytes) -> tuple[Optional[np.ndarray], int]:
+    """The prompt of a JSON body as (units, units per token): token ids, or UTF-8 bytes of text."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, 1
+    if not isinstance(data, dict):
+        return None, 1
+    for key in ("prompt_token_ids", "prompt"):
+        ids = data.get(key)
+        if isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids):
+            return np.asarray(ids, dtype=np.int64), 1
+    text = data.get("prompt")
+    if not isinstance(text, str):
+        text = _messages_text(data.get("messages"))
+    if text:
+        return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8), TEXT_BYTES_PER_TOKEN
+    return None, 1
+
+
+def _messages_text(messages: Any) -> Optional[str]:
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict):
+            return None
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                              and isinstance(p.get("text"), str))
+        if not isinstance(content, str):
+            return None
+        parts.append(f"{m.get('role', '')}\n{content}\n")
+    return "".join(parts)
+
+
+def prefix_block_hashes(body: bytes, block_size: int) -> tuple[int, ...]:
+    """Chain hashes of the prompt's full blocks (the planner's ``prompt_hashes``); () when none."""
+    units, per_token = prompt_units(body)
+    if units is None:
+        return ()
+    size = block_size * per_token
+    n = len(units) // size
+    hashes = prompt_hashes(units, n, size)
+    if per_token != 1:
+        hashes = hashes ^ np.uint64(_TEXT_SALT)
+    return tuple(int(h) for h in hashes)
+
+
+def forwarded_scope(scope: dict) -> dict:
+    """The picklable part of an HTTP scope that the replica's app needs to route and answer."""
+    out = {k: scope[k] for k in _SCOPE_KEYS if k in scope}
+    out["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])]
+    return out
+
+
+# -------------------------------------------------------------------------- the replica's side
+async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[dict]:
+    """Run ASGI ``app`` on one buffered request and yield the messages it sends, as it sends them.
+
+    When the consumer stops early (the client went away and Serve cancelled the call), the app's
+    task is cancelled, so its handler aborts the request and frees its blocks."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if delivered:
+            # Starlette polls for a disconnect while it streams: none comes from a buffered body,
+            # so wait until the response is done and this task is cancelled.
+            await asyncio.Event().wait()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        await queue.put(message)
+
+    async def run():
+        try:
+            await app(scope, receive, send)
+        finally:
+            queue.put_nowait(end)
+
+    task = asyncio.ensure_future(run())
+    completed = False
+    try:
+        while (message := await queue.get()) is not end:
+            completed = message.get("type") == "http.response.body" and not message.get("more_body")
+            yield message
+        if task.exception() is not None and not completed:
+            raise task.exception()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class RoutedLLMServer(LLMServer.func_or_class):
+    """LLMServer plus ``handle_http``: its HTTP app reached through a handle call.
+
+    Every answer names the replica in ``X-Replica-Id`` (behind the front deployment a client
+    cannot pick a replica, so that is how per-replica ``/stats`` are told apart)."""
+
+    async def __init__(self, app_config: dict):
+        await super().__init__(app_config)
+        self.replica_header = (REPLICA_HEADER, _replica_tag().encode())
+
+    async def handle_http(self, request: RoutedHTTPRequest) -> AsyncIterator[dict]:
+        async for message in run_asgi(self.app, request.scope, request.body):
+            if message.get("type") == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), self.replica_header])
+            yield message
+
+
+RoutedLLMServerDeployment = serve.deployment(RoutedLLMServer, name="LLMServer")
+
+
+# ------------------------------------------------------------------------------- the front side
+async def _send_error(send, status: int, field_name: str, detail: str, headers=()) -> None:
+    body = json.dumps(ErrorResponse(detail=detail, field=field_name, errors=[
+        {"field": field_name, "message": detail}]).model_dump()).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class RelayedResponse(Response):
+    """Sends the ASGI messages a replica's ``handle_http`` yields, as they come.
+
+    Serve sends a returned Response by calling it as an ASGI app, so this is where the replica's
+    answer meets the client.  A failure before the replica started answering (Serve's queue full,
+    the replica died) becomes a 503 with Retry-After; after that the connection just ends."""
+
+    def __init__(self, response, retry_after_s: int):
+        self.response = response
+        self.retry = [(b"retry-after", str(retry_after_s).encode())]
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+        try:
+            # A client that goes away cancels this; Serve then cancels the handle call, and
+            # run_asgi the replica's handler, which aborts the request and frees its blocks.
+            async for message in self.response:
+                started = started or message.get("type") == "http.response.start"
+                await send(message)
+        except BackPressureError as e:
+            if started:
+                raise
+            await _send_error(send, 503, "queue", f"queue: every replica is at capacity ({e}); "
+                                                  f"retry later", self.retry)
+        except Exception as e:  # noqa: BLE001 - a replica died under the request
+            if started:
+                raise
+            log.warning("forwarding to a replica failed: %s: %s", type(e).__name__, e)
+            await _send_error(send, 503, "replica", f"replica: request failed ({type(e).__name__}); "
+                                                    f"retry later", self.retry)
+
+
+def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
+    body = ErrorResponse(detail=detail, field=field_name,
+                         errors=[{"field": field_name, "message": detail}])
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+# A plain deployment (no @serve.ingress): Serve allows one FastAPI/ASGI deployment per app, and
+# that is the LLMServer.  Serve hands __call__ a starlette Request for every path.
+@serve.deployment(name="PrefixRoutingIngress")
+class PrefixRoutingIngress:
+    def __init__(self, llm_server, block_size: int, max_body_bytes: int, retry_after_s: int):
+        self.llm = llm_server.options(stream=True, method_name="handle_http")
+        self.block_size = block_size
+        self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
+
+    async def __call__(self, request: Request) -> Response:
+        limit = self.max_body_bytes
+        cl = request.headers.get("content-length", "")
+        chunks, size = [], int(cl) if cl.isdigit() else 0
+        if size <= limit:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        if size > limit:
+            return _json_error(413, "body", f"body: larger than the limit of {limit} bytes "
+                                            f"(max_body_bytes)")
+        body = b"".join(chunks)
+        routed = RoutedHTTPRequest(forwarded_scope(request.scope), body,
+                                   prefix_block_hashes(body, self.block_size))
+        return RelayedResponse(self.llm.remote(routed), self.retry_after_s)
+
+
+def build_routed_app(cfg: ServeAppConfig, llm_options: dict):
+    """The prefix-aware app: the front deployment bound to the LLMServer replicas."""
+    llm = RoutedLLMServerDeployment.options(**llm_options).bind(cfg.model_dump(mode="json"))
+    front = cfg.prefix_router
+    return PrefixRoutingIngress.options(
+        ray_actor_options={"num_cpus": front.ingress_num_cpus},
+        max_ongoing_requests=front.ingress_max_ongoing_requests,
+    ).bind(llm, block_size=cfg.engine.cache.block_size, max_body_bytes=cfg.max_body_bytes,
+           retry_after_s=cfg.retry_after_s)
+
+
+__all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "RoutedLLMServer", "build_routed_app",
+           "forwarded_scope", "prefix_block_hashes", "prompt_units", "run_asgi"]
