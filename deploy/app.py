@@ -243,10 +243,10 @@ class LLMServer:
                             max_stop_token_ids=self.cfg.max_stop_token_ids)
         if errs:
             raise HTTPError(422, errs)
-        from ray_attn.engine import SamplingParams
-
-        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
-                                seed=req.seed, stop_token_ids=tuple(req.stop))
+        try:
+            params = req.sampling_params()
+        except ValueError as e:
+            raise HTTPError(422, [(str(e).split(" ", 1)[0], str(e))]) from None
         sink = AsyncioSink()
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
         try:

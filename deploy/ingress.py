@@ -31,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deploy.app import LLMServer, _replica_tag
-from deploy.schemas import ErrorResponse, ServeAppConfig
+from deploy.http import HTTPError
+from deploy.schemas import ServeAppConfig
 from ray_attn.planner.block_pool import prompt_hashes
 
 log = logging.getLogger("ray.serve")
@@ -173,8 +174,7 @@ RoutedLLMServerDeployment = serve.deployment(RoutedLLMServer, name="LLMServer")
 
 # ------------------------------------------------------------------------------- the front side
 async def _send_error(send, status: int, field_name: str, detail: str, headers=()) -> None:
-    body = json.dumps(ErrorResponse(detail=detail, field=field_name, errors=[
-        {"field": field_name, "message": detail}]).model_dump()).encode()
+    body = json.dumps(HTTPError(status, [(field_name, detail)]).body()).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         *headers]})
@@ -215,9 +215,7 @@ class RelayedResponse(Response):
 
 
 def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
-    body = ErrorResponse(detail=detail, field=field_name,
-                         errors=[{"field": field_name, "message": detail}])
-    return JSONResponse(body.model_dump(), status_code=status)
+    return HTTPError(status, [(field_name, detail)]).response()
 
 
 # A plain deployment (no @serve.ingress): Serve allows one FastAPI/ASGI deployment per app, and

@@ -190,11 +190,32 @@ class GenerateRequest(_Strict):
                                             "whatever else is in the batch.")
     stop: list[int] = Field(default_factory=list,
                             description="Stop token ids: generation ends after emitting one of them.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: all.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, on output tokens.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, on output token counts.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="On prompt and output tokens; 1 is off.")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop ids are masked until this many tokens are out.")
+    ignore_eos: bool = Field(False, description="Keep generating past the model's EOS.")
     stream: bool = Field(False, description="Answer with server-sent events, one per engine step "
                                             "that made tokens for this request.")
 
+    def sampling_params(self):
+        """The engine's SamplingParams; a combination it refuses raises ValueError starting with
+        the field's name (e.g. min_tokens above max_tokens)."""
+        from ray_attn.request import SamplingParams
+
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop_token_ids=tuple(self.stop),
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+
     @model_validator(mode="after")
     def _one_prompt(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if (self.prompt_token_ids is None) == (self.prompt is None):
             both = "both" if self.prompt is not None else "neither"
             raise ValueError(f"prompt_token_ids: give exactly one of prompt_token_ids or prompt "

@@ -136,10 +136,7 @@ def make_engine(cfg: EngineConfig, executor: str):
 
 
 def sampling_params(rec: BatchRecord):
-    from ray_attn.engine import SamplingParams
-
-    return SamplingParams(max_tokens=rec.max_tokens, temperature=rec.temperature, seed=rec.seed,
-                          stop_token_ids=tuple(rec.stop))
+    return rec.sampling_params()
 
 
 def make_record(index: int, rec: BatchRecord, prompt_len: int, token_ids: list[int],

@@ -69,13 +69,13 @@ def served(ray_session, tmp_path_factory):
     from tests.deploy.helpers import engine_config
 
     tok_dir = tmp_path_factory.mktemp("tokenizer")
-    eng = engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS)
+    eng = engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS, eos=True)
     build_tokenizer(tok_dir, eng.model.vocab_size)
     args = dict(LIMITS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir), served_model_name=MODEL_ID,
                 replica_num_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=10.0,
                 health_ping_timeout_s=3.0)
     plain = dict(LIMITS, executor="in_process", replica_num_cpus=0.5,
-                 engine=engine_config(tp=1, max_num_seqs=MAX_NUM_SEQS).model_dump(mode="json"))
+                 engine=engine_config(tp=1, max_num_seqs=MAX_NUM_SEQS, eos=True).model_dump(mode="json"))
     port = free_port()
     t0 = time.perf_counter()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -94,6 +94,6 @@ def direct_engine(ray_session):
     from ray_attn.engine import LLMEngine
     from tests.deploy.helpers import engine_config
 
-    eng = LLMEngine(engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS))
+    eng = LLMEngine(engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS, eos=True))
     yield eng
     eng.shutdown()

@@ -9,12 +9,13 @@ from ray_attn.config import EngineConfig
 from tests.tokenizer_fixture import EOS_ID
 
 
-def engine_config(tp: int = 2, max_num_seqs: int = 4, num_blocks: int = 256) -> EngineConfig:
+def engine_config(tp: int = 2, max_num_seqs: int = 4, num_blocks: int = 256, eos: bool = False) -> EngineConfig:
     cfg = default_engine_config()
     data = cfg.model_dump()
     data["parallel"].update(tensor_parallel_size=tp, device="cpu", num_cpus_per_worker=0.5)
     data["cache"].update(num_blocks=num_blocks)
-    data["model"].update(eos_token_ids=[EOS_ID])  # the test tokenizer's <|im_end|>
+    if eos:  # the Serve tests' tokenizer ends at its <|im_end|>, so their engines do too
+        data["model"].update(eos_token_ids=[EOS_ID])
     data.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
     return EngineConfig.model_validate(data)
 

@@ -105,6 +105,16 @@ def test_stop_token_ends_generation(served, direct_engine):
     assert out["token_ids"] == full[:full.index(stop) + 1] and out["finish_reason"] == "stop"
 
 
+def test_sampling_filters_on_the_native_api(served, direct_engine):
+    """top_k=1 at temperature 1 leaves only the argmax: the greedy tokens, through /v1/generate."""
+    body = workload(1, VOCAB, seed=21, max_tokens=8)[0]
+    want = direct_generate(direct_engine, [body])[0]
+    r = httpx.post(served.url + "/v1/generate", json=dict(body, temperature=1.0, seed=3, top_k=1), timeout=60)
+    assert r.status_code == 200 and r.json()["token_ids"] == want
+    r = httpx.post(served.url + "/v1/generate", json=dict(body, max_tokens=8, min_tokens=8, stop=want[:1]), timeout=60)
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == 8  # the stop id is masked until min_tokens
+
+
 def test_text_prompt_with_tokenizer(served, direct_engine):
     from transformers import AutoTokenizer
 
@@ -215,12 +225,15 @@ BAD = [
     ("negative token id", b'{"prompt_token_ids": [1, -5]}', 422, "prompt_token_ids[1]"),
     ("token id = vocab", b'{"prompt_token_ids": [1, 512]}', 422, "prompt_token_ids[1]"),
     ("over-long prompt", json.dumps({"prompt_token_ids": [7] * 65}).encode(), 422, "prompt_token_ids"),
-    ("unknown field", b'{"prompt_token_ids": [1], "top_p": 0.9}', 422, "top_p"),
+    ("unknown field", b'{"prompt_token_ids": [1], "best_of": 2}', 422, "best_of"),
     ("both prompts", b'{"prompt_token_ids": [1], "prompt": "hi"}', 422, "prompt_token_ids"),
     ("no prompt", b'{"max_tokens": 4}', 422, "prompt_token_ids"),
     ("too many stop ids", b'{"prompt_token_ids": [1], "stop": [1, 2, 3, 4, 5]}', 422, "stop"),
     ("stop id outside vocab", b'{"prompt_token_ids": [1], "stop": [600]}', 422, "stop[0]"),
     ("empty text prompt", b'{"prompt": ""}', 422, "prompt"),
+    ("min_tokens over max_tokens", b'{"prompt_token_ids": [1], "max_tokens": 2, "min_tokens": 3}', 422, "min_tokens"),
+    ("top_p zero", b'{"prompt_token_ids": [1], "top_p": 0.0}', 422, "top_p"),
+    ("penalty out of range", b'{"prompt_token_ids": [1], "presence_penalty": 2.5}', 422, "presence_penalty"),
     ("over-long text prompt", json.dumps({"prompt": "w1 " * 65}).encode(), 422, "prompt"),
     ("body too large", json.dumps({"prompt_token_ids": [1] * 2000}).encode(), 413, "body"),
 ]
