@@ -67,7 +67,7 @@ ARRIVAL_S = 15  # seconds of arrivals at each finite rate (the rate-64 run then 
 PUBLISHED = [
     dict(source="vLLM PR #8804", setup="vLLM, 1x H100, Llama-3-8B, 1000 ShareGPT prompts, rate inf",
          request_throughput=51.0, output_throughput=6567.0),
-    dict(source="NVIDIA NIM", setup="NIM, Llama-3.1-8B, concurrency 1", median_itl_ms=4.63),
+    dict(source="NVIDIA NIM", setup="NIM, Llama-3.1-8B, concurrency 1", itl_ms=4.63),
     dict(source="TensorRT-LLM", setup="TRT-LLM, 1x H200, FP8 weights, 1000 in / 1000 out",
          output_throughput=17591.0),
 ]
@@ -88,7 +88,7 @@ class Workload:
 def serving_workloads(scale: float) -> list[Workload]:
     n = lambda k, least=2: max(least, round(k * scale))  # noqa: E731
     out = [Workload("random_rate_inf", RANDOM, n(1000)),
-           Workload("prefix_repetition_rate_inf", PREFIX, n(500, 5))]
+           Workload("prefix_repetition_rate_inf", PREFIX, n(500, 10))]
     out += [Workload(f"random_rate_{r}", RANDOM, n(min(r * ARRIVAL_S, 640)), r) for r in RATES]
     out.append(Workload("random_concurrency_1", RANDOM, n(32), max_concurrency=1))
     return out
