@@ -4,17 +4,21 @@ engine's own roofline for that workload (``servebench/roofline.py`` has the form
 
 Per configuration (bf16 KV, fp8 KV; ``--tp 2`` on a two-GPU host) ONE engine is built -- Ray
 actors, CUDA graphs, async scheduling, a compiled graph on GPUs, as the Serve app runs it,
-``max_num_seqs=256``, ``max_num_batched_tokens=8192`` -- and it runs, in order:
+``max_num_seqs=256``, ``max_num_batched_tokens=8192`` -- and it runs, most wanted first (with
+``--deadline-s`` the tail is what gets skipped, marked so in the JSON):
 
   random_rate_inf            random 1024 in / 128 out x 1000, all at once (vllm bench serve)
-  prefix_repetition_rate_inf 5 prefixes of 512 + 128-token suffixes, 128 out, x 500, at once
-  random_rate_{4,16,64}      random 1024/128 at 4, 16, 64 req/s (Poisson), ~15 s of arrivals each
-  random_concurrency_1       random 1024/128 x 32, one in flight: ITL against the decode roofline
-  offline                    random 1024/128 x 500 given to the engine at once (vllm bench throughput)
-  chunked_prefill            8 prompts of 16000 tokens, 1 output token: prefill FLOP/s at 8k chunks
+  random_concurrency_1       random 1024/128 x 24, one in flight: ITL against the decode roofline
+  offline                    random 1024/128 x 300 given to the engine at once (vllm bench throughput)
+  chunked_prefill            4 prompts of 16000 tokens, 1 output token: prefill FLOP/s at 8k chunks
   decode_256x1k, decode_64x4k  16 decode steps at a fixed batch (bench_e2e's measure)
-and, on the first TP=1 configuration: ``kv_capacity`` (256 x 4k+128: ``scripts/kv_capacity.py``)
-and the token-budget sweep (random_rate_16 with the scheduler's budget at 2048 and 4096).
+  kv_capacity                first TP=1 configuration only: 256 x (4096 + 128) (scripts/kv_capacity.py)
+  random_rate_{4,16,64}      random 1024/128 at 4, 16, 64 req/s (Poisson), 10 s of arrivals
+                             (40, 160 and, capped, 480 prompts: rate 64 saturates the engine)
+  prefix_repetition_rate_inf 5 prefixes of 512 + 128-token suffixes, 128 out, x 300, at once
+  random_rate_16_budget_B    first configuration only: random_rate_16 again with the scheduler's
+                             token budget at each B of --budget-sweep (default 2048)
+Every count scales with ``--scale``.
 With ``--tp`` > 1, a TP=1 engine then runs decode_64x4k for the TP efficiency.
 
 Before any engine starts, the device's copy rate and GEMM rate at the model's shapes are
@@ -62,7 +66,7 @@ PREFIX = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len
           "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "5",
           "--prefix-repetition-output-len", "128"]
 RATES = (4, 16, 64)
-ARRIVAL_S = 15  # seconds of arrivals at each finite rate (the rate-64 run then drains its queue)
+ARRIVAL_S = 10  # seconds of arrivals at each finite rate (rate 64 saturates the engine: capped at 480 prompts)
 # Others' numbers on other setups, carried into the JSON and the README as context only.
 PUBLISHED = [
     dict(source="vLLM PR #8804", setup="vLLM, 1x H100, Llama-3-8B, 1000 ShareGPT prompts, rate inf",
@@ -85,13 +89,13 @@ class Workload:
     max_concurrency: int | None = None
 
 
-def serving_workloads(scale: float) -> list[Workload]:
+def serving_workloads(scale: float) -> dict[str, Workload]:
     n = lambda k, least=2: max(least, round(k * scale))  # noqa: E731
     out = [Workload("random_rate_inf", RANDOM, n(1000)),
-           Workload("prefix_repetition_rate_inf", PREFIX, n(500, 10))]
-    out += [Workload(f"random_rate_{r}", RANDOM, n(min(r * ARRIVAL_S, 640)), r) for r in RATES]
-    out.append(Workload("random_concurrency_1", RANDOM, n(32), max_concurrency=1))
-    return out
+           Workload("random_concurrency_1", RANDOM, n(24), max_concurrency=1),
+           Workload("prefix_repetition_rate_inf", PREFIX, n(300, 10))]
+    out += [Workload(f"random_rate_{r}", RANDOM, n(min(r * ARRIVAL_S, 480)), r) for r in RATES]
+    return {w.name: w for w in out}
 
 
 def args_for(w: Workload, preset: str, seed: int):
@@ -109,6 +113,12 @@ class Suite:
         self.path = Path(args.result_dir) / f"serving_h200{args.suffix}.json"
         self.out = dict(date=bl.machine()["date"], preset=args.preset, tp=args.tp, scale=args.scale,
                         device_rates=rates, published=PUBLISHED, goals_wanted=GOALS, configs=[])
+        self.t0 = time.perf_counter()
+
+    def past_deadline(self) -> bool:
+        """Whether ``--deadline-s`` has passed: later workloads are then marked skipped (in the
+        JSON, never silently), so that a run with a hard time limit ends cleanly."""
+        return self.args.deadline_s is not None and time.perf_counter() - self.t0 > self.args.deadline_s
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +192,7 @@ class Suite:
         import numpy as np
 
         m = engine.config.model
-        n, length = max(1, round(8 * self.args.scale)), min(16000, m.max_position_embeddings - 1)
+        n, length = max(1, round(4 * self.args.scale)), min(16000, m.max_position_embeddings - 1)
         rng = np.random.default_rng(self.args.seed + 3)
         samples = [SampleRequest(rng.integers(0, m.vocab_size, length).tolist(), length, 1) for _ in range(n)]
         r = self._offline(engine, samples, "chunked_prefill")
@@ -226,6 +236,12 @@ class Suite:
     def run_config(self, kv_dtype: str, first: bool) -> None:
         a = self.args
         name = {"auto": "bf16"}.get(kv_dtype, kv_dtype) + (f"_tp{a.tp}" if a.tp > 1 else "")
+        if self.past_deadline():
+            self.out["configs"].append(dict(name=name, kv_cache_dtype=kv_dtype, tp=a.tp, workloads={},
+                                            skipped=f"--deadline-s {a.deadline_s} passed"))
+            self.save()
+            print(f"=== {name}: skipped, past the deadline")
+            return
         t0 = time.perf_counter()
         engine = self.engine(kv_dtype, a.tp)
         conf = dict(name=name, kv_cache_dtype=kv_dtype, tp=a.tp, startup_s=time.perf_counter() - t0,
@@ -240,6 +256,10 @@ class Suite:
             if a.only and key not in a.only:
                 conf["workloads"][key] = dict(skipped="not in --only")
                 return None
+            if self.past_deadline():
+                conf["workloads"][key] = dict(skipped=f"--deadline-s {a.deadline_s} passed")
+                print(f"--- {name} {key}: skipped, past the deadline")
+                return None
             t = time.perf_counter()
             res = fn()
             conf["workloads"][key] = res
@@ -251,10 +271,11 @@ class Suite:
         try:
             warm = Workload("warmup", RANDOM[:-1] + ["16"], max(2, round(32 * min(1.0, a.scale * 10))))
             asyncio.run(bench_serve.benchmark(args_for(warm, a.preset, a.seed + 99), engine=engine))
+            # Most wanted first: under --deadline-s the tail is what gets skipped.
             works = serving_workloads(a.scale)
-            for w in works:
-                step(w.name, lambda w=w: self.serve(engine, w))
-            step("offline", lambda: self.offline(engine, Workload("offline", RANDOM, max(2, round(500 * a.scale)))))
+            for key in ("random_rate_inf", "random_concurrency_1"):
+                step(key, lambda w=works[key]: self.serve(engine, w))
+            step("offline", lambda: self.offline(engine, Workload("offline", RANDOM, max(2, round(300 * a.scale)))))
             step("chunked_prefill", lambda: self.chunked_prefill(engine))
             step("decode_256x1k", lambda: self.decode(engine, 256, 1024))
             step("decode_64x4k", lambda: self.decode(engine, 64, 4096))
@@ -262,14 +283,15 @@ class Suite:
                 n_cap = max(2, round(256 * a.scale))
                 in_len = min(4096, engine.config.model.max_position_embeddings - 129)
                 step("kv_capacity", lambda: self.capacity(engine, n_cap, in_len))
+            for key in [f"random_rate_{r}" for r in RATES] + ["prefix_repetition_rate_inf"]:
+                step(key, lambda w=works[key]: self.serve(engine, w))
             if first and a.budget_sweep:
                 sched = engine.scheduler
                 full = sched.max_num_batched_tokens
-                rate16 = next(w for w in works if w.name == "random_rate_16")
                 for budget in a.budget_sweep:
                     sched.max_num_batched_tokens = budget  # the scheduler reads it every step
                     try:
-                        rec = step(f"random_rate_16_budget_{budget}", lambda: self.serve(engine, rate16))
+                        rec = step(f"random_rate_16_budget_{budget}", lambda: self.serve(engine, works["random_rate_16"]))
                     finally:
                         sched.max_num_batched_tokens = full
                     if rec:
@@ -277,7 +299,8 @@ class Suite:
         finally:
             engine.shutdown()
         conf["goals"] = goals(conf["workloads"])
-        if a.tp > 1 and a.tp1_baseline and "decode_64x4k" in conf["workloads"]:
+        if a.tp > 1 and a.tp1_baseline and "tok_s" in conf["workloads"].get("decode_64x4k", {}) \
+                and not self.past_deadline():
             base = self.engine(kv_dtype, 1)
             try:
                 tp1 = self.decode(base, 64, 4096)
@@ -329,13 +352,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated workload names to run; the rest are marked skipped")
     p.add_argument("--no-capacity", dest="capacity", action="store_false", help="skip kv_capacity")
-    p.add_argument("--budget-sweep", default="2048,4096",
+    p.add_argument("--budget-sweep", default="2048",
                    help="token budgets for the random_rate_16 sweep on the first config ('' for none)")
     p.add_argument("--no-tp1-baseline", dest="tp1_baseline", action="store_false",
                    help="with --tp > 1: skip the TP=1 engine that decode_64x4k's efficiency needs")
     p.add_argument("--suffix", default=None, help="result file suffix (default: _tp{N} for TP > 1, _cpu on CPU)")
     p.add_argument("--result-dir", default=str(RESULTS))
     p.add_argument("--mirror-dir", default=None, help="also copy the results here after each workload ($OUT)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no workload after this many seconds (the rest are marked skipped)")
     return p
 
 

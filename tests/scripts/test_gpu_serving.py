@@ -43,6 +43,7 @@ def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("serving")
     mirror = tmp_path_factory.mktemp("mirror")
     run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--scale", "0.01", "--num-blocks", 2048,
+        "--budget-sweep", "2048,4096",
         "--kv-dtypes", "auto", "--result-dir", out, "--mirror-dir", mirror)
     return out, mirror, json.loads((out / "serving_h200_cpu.json").read_text())
 
@@ -141,3 +142,11 @@ def test_ideal_requests_against_exact_division():
         assert r["ideal_requests_in_blocks"] == math.floor(Fraction(kv, math.ceil(tokens / bs) * bs * per))
     with pytest.raises(ValueError, match="tokens_per_request"):
         ideal_requests(1, 0, 1, 16)
+
+
+def test_a_passed_deadline_marks_what_it_skipped(tmp_path):
+    run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--kv-dtypes", "auto,fp8",
+        "--deadline-s", 0, "--result-dir", tmp_path)
+    r = json.loads((tmp_path / "serving_h200_cpu.json").read_text())
+    assert [(c["name"], c["skipped"]) for c in r["configs"]] == [("bf16", "--deadline-s 0.0 passed"),
+                                                                   ("fp8", "--deadline-s 0.0 passed")]
