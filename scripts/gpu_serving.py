@@ -44,6 +44,7 @@ import json
 import shutil
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,8 +157,13 @@ class Suite:
         return rl.workload_roofline(self.costs(engine), self.copy, self.gemm, [len(p) for p in prompts], outs,
                                     rl.computed_starts(prompts, bs), batch, last_arrival)
 
-    def serve(self, engine, w: Workload) -> dict:
-        args = args_for(w, self.args.preset, self.args.seed)
+    def seed(self, key: str) -> int:
+        """A seed of each workload's own: two workloads with the same prompts would find the
+        first one's blocks in the prefix cache, and the second would be measured on cache hits."""
+        return self.args.seed * 1_000_003 + zlib.crc32(key.encode()) % 1_000_003
+
+    def serve(self, engine, w: Workload, key: str | None = None) -> dict:
+        args = args_for(w, self.args.preset, self.seed(key or w.name))
         r = asyncio.run(bench_serve.benchmark(args, engine=engine))
         samples = get_samples(args, engine.config.model.vocab_size)
         errors = [e for e in r["errors"] if e]
@@ -175,7 +181,7 @@ class Suite:
         return rec
 
     def offline(self, engine, w: Workload, name: str = "offline") -> dict:
-        samples = get_samples(args_for(w, self.args.preset, self.args.seed), engine.config.model.vocab_size)
+        samples = get_samples(args_for(w, self.args.preset, self.seed(name)), engine.config.model.vocab_size)
         return self._offline(engine, samples, name)
 
     def _offline(self, engine, samples: list[SampleRequest], name: str) -> dict:
@@ -193,7 +199,7 @@ class Suite:
 
         m = engine.config.model
         n, length = max(1, round(4 * self.args.scale)), min(16000, m.max_position_embeddings - 1)
-        rng = np.random.default_rng(self.args.seed + 3)
+        rng = np.random.default_rng(self.seed("chunked_prefill"))
         samples = [SampleRequest(rng.integers(0, m.vocab_size, length).tolist(), length, 1) for _ in range(n)]
         r = self._offline(engine, samples, "chunked_prefill")
         c = self.costs(engine)
@@ -212,7 +218,7 @@ class Suite:
 
         m = engine.config.model
         batch, ctx = max(2, round(batch * min(1.0, self.args.scale))), min(ctx, m.max_position_embeddings // 2)
-        rng = np.random.default_rng(batch * 7919 + ctx)
+        rng = np.random.default_rng(self.seed(f"decode_{batch}x{ctx}"))
         prompts = [rng.integers(0, m.vocab_size, ctx).tolist() for _ in range(batch)]
         sp = SamplingParams(max_tokens=min(2048, m.max_position_embeddings - ctx - 1), ignore_eos=True)
         ids = bl.start_decoding(engine, prompts, [sp] * batch)
@@ -270,7 +276,7 @@ class Suite:
 
         try:
             warm = Workload("warmup", RANDOM[:-1] + ["16"], max(2, round(32 * min(1.0, a.scale * 10))))
-            asyncio.run(bench_serve.benchmark(args_for(warm, a.preset, a.seed + 99), engine=engine))
+            asyncio.run(bench_serve.benchmark(args_for(warm, a.preset, self.seed("warmup")), engine=engine))
             # Most wanted first: under --deadline-s the tail is what gets skipped.
             works = serving_workloads(a.scale)
             for key in ("random_rate_inf", "random_concurrency_1"):
@@ -291,7 +297,8 @@ class Suite:
                 for budget in a.budget_sweep:
                     sched.max_num_batched_tokens = budget  # the scheduler reads it every step
                     try:
-                        rec = step(f"random_rate_16_budget_{budget}", lambda: self.serve(engine, works["random_rate_16"]))
+                        key = f"random_rate_16_budget_{budget}"
+                        rec = step(key, lambda: self.serve(engine, works["random_rate_16"], key))
                     finally:
                         sched.max_num_batched_tokens = full
                     if rec:
@@ -313,7 +320,7 @@ class Suite:
         self.save()
 
     def capacity(self, engine, n: int, input_len: int) -> dict:
-        r = measure_capacity(engine, n, input_len, 128, seed=self.args.seed)
+        r = measure_capacity(engine, n, input_len, 128, seed=self.seed("kv_capacity"))
         print_capacity(r)
         path = Path(self.args.result_dir) / "kv_capacity.json"
         path.write_text(json.dumps(r, indent=1, default=float) + "\n")

@@ -64,6 +64,8 @@ def test_every_workload_ran_with_vllm_keys_and_its_roofline(suite):
         assert rec["frac_of_roofline"] == pytest.approx(roof["roofline_s"] / rec["duration"], rel=1e-12)
         assert roof["roofline_s"] == max(roof["work_s"], roof["arrival_bound_s"]) > 0
         assert roof["decode_tokens"] == rec["total_output_tokens"] - rec["completed"]
+        if key.startswith("random"):  # each workload has prompts of its own: no hit on an earlier one's
+            assert rec["engine_stats"]["prefix_cache_hit_tokens"] == 0, key
         # this run's share of the engine's counters (CPU: no async step computing an extra token)
         assert rec["engine_stats"]["tokens_generated"] == rec["total_output_tokens"]
     for rate in (4, 16, 64):
@@ -88,6 +90,7 @@ def test_offline_prefill_decode_capacity_and_goals(suite):
     off = w["offline"]
     for k in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second"):
         assert k in off  # vllm bench throughput's keys
+    assert off["engine_stats"]["prefix_cache_hit_tokens"] == 0
     assert off["errors"] == 0 and off["frac_of_roofline"] == pytest.approx(off["roofline"]["roofline_s"] / off["elapsed_time"])
     cp = w["chunked_prefill"]
     assert cp["chunk_tokens"] == 8192 and cp["total_output_tokens"] == cp["num_requests"]
