@@ -40,7 +40,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
+import os
+import platform
 import shutil
 import sys
 import time
@@ -60,6 +63,7 @@ from servebench.datasets import SampleRequest, get_samples  # noqa: E402
 from servebench.device_rates import measure_in_child  # noqa: E402
 from servebench.engine_transport import engine_stats, make_engine, stats_since  # noqa: E402
 from servebench.serving_plot import plot_latency_vs_rate  # noqa: E402
+from servebench.targets import GOALS, PUBLISHED, goals  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 RANDOM = ["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "128"]
@@ -68,16 +72,6 @@ PREFIX = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len
           "--prefix-repetition-output-len", "128"]
 RATES = (4, 16, 64)
 ARRIVAL_S = 10  # seconds of arrivals at each finite rate (rate 64 saturates the engine: capped at 480 prompts)
-# Others' numbers on other setups, carried into the JSON and the README as context only.
-PUBLISHED = [
-    dict(source="vLLM PR #8804", setup="vLLM, 1x H100, Llama-3-8B, 1000 ShareGPT prompts, rate inf",
-         request_throughput=51.0, output_throughput=6567.0),
-    dict(source="NVIDIA NIM", setup="NIM, Llama-3.1-8B, concurrency 1", itl_ms=4.63),
-    dict(source="TensorRT-LLM", setup="TRT-LLM, 1x H200, FP8 weights, 1000 in / 1000 out",
-         output_throughput=17591.0),
-]
-GOALS = {"offline_frac_of_roofline": 0.85, "itl_c1_over_roofline": 1.10, "chunked_prefill_frac_of_gemm": 0.70,
-         "decode_256x1k_frac_of_mem_compute_roofline": 0.80, "tp_efficiency_64x4k": 0.85}
 LISTS = ("input_lens", "output_lens", "ttfts", "itls", "errors")  # per-request: not kept
 
 
@@ -112,7 +106,10 @@ class Suite:
         self.args, self.rates = args, rates
         self.copy, self.gemm = rates["copy_Bps"], rates["gemm_flops"]
         self.path = Path(args.result_dir) / f"serving_h200{args.suffix}.json"
-        self.out = dict(date=bl.machine()["date"], preset=args.preset, tp=args.tp, scale=args.scale,
+        # Not benchlib.machine(): it asks CUDA for the device's properties, and this process must
+        # hold no CUDA context on the GPU its rank sizes the KV cache on (rates has the GPU's name).
+        self.out = dict(date=datetime.date.today().isoformat(), host=platform.node(), cpus=os.cpu_count(),
+                        preset=args.preset, tp=args.tp, scale=args.scale,
                         device_rates=rates, published=PUBLISHED, goals_wanted=GOALS, configs=[])
         self.t0 = time.perf_counter()
 
@@ -327,23 +324,6 @@ class Suite:
         if self.args.mirror_dir:
             shutil.copy(path, self.args.mirror_dir)
         return r
-
-
-def goals(w: dict) -> dict:
-    """Each goal of the issue as value, goal and met, where its workload ran."""
-    def get(key, field):
-        r = w.get(key) or {}
-        return r.get(field)
-
-    vals = {"offline_frac_of_roofline": (get("offline", "frac_of_roofline"), ">="),
-            "itl_c1_over_roofline": (get("random_concurrency_1", "median_itl_over_roofline"), "<="),
-            "chunked_prefill_frac_of_gemm": (get("chunked_prefill", "frac_of_gemm"), ">="),
-            "decode_256x1k_frac_of_mem_compute_roofline": (get("decode_256x1k", "frac_of_mem_compute_roofline"), ">=")}
-    out = {}
-    for k, (v, op) in vals.items():
-        if v is not None:
-            out[k] = dict(value=v, goal=GOALS[k], met=v >= GOALS[k] if op == ">=" else v <= GOALS[k])
-    return out
 
 
 def parser() -> argparse.ArgumentParser:
