@@ -167,11 +167,14 @@ class Suite:
         rec = {k: v for k, v in r.items() if k not in LISTS + ("args", "engine_config")}
         rec.update(num_errors=len(errors), first_error=errors[0] if errors else None)
         last = w.num_prompts / w.rate if w.rate != float("inf") else 0.0
-        roof = self.roofline(engine, [s.prompt for s in samples], r["output_lens"], w.max_concurrency, last)
+        # The workload's own lengths (EOS is ignored, so a request that completed made exactly
+        # these; a failed one counts as asked, and its failure shows in num_errors).
+        outs = [s.expected_output_len for s in samples]
+        roof = self.roofline(engine, [s.prompt for s in samples], outs, w.max_concurrency, last)
         rec.update(roofline=roof, frac_of_roofline=roof["roofline_s"] / r["duration"])
         if w.max_concurrency == 1:
             c = self.costs(engine)
-            itl = sum(rl.itl_roofline_s(c, self.copy, s.prompt_len, o) for s, o in zip(samples, r["output_lens"]))
+            itl = sum(rl.itl_roofline_s(c, self.copy, s.prompt_len, o) for s, o in zip(samples, outs))
             rec["itl_roofline_ms"] = itl / len(samples) * 1e3
             rec["median_itl_over_roofline"] = r["median_itl_ms"] / rec["itl_roofline_ms"]
             rec["ttft_roofline_ms"] = rl.prefill_flops(c, samples[0].prompt_len) / self.gemm * 1e3
@@ -186,8 +189,7 @@ class Suite:
         run = run_engine(engine, samples, disable_tqdm=True)
         r = throughput_result(samples, run, stats_since(engine_stats(engine), base))
         r["errors"] = len(r["errors"])
-        outs = [len(o.output_token_ids) for o in run["outputs"]]
-        roof = self.roofline(engine, [s.prompt for s in samples], outs)
+        roof = self.roofline(engine, [s.prompt for s in samples], [s.expected_output_len for s in samples])
         r.update(name=name, roofline=roof, frac_of_roofline=roof["roofline_s"] / r["elapsed_time"])
         return r
 
