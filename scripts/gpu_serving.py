@@ -72,6 +72,7 @@ PREFIX = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len
           "--prefix-repetition-output-len", "128"]
 RATES = (4, 16, 64)
 ARRIVAL_S = 10  # seconds of arrivals at each finite rate (rate 64 saturates the engine: capped at 480 prompts)
+ENGINE_MIN_S = 120  # a later configuration starts only this long before the deadline: start-up + a workload
 LISTS = ("input_lens", "output_lens", "ttfts", "itls", "errors")  # per-request: not kept
 
 
@@ -113,10 +114,11 @@ class Suite:
                         device_rates=rates, published=PUBLISHED, goals_wanted=GOALS, configs=[])
         self.t0 = time.perf_counter()
 
-    def past_deadline(self) -> bool:
-        """Whether ``--deadline-s`` has passed: later workloads are then marked skipped (in the
-        JSON, never silently), so that a run with a hard time limit ends cleanly."""
-        return self.args.deadline_s is not None and time.perf_counter() - self.t0 > self.args.deadline_s
+    def past_deadline(self, margin_s: float = 0.0) -> bool:
+        """Whether ``--deadline-s`` (less ``margin_s``) has passed: later workloads are then marked
+        skipped (in the JSON, never silently), so that a run with a hard time limit ends cleanly."""
+        d = self.args.deadline_s
+        return d is not None and time.perf_counter() - self.t0 > d - margin_s
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -241,7 +243,7 @@ class Suite:
     def run_config(self, kv_dtype: str, first: bool) -> None:
         a = self.args
         name = {"auto": "bf16"}.get(kv_dtype, kv_dtype) + (f"_tp{a.tp}" if a.tp > 1 else "")
-        if self.past_deadline():
+        if self.past_deadline(0.0 if first else ENGINE_MIN_S):
             self.out["configs"].append(dict(name=name, kv_cache_dtype=kv_dtype, tp=a.tp, workloads={},
                                             skipped=f"--deadline-s {a.deadline_s} passed"))
             self.save()
@@ -306,7 +308,7 @@ class Suite:
             engine.shutdown()
         conf["goals"] = goals(conf["workloads"])
         if a.tp > 1 and a.tp1_baseline and "tok_s" in conf["workloads"].get("decode_64x4k", {}) \
-                and not self.past_deadline():
+                and not self.past_deadline(ENGINE_MIN_S / 2):
             base = self.engine(kv_dtype, 1)
             try:
                 tp1 = self.decode(base, 64, 4096)
