@@ -9,7 +9,8 @@
 # tests, then scripts/gpu_serving.py -- bf16 and fp8 KV engines, every serving workload, the
 # token-budget sweep and kv_capacity on the bf16 engine) | serving_tp2 (nvidia-h200-x2: the same
 # workloads at TP=2, bf16, and a TP=1 engine for the 64 x 4k efficiency).  SERVING_DEADLINE_S
-# (default 420 for serving, 480 for serving_tp2) stops starting workloads after that long, so the call ends inside its limit.
+# (default 420 for serving, 480 for serving_tp2) stops starting workloads after that long, so the
+# call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,11 +64,12 @@ if [[ $stage == tp || $stage == all ]]; then
 fi
 if [[ $stage == serving ]]; then
   step python3 -m pytest -m gpu tests/runtime/test_memory.py -q -p no:cacheprovider
-  step python3 scripts/gpu_serving.py --deadline-s "${SERVING_DEADLINE_S:-420}" ${OUT:+--mirror-dir "$OUT"}
+  step python3 scripts/gpu_serving.py --deadline-s "${SERVING_DEADLINE_S:-420}" ${OUT:+--mirror-dir "$OUT"} \
+    ${SERVING_ARGS:-}
 fi
 if [[ $stage == serving_tp2 ]]; then
   step python3 scripts/gpu_serving.py --tp 2 --kv-dtypes auto --no-capacity --budget-sweep "" \
-    --deadline-s "${SERVING_DEADLINE_S:-480}" ${OUT:+--mirror-dir "$OUT"}
+    --deadline-s "${SERVING_DEADLINE_S:-480}" ${OUT:+--mirror-dir "$OUT"} ${SERVING_ARGS:-}
 fi
 if [[ $stage == serving || $stage == serving_tp2 ]]; then
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
