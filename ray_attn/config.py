@@ -211,7 +211,11 @@ MODEL_PRESETS: dict[str, dict] = {
 class CacheConfig(_Strict):
     block_size: int = Field(16, gt=0, description="Tokens per KV block; a multiple of 16 (256 for flash-attn 2).")
     num_blocks: Optional[int] = Field(None, gt=0, description="Blocks per rank; sized from memory_fraction when unset.")
-    memory_fraction: float = Field(0.85, gt=0, le=1, description="Share of free device memory for the KV cache when num_blocks is unset.")
+    memory_fraction: float = Field(0.85, gt=0, le=1, description=(
+        "When num_blocks is unset. On GPUs, vLLM's gpu_memory_utilization: the share of the device's total "
+        "memory this engine may use -- weights, the largest step's activations (measured by a profile "
+        "step), CUDA graphs and the KV cache, which gets the rest. On CPU: the share of the host's "
+        "available memory for the KV cache, split over the ranks and capped at 1 GiB."))
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field("auto", description="'auto' stores K/V in the model dtype; fp8 stores float8 e4m3 with per-layer scales.")
     enable_prefix_caching: bool = Field(True, description="Reuse full KV blocks of identical prefixes across requests.")
     calculate_kv_scales: bool = Field(False, description=(

@@ -138,23 +138,27 @@ async def _open_http(args, run: dict):
     return transport, int(vocab)
 
 
-def _open_engine(args, run: dict, num_prompts: int):
+def _open_engine(args, run: dict, num_prompts: int, engine=None):
     from servebench.engine_transport import EngineTransport, engine_overrides, load_engine_config, make_engine
 
     spec = args.engine_config or args.model
     executor = args.executor
-    cfg = load_engine_config(spec, engine_overrides(args))
+    cfg = load_engine_config(spec, engine_overrides(args)) if engine is None else engine.config
     if args.vocab_size is not None and args.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"--vocab-size {args.vocab_size} exceeds the model's {cfg.model.vocab_size}")
-    transport = EngineTransport(make_engine(cfg, executor), max(num_prompts, args.num_warmups, 1),
-                                args.ignore_eos)
+    engine = engine if engine is not None else make_engine(cfg, executor)
+    transport = EngineTransport(engine, max(num_prompts, args.num_warmups, 1), args.ignore_eos)
     run.update(backend="engine", endpoint_type="engine", transport="in_process", executor=executor,
                model_id=args.model or Path(spec).stem, engine_config=cfg.model_dump(mode="json"))
     return transport, args.vocab_size or cfg.model.vocab_size
 
 
-async def benchmark(args) -> dict:
-    """Run the benchmark; returns the result dict (vLLM's keys), printed and saved as asked."""
+async def benchmark(args, engine=None) -> dict:
+    """Run the benchmark; returns the result dict (vLLM's keys), printed and saved as asked.
+    ``engine``: with ``--backend engine``, serve through this running engine instead of building
+    one, and leave it running afterwards (``gpu_serving.py`` runs every workload through one)."""
+    if engine is not None and args.backend != "engine":
+        raise ValueError("an engine can be given with --backend engine only")
     errs = check_args(args)
     if errs:
         raise ValueError("; ".join(errs))
@@ -166,7 +170,7 @@ async def benchmark(args) -> dict:
     if args.backend == "openai":
         transport, vocab = await _open_http(args, run)
     else:
-        transport, vocab = _open_engine(args, run, args.num_prompts)
+        transport, vocab = _open_engine(args, run, args.num_prompts, engine)
     engine_stats = None
     try:
         requests = get_samples(args, vocab)
@@ -194,7 +198,7 @@ async def benchmark(args) -> dict:
             engine_stats = transport.stats()
     finally:
         if args.backend == "engine":
-            transport.close()
+            transport.close(shutdown_engine=engine is None)
         else:
             await transport.close()
     metrics, output_lens = calculate_metrics(outputs, duration, percentiles, goodput)

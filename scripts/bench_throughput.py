@@ -88,6 +88,31 @@ def run_engine(engine, requests, disable_tqdm: bool = False) -> dict:
     return {"elapsed": elapsed, "outputs": [outputs[i] for i in ids], "peak_running": peak_running}
 
 
+def throughput_result(requests, run: dict, stats: dict) -> dict:
+    """vLLM's throughput keys (and ours) for a ``run_engine`` run, printed as vLLM prints them."""
+    elapsed, outs = run["elapsed"], run["outputs"]
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = sum(len(o.output_token_ids) for o in outs)
+    errors = [o.error or o.finish_reason for o in outs if o.finish_reason not in ("length", "stop")]
+    total = prompt_tokens + output_tokens
+    print(f"Throughput: {len(requests) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "
+          f"{output_tokens / elapsed:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {prompt_tokens}")
+    print(f"Total num output tokens:  {output_tokens}")
+    print(f"Peak running requests: {run['peak_running']}; preemptions: {stats['preemptions']}; "
+          f"cascade steps: {stats['cascade_steps']} of {stats['steps']}; prefix-cache hit tokens: "
+          f"{stats['prefix_cache_hit_tokens']}")
+    if errors:
+        print(f"{len(errors)} requests did not finish cleanly; first: {errors[0]}")
+    return {
+        "elapsed_time": elapsed, "num_requests": len(requests), "total_num_tokens": total,
+        "requests_per_second": len(requests) / elapsed, "tokens_per_second": total / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "total_prompt_tokens": prompt_tokens, "total_output_tokens": output_tokens,
+        "errors": errors, "peak_running_requests": run["peak_running"], "engine_stats": stats,
+    }
+
+
 def benchmark(args) -> dict:
     errs = check_dataset_args(args)
     for name in ("input_len", "output_len"):
@@ -105,29 +130,9 @@ def benchmark(args) -> dict:
         stats = engine_stats(engine)
     finally:
         engine.shutdown()
-    elapsed, outs = run["elapsed"], run["outputs"]
-    prompt_tokens = sum(r.prompt_len for r in requests)
-    output_tokens = sum(len(o.output_token_ids) for o in outs)
-    errors = [o.error or o.finish_reason for o in outs if o.finish_reason not in ("length", "stop")]
-    total = prompt_tokens + output_tokens
-    print(f"Throughput: {len(requests) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "
-          f"{output_tokens / elapsed:.2f} output tokens/s")
-    print(f"Total num prompt tokens:  {prompt_tokens}")
-    print(f"Total num output tokens:  {output_tokens}")
-    print(f"Peak running requests: {run['peak_running']}; preemptions: {stats['preemptions']}; "
-          f"cascade steps: {stats['cascade_steps']} of {stats['steps']}; prefix-cache hit tokens: "
-          f"{stats['prefix_cache_hit_tokens']}")
-    if errors:
-        print(f"{len(errors)} requests did not finish cleanly; first: {errors[0]}")
-    result = {
-        "elapsed_time": elapsed, "num_requests": len(requests), "total_num_tokens": total,
-        "requests_per_second": len(requests) / elapsed, "tokens_per_second": total / elapsed,
-        "output_tokens_per_second": output_tokens / elapsed,
-        "total_prompt_tokens": prompt_tokens, "total_output_tokens": output_tokens,
-        "errors": errors, "peak_running_requests": run["peak_running"], "engine_stats": stats,
-        "backend": "engine", "executor": args.executor, "dataset_name": args.dataset_name,
-        "engine_config": cfg.model_dump(mode="json"), "args": vars(args),
-    }
+    result = throughput_result(requests, run, stats)
+    result.update(backend="engine", executor=args.executor, dataset_name=args.dataset_name,
+                  engine_config=cfg.model_dump(mode="json"), args=vars(args))
     if args.output_json:
         path = Path(args.output_json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,12 @@
 # benches (the benchmarks without the tests) | profile | cascade | e2e | tp | all |
 # async (async-scheduling GPU tests + step overhead, tiny and 8B) | attention (+ profile) |
 # accuracy (every feature through the engine against HF transformers; ACCURACY_ROWS=a,b and
-# ACCURACY_SUFFIX=_tp2 pick rows and the result file).
+# ACCURACY_SUFFIX=_tp2 pick rows and the result file) | serving (one H200: the KV-sizing GPU
+# tests, then scripts/gpu_serving.py -- bf16 and fp8 KV engines, every serving workload, the
+# token-budget sweep and kv_capacity on the bf16 engine) | serving_tp2 (nvidia-h200-x2: the same
+# workloads at TP=2, bf16, and a TP=1 engine for the 64 x 4k efficiency).  SERVING_DEADLINE_S
+# (default 420 for serving, 480 for serving_tp2) stops starting workloads after that long, so the
+# call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,5 +61,17 @@ if [[ $stage == e2e || $stage == all ]]; then
 fi
 if [[ $stage == tp || $stage == all ]]; then
   bench scripts/bench_tp.py
+fi
+if [[ $stage == serving ]]; then
+  step python3 -m pytest -m gpu tests/runtime/test_memory.py -q -p no:cacheprovider
+  step python3 scripts/gpu_serving.py --deadline-s "${SERVING_DEADLINE_S:-420}" ${OUT:+--mirror-dir "$OUT"} \
+    ${SERVING_ARGS:-}
+fi
+if [[ $stage == serving_tp2 ]]; then
+  step python3 scripts/gpu_serving.py --tp 2 --kv-dtypes auto --no-capacity --budget-sweep "" \
+    --deadline-s "${SERVING_DEADLINE_S:-480}" ${OUT:+--mirror-dir "$OUT"} ${SERVING_ARGS:-}
+fi
+if [[ $stage == serving || $stage == serving_tp2 ]]; then
+  [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"

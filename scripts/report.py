@@ -65,8 +65,85 @@ def accuracy():
     print()
 
 
+SERVING_ROWS = ("random_rate_inf", "prefix_repetition_rate_inf", "random_rate_4", "random_rate_16",
+                "random_rate_64", "random_concurrency_1")
+
+
+def serving(paths=None):
+    """The serving table from scripts/gpu_serving.py's ``serving_h200*.json``: one row per
+    configuration and workload, the offline and decode measures, the goals, and others' published
+    figures as context rows."""
+    paths = sorted(R.glob("serving_h200*.json")) if paths is None else paths
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    if not runs:
+        return
+    ms = lambda v: f"{v:,.1f}"  # noqa: E731
+    rows, other, goal_rows = [], [], []
+    for run in runs:
+        for conf in run["configs"]:
+            w = conf["workloads"]
+            for key in SERVING_ROWS + tuple(k for k in w if k.startswith("random_rate_16_budget_")):
+                r = w.get(key) or {}
+                if "request_throughput" not in r:
+                    continue
+                rows.append(dict(config=conf["name"], workload=key, prompts=r["completed"],
+                                 req_s=r["request_throughput"], out_tok_s=r["output_throughput"],
+                                 ttft_p50=r["median_ttft_ms"], ttft_p99=r["p99_ttft_ms"], tpot_p50=r["median_tpot_ms"],
+                                 itl_p50=r["median_itl_ms"], itl_p99=r["p99_itl_ms"], of_roofline=r["frac_of_roofline"]))
+            off = w.get("offline") or {}
+            if "requests_per_second" in off:
+                rows.append(dict(config=conf["name"], workload="offline (all at once)", prompts=off["num_requests"],
+                                 req_s=off["requests_per_second"], out_tok_s=off["output_tokens_per_second"],
+                                 of_roofline=off["frac_of_roofline"]))
+            cp = w.get("chunked_prefill") or {}
+            if "achieved_flops" in cp:
+                other.append(dict(config=conf["name"], measure=f"chunked prefill, {cp['chunk_tokens']}-token steps",
+                                  value=f"{cp['achieved_flops'] / 1e12:,.0f} TFLOP/s", of_bound=cp["frac_of_gemm"]))
+            for key in sorted(k for k in w if k.startswith("decode_")):
+                d = w[key]
+                if "step_ms" in d:
+                    other.append(dict(config=conf["name"], measure=f"decode {d['decode_batch']:.0f} x {d['ctx']}"
+                                      + (" (TP=1)" if key.endswith("_tp1") else ""),
+                                      value=f"{d['step_ms']:.2f} ms a step", of_bound=d["frac_of_mem_compute_roofline"]))
+            for k, g in conf.get("goals", {}).items():
+                goal_rows.append(dict(config=conf["name"], goal=k, value=g["value"], wanted=g["goal"],
+                                      met="yes" if g["met"] else "**no**"))
+    run = runs[0]
+    dr = run["device_rates"]
+    print(f"### Serving ({dr.get('gpu') or 'CPU'}, {run['preset']}, {run['date']}; `python scripts/gpu_serving.py`)\n")
+    print(table(rows, ["config", "workload", "prompts", "req_s", "out_tok_s", "ttft_p50", "ttft_p99", "tpot_p50",
+                       "itl_p50", "itl_p99", "of_roofline"],
+                {"req_s": lambda v: f"{v:,.2f}", "out_tok_s": num, "ttft_p50": ms, "ttft_p99": ms, "tpot_p50": ms,
+                 "itl_p50": ms, "itl_p99": ms, "of_roofline": pct}))
+    print(f"\nLatencies in ms, timed as the engine loop pushes tokens (no HTTP). `of_roofline`: the "
+          f"workload's roofline time over its measured time (copy {dr['copy_Bps'] / 1e9:,.0f} GB/s, GEMM "
+          f"{dr['gemm_flops'] / 1e12:,.0f} TFLOP/s at the model's shapes, measured in the same run; "
+          "scripts/servebench/roofline.py). At a finite rate the bound includes the arrivals.\n")
+    if other:
+        print(table(other, ["config", "measure", "value", "of_bound"], {"of_bound": pct}))
+        print("\n`of_bound`: of the GEMM rate (prefill), of the memory+compute roofline (decode).\n")
+    if goal_rows:
+        print(table(goal_rows, ["config", "goal", "value", "wanted", "met"], {"value": lambda v: f"{v:.3f}"}))
+        print()
+    pub = run.get("published") or []
+    if pub:
+        print("Context only -- **others' numbers on other setups** (models, data, hardware differ), as published:\n")
+        print(table(pub, ["source", "setup", "request_throughput", "output_throughput", "itl_ms"],
+                    {"output_throughput": num}))
+        print()
+    cap = load("kv_capacity")
+    if cap:
+        print(f"KV capacity ({cap['num_requests']} x {cap['input_len']} + {cap['output_len']} tokens, "
+              f"`python scripts/kv_capacity.py`): peak running **{cap['peak_running']}** of an ideal "
+              f"{cap['ideal_requests']} ({num(cap['kv_bytes'] / 1e6)} MB of KV, {cap['num_blocks']} blocks), "
+              f"{cap['preemptions']} preemptions"
+              + (f"; the sizing before the profile step would have held {cap['legacy_ideal_requests']}."
+                 if "legacy_ideal_requests" in cap else ".") + "\n")
+
+
 def main():
     accuracy()
+    serving()
     a = load("bench_attention")
     if a:
         m = a["machine"]

@@ -56,6 +56,8 @@ class AttentionWorker:
         self.seen_refs: collections.deque[str] = collections.deque(maxlen=1024)
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
+        self.memory_profile = None  # how the KV cache was sized, when sized on a GPU
+        self.graph_pool_bytes: int | None = None  # what the decode graphs' capture took
         self.steps = 0
         # Async scheduling: the last step's sampled tokens, kept on the device for the next
         # step's inputs, and the deferred step whose output rank 0 has not answered yet.
@@ -98,41 +100,60 @@ class AttentionWorker:
         return self.device_info()
 
     def _capture_graphs(self):
-        """CUDA graphs for decode, captured against this KV cache (they hold its addresses)."""
+        """CUDA graphs for decode, captured against this KV cache (they hold its addresses).  The
+        memory their pool takes is recorded beside the reserve the cache was sized to leave them."""
         from ray_attn.runtime.cuda_graphs import DecodeGraphs, wants_cuda_graphs
 
         par = self.config.parallel
         if self.device.type != "cuda" or not wants_cuda_graphs(par, self.model.kernel_name):
             return None
         try:
-            return DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
+            before = torch.cuda.memory_reserved(self.device)
+            graphs = DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
         except Exception as e:  # noqa: BLE001 -- any capture failure leaves a working eager path
             if par.cuda_graphs == "on":
                 raise
             warnings.warn(f"rank {self.rank}: CUDA graph capture failed ({type(e).__name__}: {e}); "
                           "decode steps run eagerly (set parallel.cuda_graphs='off' to skip the attempt)")
             return None
+        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        return graphs
 
     def _blocks_from_memory(self) -> int:
-        """As many KV blocks as ``memory_fraction`` of the memory left after the weights holds.
-        On CPU that memory is the host's, shared by its ranks and with everything else on it."""
+        """On a GPU: as many KV blocks as ``memory_fraction`` of the device's total memory holds
+        once the weights, the largest step's activations (a profile step) and the CUDA graphs'
+        reserve are counted (``memory.profile_cuda_memory``, as vLLM's profiling run).  On CPU:
+        ``memory_fraction`` of the host memory available, shared by its ranks and with everything
+        else on it, capped at ``CPU_CACHE_CAP_BYTES``."""
         per_block = self.model.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.cache.memory_fraction
-        else:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(avail * self.config.cache.memory_fraction / self.tp, CPU_CACHE_CAP_BYTES)
+            from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
+            from ray_attn.runtime.memory import profile_cuda_memory
+
+            graphs = wants_cuda_graphs(self.config.parallel, self.model.kernel_name)
+            try:
+                self.memory_profile = profile_cuda_memory(self.model, self.config, self.device, per_block,
+                                                          graphs)
+            except ValueError as e:
+                raise RuntimeError(f"rank {self.rank}: {e}") from None
+            return self.memory_profile.num_blocks
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(avail * self.config.cache.memory_fraction / self.tp, CPU_CACHE_CAP_BYTES)
         blocks = int(budget // per_block)
         if blocks < 1:
             raise RuntimeError(f"rank {self.rank}: no memory left for even one KV block ({per_block} bytes)")
         return blocks
 
     def device_info(self) -> dict:
-        """What the driver learns of this rank; it sizes the planner by the smallest ``num_blocks``."""
+        """What the driver learns of this rank; it sizes the planner by the smallest ``num_blocks``.
+        ``memory``: how the KV cache was sized on a GPU (``MemoryProfile``, bytes) and the graph
+        pool the capture took; None when ``cache.num_blocks`` was given or on CPU."""
         info = {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
                 "kernel": self.model.kernel_name if self.model else None,
-                "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None}
+                "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None,
+                "memory": None}
+        if self.memory_profile is not None:
+            info["memory"] = self.memory_profile.as_dict() | {"graph_pool_bytes": self.graph_pool_bytes}
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             info.update(name=p.name, num_sms=p.multi_processor_count, total_memory=p.total_memory)

@@ -102,6 +102,17 @@ def check_fits(cfg, requests: list[SampleRequest]) -> None:
                          "(max_position_embeddings); shorten the dataset's lengths")
 
 
+COUNTERS = ("steps", "tokens_generated", "tokens_computed", "cascade_steps", "multi_group_cascade_steps",
+            "local_steps", "preemptions", "prefix_cache_hit_tokens", "busy_s", "prefix_cache_hits",
+            "prefix_cache_queries")
+
+
+def stats_since(now: dict, base: dict) -> dict:
+    """``engine_stats`` with its counters counted from ``base`` on: one run's share of an engine
+    that served others before it."""
+    return {k: (v - base[k] if k in COUNTERS else v) for k, v in now.items()}
+
+
 def engine_stats(engine, loop=None) -> dict:
     """The engine's counters after the run (what ``bench_throughput`` and the JSON report)."""
     s = engine.stats.as_dict()
@@ -139,6 +150,7 @@ class EngineTransport:
 
         self.engine = engine
         self.ignore_eos = ignore_eos
+        self.base_stats = engine_stats(engine)  # an engine may have served runs before this one
         self.loop = EngineLoop(engine, max_in_flight, request_id_prefix="bench").start()
 
     def params(self, req: SampleRequest):
@@ -184,8 +196,14 @@ class EngineTransport:
         return out
 
     def stats(self) -> dict:
-        return engine_stats(self.engine, self.loop)
+        """The engine's counters over this transport's run."""
+        return stats_since(engine_stats(self.engine, self.loop), self.base_stats)
 
-    def close(self) -> None:
+    def close(self, shutdown_engine: bool = True) -> None:
+        """Stop the loop; then shut the engine down, or leave it idle for the next run (the step
+        still out under async scheduling is collected first: it belongs to this run)."""
         self.loop.stop()
-        self.engine.shutdown()
+        if shutdown_engine:
+            self.engine.shutdown()
+        else:
+            self.engine.flush()

@@ -1,0 +1,162 @@
+"""KV-cache sizing like vLLM's profiling run (ray_attn/runtime/memory.py): the arithmetic against an
+exact reference, its refusals, the profile step on CPU, and on a GPU the breakdown a worker
+reports and a cache that leaves room for the largest step."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from ray_attn.backend.flash_attn import FlashAttentionImpl
+from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from ray_attn.model import build_model
+from ray_attn.runtime import memory
+from ray_attn.runtime.memory import kv_cache_budget, profile_prompt_lens, profile_run
+
+GIB = 1 << 30
+
+
+def _reference_blocks(total, fraction, weights, peak, non_torch, reserve, per_block) -> int:
+    """Exact rational arithmetic: floor((floor(total * fraction) - non-KV) / bytes per block)."""
+    allowed = int(Fraction(total) * Fraction(fraction))  # fraction is a float: its exact value
+    return (allowed - weights - peak - non_torch - reserve) // per_block
+
+
+@pytest.mark.parametrize("total", [80 * GIB, 143_771 * (1 << 20)])
+@pytest.mark.parametrize("fraction", [0.5, 0.85, 0.9, 1.0])
+@pytest.mark.parametrize("reserve", [0, memory.GRAPH_POOL_RESERVE_BYTES])
+def test_budget_matches_exact_reference(total, fraction, reserve):
+    rng = np.random.default_rng([int(total % 997), int(fraction * 100), reserve % 13])
+    weights = int(rng.integers(1, 20)) * GIB + int(rng.integers(0, 1 << 20))
+    peak, non_torch = int(rng.integers(0, 3 * GIB)), int(rng.integers(0, GIB))
+    per_block = int(rng.choice([16, 32])) * 131072
+    p = kv_cache_budget(total_bytes=total, memory_fraction=fraction, weights_bytes=weights,
+                        peak_activation_bytes=peak, non_torch_bytes=non_torch,
+                        graph_pool_reserve_bytes=reserve, bytes_per_block=per_block)
+    assert p.num_blocks == _reference_blocks(total, fraction, weights, peak, non_torch, reserve, per_block)
+    assert p.kv_bytes == int(total * fraction) - weights - peak - non_torch - reserve
+    assert p.num_blocks * per_block <= p.kv_bytes < (p.num_blocks + 1) * per_block
+    d = p.as_dict()
+    assert d["weights_bytes"] == weights and d["graph_pool_reserve_bytes"] == reserve
+
+
+def test_budget_is_a_share_of_total_memory_not_of_free():
+    # Llama-3-8B on an H200: 16 GB of weights, 0.85 of the device.  The old sizing took 0.85 of the
+    # memory free after the weights (and whatever the allocator still cached); vLLM's takes 0.85 of
+    # the device, less what the engine itself uses: what is free does not enter.
+    total, weights, peak = 150_754_820_096, 16_060_522_496, 2 * GIB
+    kw = dict(total_bytes=total, memory_fraction=0.85, weights_bytes=weights, peak_activation_bytes=peak,
+              non_torch_bytes=GIB // 2, graph_pool_reserve_bytes=memory.GRAPH_POOL_RESERVE_BYTES,
+              bytes_per_block=16 * 131072)
+    a = kv_cache_budget(**kw, free_after_weights_bytes=130 * GIB, allocator_cache_bytes=2 * GIB)
+    b = kv_cache_budget(**kw, free_after_weights_bytes=60 * GIB, allocator_cache_bytes=40 * GIB)
+    assert a.num_blocks == b.num_blocks and b.free_after_weights_bytes == 60 * GIB
+    # 0.85 x 150.75 GB - 16.06 - 2.15 - 0.54 - 0.54 = 108.86 GB: 196 requests of 4096 + 128
+    # tokens at 128 KiB a token
+    assert a.kv_bytes // (4224 * 131072) == 196
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("memory_fraction", 0.0, "cache.memory_fraction must be in (0, 1]"),
+    ("memory_fraction", 1.5, "cache.memory_fraction must be in (0, 1]"),
+    ("weights_bytes", -1, "weights_bytes must be >= 0"),
+    ("peak_activation_bytes", -5, "peak_activation_bytes must be >= 0"),
+    ("non_torch_bytes", -5, "non_torch_bytes must be >= 0"),
+    ("graph_pool_reserve_bytes", -5, "graph_pool_reserve_bytes must be >= 0"),
+    ("bytes_per_block", 0, "bytes_per_block must be > 0"),
+])
+def test_budget_refuses_bad_inputs_naming_them(field, value, needle):
+    kw = dict(total_bytes=80 * GIB, memory_fraction=0.9, weights_bytes=GIB, peak_activation_bytes=GIB,
+              non_torch_bytes=0, graph_pool_reserve_bytes=0, bytes_per_block=1 << 21)
+    kw[field] = value
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("]", r"\]")):
+        kv_cache_budget(**kw)
+
+
+def test_budget_without_room_for_a_block_says_what_took_the_memory():
+    with pytest.raises(ValueError, match=r"memory_fraction=0\.2 allows 16\.00 GiB.*weights \(15\.00 GiB\)"
+                                         r".*peak activations \(1\.00 GiB\).*cache\.num_blocks"):
+        kv_cache_budget(total_bytes=80 * GIB, memory_fraction=0.2, weights_bytes=15 * GIB,
+                        peak_activation_bytes=GIB, non_torch_bytes=0, graph_pool_reserve_bytes=0,
+                        bytes_per_block=1 << 21)
+
+
+@pytest.mark.parametrize("tokens,max_len,want", [(8192, 16384, [8192]), (8192, 4096, [4096, 4096]),
+                                                  (5000, 2048, [2048, 2048, 904]), (1, 7, [1])])
+def test_profile_prompts_cover_the_budget_at_the_longest_context(tokens, max_len, want):
+    assert profile_prompt_lens(tokens, max_len) == want
+
+
+def _tiny_model(kv_cache_dtype="auto"):
+    m = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, dtype="float32")
+    model = build_model(m, block_size=16, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    model.init_random_weights(3)
+    return model
+
+
+@pytest.mark.parametrize("tokens,seqs", [(600, 4), (64, 100)])
+def test_profile_run_attends_over_every_token_and_leaves_no_cache(tokens, seqs, monkeypatch):
+    """The profile step runs real attention (not the attention-free profiling forward), over
+    ``tokens`` tokens in prompts of the model's context, then samples ``seqs`` rows."""
+    model = _tiny_model()
+    seen = []
+    real = FlashAttentionImpl.forward
+
+    def spy(self, layer, q, k, v, kv_cache, m, output=None):
+        seen.append((m.num_actual_tokens, m.seq_lens.tolist(), kv_cache.shape[1]))
+        return real(self, layer, q, k, v, kv_cache, m, output)
+
+    monkeypatch.setattr(FlashAttentionImpl, "forward", spy)
+    nbytes = profile_run(model, tokens, seqs, 256)
+    lens = profile_prompt_lens(tokens, 256)
+    blocks = sum(-(-n // 16) for n in lens)
+    assert seen == [(tokens, lens, blocks)] * 2  # both layers, the whole step
+    assert nbytes == 2 * blocks * 16 * 2 * 32 * 4  # one layer's K and V, float32
+    assert model.kv_caches is None
+
+
+def test_profile_run_refuses_a_model_with_a_cache():
+    model = _tiny_model()
+    model.allocate_kv_cache(4)
+    with pytest.raises(RuntimeError, match="without a KV cache"):
+        profile_run(model, 32, 2, 256)
+
+
+def test_profile_run_leaves_the_workers_random_stream_alone():
+    model = _tiny_model()
+    torch.manual_seed(5)
+    a = torch.rand(3)
+    torch.manual_seed(5)
+    profile_run(model, 40, 3, 256)
+    assert torch.equal(torch.rand(3), a)
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_worker_sizes_its_cache_from_a_profile_step(kv_cache_dtype):
+    from ray_attn.runtime.worker import AttentionWorker
+
+    m = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096, dtype="bfloat16")
+    cfg = EngineConfig(model=m, cache=CacheConfig(memory_fraction=0.3, kv_cache_dtype=kv_cache_dtype),
+                       parallel=ParallelConfig(device="cuda"), max_num_seqs=128, max_num_batched_tokens=8192)
+    w = AttentionWorker(cfg)
+    info = w.load_model()
+    mem = info["memory"]
+    assert info["num_blocks"] == mem["num_blocks"] > 0
+    assert mem["num_blocks"] * mem["bytes_per_block"] <= mem["kv_bytes"]
+    non_kv = mem["weights_bytes"] + mem["peak_activation_bytes"] + mem["non_torch_bytes"] + mem["graph_pool_reserve_bytes"]
+    assert mem["kv_bytes"] == int(mem["total_bytes"] * 0.3) - non_kv
+    params = sum(p.numel() * p.element_size() for p in w.model.parameters())
+    assert params <= mem["weights_bytes"] < params + (256 << 20)  # weights and a few buffers
+    # logits of 128 rows x 32000 float32 (16 MB) at least, and far less than a GiB here
+    assert 128 * 32000 * 4 <= mem["peak_activation_bytes"] < (1 << 30)
+    assert mem["graph_pool_bytes"] is not None and mem["graph_pool_bytes"] <= mem["graph_pool_reserve_bytes"]
+    # the budget holds: nothing beyond total * fraction is in use once the cache exists
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= int(total * 0.3) + mem["graph_pool_reserve_bytes"]
