@@ -191,3 +191,24 @@ def test_chat_without_a_tokenizer_is_refused_by_name(served):
         assert e.value.body["param"] == "messages"
         out = c.completions.create(model="ray_attn-random", prompt=[5, 6, 7], max_tokens=3, temperature=0)
         assert out.choices[0].text == "" and len(out.choices[0].model_extra["token_ids"]) == 3
+
+
+def test_bench_serve_measures_the_app_over_http(served):
+    """scripts/bench_serve.py (vLLM's flags and keys) against our /v1/completions: every request
+    completes, output lengths come from the usage chunk, and the model name from /v1/models."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_serve
+
+    args = bench_serve.parser().parse_args([
+        "--base-url", served.url, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "5",
+        "--max-concurrency", "3", "--disable-tqdm"])
+    r = asyncio.run(bench_serve.benchmark(args))
+    assert r["completed"] == 6 and r["failed"] == 0, r["errors"]
+    assert r["output_lens"] == [5] * 6 and r["total_input_tokens"] == 6 * 16  # ignore_eos, token-id prompts
+    # a token whose text is still an incomplete character streams as an empty chunk, which vLLM's
+    # client (and ours) does not count as a token arrival: at most 4 gaps per request
+    assert r["model_id"] == MODEL_ID and all(1 <= len(itl) <= 4 for itl in r["itls"])
