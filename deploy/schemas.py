@@ -324,6 +324,35 @@ class StatsResponse(BaseModel):
     max_tokens_limit: int = Field(description="Limit on max_tokens.")
 
 
+# ------------------------------------------------------------------------------------ files
+def app_args_from_file(path: str) -> dict:
+    """The app args in a JSON/YAML file: a ``serve run`` config (its first application's
+    ``args``), app args themselves, or a bare engine config (returned as ``{"engine": ...}``)."""
+    import json
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    if "applications" in data:
+        data = (data["applications"] or [{}])[0].get("args") or {}
+    if data and set(data) <= set(EngineConfig.model_fields):  # an engine config on its own
+        return {"engine": data}
+    return data
+
+
+def engine_config_from_file(path: str) -> EngineConfig:
+    """The EngineConfig in any file ``app_args_from_file`` reads (the default engine when it has none)."""
+    engine = app_args_from_file(path).get("engine")
+    return EngineConfig.model_validate(engine) if engine is not None else default_engine_config()
+
+
 # ------------------------------------------------------------------------------ deployment limits
 def limit_errors(req: GenerateRequest, prompt_token_ids: list[int], *, vocab_size: int,
                  max_model_len: int, max_prompt_tokens: int, max_tokens_limit: int,

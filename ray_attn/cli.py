@@ -116,11 +116,9 @@ def serve_config(args):
 
     app: dict = {}
     if args.config:
-        import yaml
+        from deploy.schemas import app_args_from_file
 
-        with open(args.config) as f:
-            apps = (yaml.safe_load(f) or {}).get("applications") or [{}]
-        app = dict(apps[0].get("args") or {})
+        app = dict(app_args_from_file(args.config))
     engine = dict(app.get("engine") or ({} if args.model else default_engine_config().model_dump(mode="json")))
     if args.model:
         if not os.path.isfile(os.path.join(args.model, "config.json")):

@@ -41,7 +41,13 @@ sys.path.insert(0, str(REPO))  # run from a checkout (or working_dir)
 from pydantic import ValidationError  # noqa: E402
 
 from deploy.batch_output import AppendOutput, OrderedOutput, record_key  # noqa: E402
-from deploy.schemas import BatchRecord, default_engine_config, limit_errors, validation_errors  # noqa: E402
+from deploy.schemas import (  # noqa: E402
+    BatchRecord,
+    default_engine_config,
+    engine_config_from_file,
+    limit_errors,
+    validation_errors,
+)
 from ray_attn.config import EngineConfig  # noqa: E402
 
 MAX_LINE_BYTES = 4 << 20
@@ -50,20 +56,7 @@ MAX_LINE_BYTES = 4 << 20
 def load_engine_config(path: str | None) -> EngineConfig:
     """An EngineConfig from a JSON/YAML file: an engine config itself, a Serve app config's args
     (with an ``engine`` key), or a ``serve run`` config file (the first application's engine)."""
-    if path is None:
-        return default_engine_config()
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    if isinstance(data, dict) and "applications" in data:
-        data = data["applications"][0].get("args", {})
-    if isinstance(data, dict) and "engine" in data:
-        data = data["engine"]
-    return EngineConfig.model_validate(data or {})
+    return default_engine_config() if path is None else engine_config_from_file(path)
 
 
 def apply_overrides(cfg: EngineConfig, args) -> EngineConfig:

@@ -12,7 +12,6 @@ same metrics for the same workload.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -28,18 +27,9 @@ def load_engine_config(spec: str, overrides: dict | None = None):
     from ray_attn.config import MODEL_PRESETS, EngineConfig, ModelConfig
 
     if Path(spec).is_file():
-        text = Path(spec).read_text()
-        if spec.endswith((".yaml", ".yml")):
-            import yaml
+        from deploy.schemas import engine_config_from_file
 
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
-        if isinstance(data, dict) and "applications" in data:
-            data = data["applications"][0].get("args", {})
-        if isinstance(data, dict) and "engine" in data:
-            data = data["engine"]
-        data = EngineConfig.model_validate(data).model_dump()
+        data = engine_config_from_file(spec).model_dump()
     elif spec in MODEL_PRESETS:
         data = EngineConfig(model=ModelConfig.from_name(spec)).model_dump()
     else:

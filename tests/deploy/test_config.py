@@ -74,7 +74,8 @@ def test_bad_app_config_names_the_field(args, field):
     (b'{"prompt_token_ids": [1, "2"]}', "prompt_token_ids[1]"),
     (b'{"prompt_token_ids": [1], "prompt": "x"}', "prompt_token_ids"),
     (b'{"max_tokens": 3}', "prompt_token_ids"),
-    (b'{"prompt_token_ids": [1], "top_k": 3}', "top_k"),
+    (b'{"prompt_token_ids": [1], "top_k": -3}', "top_k"),
+    (b'{"prompt_token_ids": [1], "beam_width": 3}', "beam_width"),
     (b'[1, 2]', "body"),
     (b'{"prompt_token_ids": [1', "body"),
 ])
