@@ -83,14 +83,8 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or config.option.collectonly:
         return  # an xdist worker reports to its controller, which has its own guard
     signal.signal(signal.SIGTERM, _sigterm)
-    capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        capman.suspend_global_capture(in_=False)  # the guard inherits the real stdout
-    try:
-        # Its own session: a Ctrl-C or a group kill meant for pytest leaves it there to report.
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("summary_guard.py"))],
-                                stdin=subprocess.PIPE, text=True, start_new_session=True)
-    finally:
-        if capman is not None:
-            capman.resume_global_capture()
+    # Output capture is suspended while plugins configure: the guard inherits the real stdout.
+    # Its own session: a Ctrl-C or a group kill meant for pytest leaves it there to report.
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("summary_guard.py"))],
+                            stdin=subprocess.PIPE, text=True, start_new_session=True)
     config.pluginmanager.register(_SummaryGuard(proc), "ray_attn_summary_guard")

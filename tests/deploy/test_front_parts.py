@@ -84,7 +84,7 @@ def test_stalled_body_gets_408_with_connection_close(chunks, where):
     req = fake_request(chunks, timeout_s=0.05 if where == "request state" else None)
     kw = {"timeout_s": 0.05} if where == "argument" else {}
     with pytest.raises(HTTPError) as e:
-        asyncio.run(read_body(req, 1 << 20, **kw))
+        asyncio.run(asyncio.wait_for(read_body(req, 1 << 20, **kw), 10))  # bounded if no deadline
     assert e.value.status == 408 and e.value.headers == {"Connection": "close"}
     assert e.value.errors[0][0] == "body" and f"{sum(map(len, chunks))} bytes arrived" in e.value.errors[0][1]
 
@@ -129,7 +129,7 @@ def test_route_path_under_a_route_prefix():
 
 
 # ------------------------------------------------------------------------------ the middleware
-def run_asgi(mw, path, client="10.1.1.1"):
+def run_asgi(path, client="10.1.1.1"):
     """(scope, receive, send, sent) of one POST to ``path`` from ``client``; ``sent`` collects
     what ``mw`` answers."""
     sent = []
@@ -161,7 +161,7 @@ def test_middleware_counts_until_the_response_ends_and_always_releases():
             await send({"type": "http.response.body", "body": b"x"})
 
         mw = AdmissionMiddleware(streaming_app, lambda: gate)
-        scope, receive, send, _ = run_asgi(mw, "/v1/generate")
+        scope, receive, send, _ = run_asgi("/v1/generate")
         task = asyncio.create_task(mw(scope, receive, send))
         await gate_open.wait()
         seen["during"] = gate.stats()["connections_open"]
@@ -174,14 +174,14 @@ def test_middleware_counts_until_the_response_ends_and_always_releases():
 
         mw = AdmissionMiddleware(failing_app, lambda: gate)
         with pytest.raises(RuntimeError):
-            await mw(*run_asgi(mw, "/v1/generate")[:3])
+            await mw(*run_asgi("/v1/generate")[:3])
         seen["after_error"] = gate.stats()["connections_open"]
 
         async def hanging_app(scope, receive, send):
             await asyncio.Event().wait()
 
         mw = AdmissionMiddleware(hanging_app, lambda: gate)
-        task = asyncio.create_task(mw(*run_asgi(mw, "/v1/generate")[:3]))
+        task = asyncio.create_task(mw(*run_asgi("/v1/generate")[:3]))
         await asyncio.sleep(0)
         seen["hanging"] = gate.stats()["connections_open"]
         task.cancel()  # what Serve does when the client goes away
@@ -205,7 +205,7 @@ def test_health_and_stats_bypass_the_bounds(path, counted):
         await send({"type": "http.response.body", "body": b"{}"})
 
     mw = AdmissionMiddleware(app, lambda: gate)
-    scope, receive, send, sent = run_asgi(mw, path)
+    scope, receive, send, sent = run_asgi(path)
     asyncio.run(mw(scope, receive, send))
     status = sent[0]["status"]
     assert status == (503 if counted else 200)
@@ -227,7 +227,7 @@ def test_every_503_and_429_gets_retry_after(status, has_header, want):
 
     mw = AdmissionMiddleware(app, lambda: gate)
     for path in ("/health", "/v1/generate"):
-        scope, receive, send, sent = run_asgi(mw, path)
+        scope, receive, send, sent = run_asgi(path)
         asyncio.run(mw(scope, receive, send))
         values = [v for k, v in sent[0]["headers"] if k == b"retry-after"]
         assert values == ([want] if want else []), (path, values)
