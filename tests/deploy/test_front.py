@@ -77,6 +77,14 @@ def answered(socks) -> list[socket.socket]:
     return select.select(socks, [], [], 0)[0] if socks else []
 
 
+def wait_answered(socks, n: int) -> list[socket.socket]:
+    """The sockets answered once ``n`` of them are (or the deadline passed)."""
+    deadline = time.monotonic() + scaled(20)
+    while len(answered(socks)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return answered(socks)
+
+
 def plain_stats(served) -> dict:
     return httpx.get(served.plain_url + "/stats", timeout=scaled(10)).json()
 
@@ -162,13 +170,14 @@ def test_one_client_past_its_bound_gets_429_at_once(served):
 
 
 def test_past_max_connections_every_refusal_is_our_json_503(served):
-    """The replica holds max_connections stalled bodies; a burst of 100 more -- more than Serve's
-    old max_ongoing_requests + max_queued_requests -- gets our JSON 503 with Retry-After, never
-    Serve's plain text, and /health still answers within a second."""
-    cap = FRONT["max_connections"]
-    per = FRONT["max_requests_per_client"]
-    sources = [f"127.0.0.{7 + i // per}" for i in range(cap)]
-    socks = [open_stalled(served.port, src) for src in sources]
+    """40 connections stall mid-body from 10 addresses -- more than this app had Serve slots
+    before the bounds (max_ongoing_requests was 24, and stalled bodies held them): 12 are held,
+    28 get our JSON 503 at once.  Then a burst of 100 more -- past the old max_ongoing_requests +
+    max_queued_requests -- gets our 503 too, never Serve's plain text, and /health still answers
+    within a second."""
+    cap, per = FRONT["max_connections"], FRONT["max_requests_per_client"]
+    before = plain_stats(served)["requests_rejected_connections"]
+    socks = [open_stalled(served.port, f"127.0.0.{30 + i // per}") for i in range(40)]
 
     async def burst(n: int):
         transport = httpx.AsyncHTTPTransport(local_address="127.0.0.20")
@@ -180,20 +189,27 @@ def test_past_max_connections_every_refusal_is_our_json_503(served):
 
     try:
         wait_open(served, cap)
+        refused_socks = wait_answered(socks, len(socks) - cap)
+        refused_at_once = [read_response(s, scaled(10)) for s in refused_socks]
+        held = [s for s in socks if s not in refused_socks]
         resps = asyncio.run(burst(100))
-        stalls_ended = bool(answered(socks))  # only on a machine slower than body_timeout_s
+        stalls_ended = bool(answered(held))  # only on a machine slower than body_timeout_s
         health = health_within_a_second(served.plain_url)
         stats = plain_stats(served)
     finally:
         for s in socks:
             s.close()
+    assert len(refused_at_once) == len(socks) - cap
+    for r in refused_at_once:
+        assert_our_error(r, 503, "connections")
     assert health.status_code == 200
     refused = [r for r in resps if r.status_code != 200]
     for r in refused:
         assert_our_error(r, 503, "connections")
     if not stalls_ended:
         assert len(refused) == len(resps), [r.status_code for r in resps]
-    assert stats["requests_rejected_connections"] >= len(refused) and stats["connections_open"] == cap
+        assert stats["connections_open"] == cap
+    assert stats["requests_rejected_connections"] - before == len(refused_at_once) + len(refused)
     wait_open(served, 0)
 
 
