@@ -39,11 +39,11 @@ class Raw:
 
 
 def open_stalled(port: int, source: str, path: str = GENERATE, total: int = 100,
-                 sent: bytes = b'{"prompt_') -> socket.socket:
+                 sent: bytes = b'{"prompt_', extra_headers: str = "") -> socket.socket:
     """A connection that sent its headers and ``sent`` of a ``total``-byte body, then stalls."""
     s = socket.create_connection(("127.0.0.1", port), timeout=scaled(30), source_address=(source, 0))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {total}\r\n\r\n".encode() + sent)
+              f"{extra_headers}Content-Length: {total}\r\n\r\n".encode() + sent)
     return s
 
 
@@ -166,6 +166,27 @@ def test_one_client_past_its_bound_gets_429_at_once(served):
         for s in socks:
             s.close()
     # A client that goes away frees its slots at once, without waiting for body_timeout_s.
+    wait_open(served, 0)
+
+
+@pytest.mark.parametrize("peer,counted_as", [
+    ("127.0.0.41", "127.0.0.41"),   # any other peer: its TCP address, whatever header it sends
+    ("127.0.0.1", "10.20.30.40"),   # a proxy on Serve's own host names its client
+])
+def test_the_client_is_the_tcp_peer_or_what_a_local_proxy_names(served, peer, counted_as):
+    per = FRONT["max_requests_per_client"]
+    xff = "X-Forwarded-For: 10.20.30.40\r\n"
+    socks = [open_stalled(served.port, peer, extra_headers=xff) for _ in range(per)]
+    try:
+        wait_open(served, per)
+        extra = open_stalled(served.port, peer, sent=b"", extra_headers=xff)
+        r = read_response(extra, scaled(10))
+        extra.close()
+    finally:
+        for s in socks:
+            s.close()
+    assert_our_error(r, 429, "client")
+    assert f"requests from {counted_as} are already open" in r.json()["detail"], r.json()
     wait_open(served, 0)
 
 

@@ -269,3 +269,20 @@ def test_serve_slots_exceed_our_bounds(kw, conns, per_client):
     # for /health, /stats and requests being refused.
     assert opts["max_ongoing_requests"] == conns + cfg.control_headroom > conns
     assert opts["backpressure_config"] == {"retry_after_s": cfg.retry_after_s}
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
+def test_shipped_configs_set_the_front_knobs(name):
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.config import HTTPOptions
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / name).read_text())
+    http = HTTPOptions(**data["http_options"])  # Serve accepts every key
+    assert 0 < http.keep_alive_timeout_s < 90 and http.request_timeout_s
+    (app,) = data["applications"]
+    cfg = ServeAppConfig.model_validate(app["args"])
+    for knob in ("body_timeout_s", "max_connections", "max_requests_per_client"):
+        assert knob in app["args"], knob
+    assert cfg.max_in_flight <= cfg.connection_limit and cfg.client_limit <= cfg.connection_limit
