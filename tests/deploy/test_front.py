@@ -124,10 +124,12 @@ def health_within_a_second(url: str) -> httpx.Response:
 
 # ------------------------------------------------------------------------------- stalled bodies
 def test_stalled_bodies_get_408_while_health_and_requests_go_on(served):
-    """11 connections (3 addresses) stall mid-body: each gets our 408 after body_timeout_s and is
-    closed; meanwhile /health answers within a second and a normal request succeeds."""
+    """11 connections (3 addresses, every POST route) stall mid-body: each gets our 408 after
+    body_timeout_s and is closed; meanwhile /health answers within a second and a normal request
+    succeeds."""
     sources = ["127.0.0.2"] * 4 + ["127.0.0.3"] * 4 + ["127.0.0.4"] * 3
-    socks = [open_stalled(served.port, src) for src in sources]
+    routes = ["/plain/v1/generate", "/plain/v1/completions", "/plain/v1/chat/completions"]
+    socks = [open_stalled(served.port, src, routes[i % 3]) for i, src in enumerate(sources)]
     try:
         wait_open(served, len(socks))
         assert health_within_a_second(served.plain_url).status_code == 200
