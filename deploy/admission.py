@@ -30,7 +30,7 @@ class Admission:
     refusal to send; every counted request must be matched by one ``leave``."""
 
     def __init__(self, max_connections: int, max_requests_per_client: int, retry_after_s: int,
-                 body_timeout_s: float):
+                 body_timeout_s: float, on_refused: Optional[Callable[[int], None]] = None):
         if not 0 < max_requests_per_client <= max_connections:
             raise ValueError(f"max_requests_per_client: {max_requests_per_client} must be in "
                              f"[1, max_connections={max_connections}]")
@@ -38,6 +38,7 @@ class Admission:
         self.max_requests_per_client = max_requests_per_client
         self.retry_after_s = retry_after_s
         self.body_timeout_s = body_timeout_s
+        self.on_refused = on_refused  # the refusal's status, to a metric
         # Serve may run user code off its own loop's thread: a lock keeps the counts exact either way.
         self._lock = threading.Lock()
         self._open = 0
@@ -45,6 +46,12 @@ class Admission:
         self._refused = Counter()  # by status
 
     def enter(self, client: str) -> Optional[HTTPError]:
+        refusal = self._enter(client)
+        if refusal is not None and self.on_refused is not None:
+            self.on_refused(refusal.status)
+        return refusal
+
+    def _enter(self, client: str) -> Optional[HTTPError]:
         retry = {"Retry-After": str(self.retry_after_s), "Connection": "close"}
         with self._lock:
             if self._by_client[client] >= self.max_requests_per_client:

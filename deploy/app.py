@@ -110,9 +110,9 @@ class LLMServer:
             self.executor.shutdown()
             raise
         replica = _replica_tag()
-        self.admission = Admission(self.cfg.connection_limit, self.cfg.client_limit,
-                                   self.cfg.retry_after_s, self.cfg.body_timeout_s)
         self.metrics = RayMetricsHooks(replica)
+        self.admission = Admission(self.cfg.connection_limit, self.cfg.client_limit, self.cfg.retry_after_s,
+                                   self.cfg.body_timeout_s, on_refused=self.metrics.on_rejected)
         self.loop = EngineLoop(self.engine, self.cfg.max_in_flight, hooks=self.metrics,
                                request_id_prefix=f"{replica}-{uuid.uuid4().hex[:6]}").start()
         self.vocab_size = engine_cfg.model.vocab_size

@@ -100,8 +100,10 @@ def test_client_that_disconnects_mid_body_gets_400_not_a_crash():
 @pytest.mark.parametrize("seed", range(3))
 def test_admission_matches_a_reference_count(max_conn, per_client, seed):
     rng = random.Random(seed * 1000 + max_conn * 10 + per_client)
-    gate = Admission(max_conn, per_client, retry_after_s=3, body_timeout_s=1.0)
+    refusals = []
+    gate = Admission(max_conn, per_client, retry_after_s=3, body_timeout_s=1.0, on_refused=refusals.append)
     held: list[str] = []  # the reference: one entry per admitted request
+    want_refusals = []
     for _ in range(400):
         if held and rng.random() < 0.45:
             gate.leave(held.pop(rng.randrange(len(held))))
@@ -110,12 +112,17 @@ def test_admission_matches_a_reference_count(max_conn, per_client, seed):
         want = 429 if held.count(client) >= per_client else 503 if len(held) >= max_conn else None
         refusal = gate.enter(client)
         assert (refusal.status if refusal else None) == want
+        want_refusals += [want] if want else []
         if refusal is None:
             held.append(client)
         else:
             assert refusal.headers["Retry-After"] == "3" and refusal.errors[0][0] in ("client", "connections")
         assert gate.stats()["connections_open"] == len(held)
         assert gate.stats()["clients_open"] == len(set(held))
+    assert refusals == want_refusals  # each refusal reaches the metric once
+    stats = gate.stats()
+    assert (stats["requests_rejected_client"], stats["requests_rejected_connections"]) == (
+        want_refusals.count(429), want_refusals.count(503))
     for client in held:
         gate.leave(client)
     assert gate.stats()["connections_open"] == 0 and gate._by_client == {}, "no memory per past client"
