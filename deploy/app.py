@@ -14,8 +14,10 @@ HTTP API (FastAPI ingress):
   GET  /health        200 when the engine loop runs and every worker answers its ping, else 503
   GET  /stats         KV blocks, prefix-cache hit rate, cascade rate, steps/s, tokens/s, queue depth
 
-Request bodies are read with a byte cap and parsed as JSON by pydantic (strict, unknown fields
-forbidden); nothing a client sends is ever unpickled or evaluated.
+Request bodies are read with a byte cap and a deadline and parsed as JSON by pydantic (strict,
+unknown fields forbidden); nothing a client sends is ever unpickled or evaluated.  Every route but
+/health and /stats is bounded in open requests, per replica and per client (``deploy/admission.py``),
+and every error of every route, FastAPI's own included, has the body of ``deploy/http.py``.
 """
 
 
@@ -31,7 +33,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from deploy.http import HTTPError, error_responses, read_body
+from deploy.admission import Admission, AdmissionMiddleware
+from deploy.http import HTTPError, error_responses, install_error_handlers, read_body
 from deploy.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
 from deploy.metrics import RayMetricsHooks
 from deploy.openai.chat import create_chat_completion
@@ -70,6 +73,18 @@ def _replica_tag() -> str:
         return "local"
 
 
+def _replica_admission() -> Optional[Admission]:
+    try:
+        return getattr(serve.get_replica_context().servable_object, "admission", None)
+    except Exception:  # noqa: BLE001 - outside a replica
+        return None
+
+
+# ``@serve.ingress`` freezes a copy of the app: its middleware and handlers must be in place first.
+fastapi_app.add_middleware(AdmissionMiddleware, gate_of=_replica_admission)
+install_error_handlers(fastapi_app)
+
+
 @serve.deployment
 @serve.ingress(fastapi_app)
 class LLMServer:
@@ -97,6 +112,8 @@ class LLMServer:
             raise
         replica = _replica_tag()
         self.metrics = RayMetricsHooks(replica)
+        self.admission = Admission(self.cfg.connection_limit, self.cfg.client_limit, self.cfg.retry_after_s,
+                                   self.cfg.body_timeout_s, on_refused=self.metrics.on_rejected)
         self.loop = EngineLoop(self.engine, self.cfg.max_in_flight, hooks=self.metrics,
                                request_id_prefix=f"{replica}-{uuid.uuid4().hex[:6]}").start()
         self.vocab_size = engine_cfg.model.vocab_size
@@ -182,13 +199,14 @@ class LLMServer:
     async def health(self):
         ok, workers, detail = await self._probe()
         body = HealthResponse(status="ok" if ok else "unhealthy", workers=workers, detail=detail)
-        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503,
+                            headers=None if ok else {"Retry-After": str(self.cfg.retry_after_s)})
 
     @fastapi_app.get("/stats", response_model=StatsResponse)
     async def stats(self):
         snap = self.loop.stats()
         snap.update(vocab_size=self.vocab_size, max_prompt_tokens=self.cfg.max_prompt_tokens,
-                    max_tokens_limit=self.cfg.max_tokens_limit)
+                    max_tokens_limit=self.cfg.max_tokens_limit, **self.admission.stats())
         return StatsResponse.model_validate({k: snap[k] for k in StatsResponse.model_fields}).model_dump()
 
     @fastapi_app.get("/v1/models", response_model=ModelList)
@@ -362,11 +380,12 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
         ray_actor_options=actor,
         placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
-        # Admission control is ours (503 + Retry-After past max_in_flight); Serve's slots only
-        # need to exceed it so that /health and /stats still get in, and Serve's own queue stays
-        # short instead of unbounded.
-        max_ongoing_requests=cfg.max_in_flight + cfg.control_headroom,
+        # Admission control is ours (deploy/admission.py: 503/429 + Retry-After past
+        # max_connections); Serve's slots exceed it so that our bounds bite first and /health and
+        # /stats still get in, and Serve's own queue stays short instead of unbounded.
+        max_ongoing_requests=cfg.connection_limit + cfg.control_headroom,
         max_queued_requests=cfg.max_queued_requests,
+        backpressure_config={"retry_after_s": cfg.retry_after_s},
         health_check_period_s=cfg.health_check_period_s,
         health_check_timeout_s=cfg.health_check_timeout_s,
     )

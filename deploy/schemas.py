@@ -109,7 +109,23 @@ class ServeAppConfig(BaseModel):
                               "(engine.max_num_seqs). Past max_num_seqs + max_queue_depth requests "
                               "in flight, a new one gets 503 with Retry-After.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Largest request body, in bytes (413 beyond).")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with every 503 and 429.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False,
+        description="A request body must arrive in full within this many seconds of its handler "
+                    "starting to read it, else 408 and the connection is closed: a client that "
+                    "stalls mid-body must not hold its connection slot for as long as it likes.")
+    max_connections: Optional[int] = Field(
+        None, gt=0, description="Requests one replica holds open at once (every route but /health "
+                                "and /stats), counted from the moment the app gets them -- a client "
+                                "still sending its body counts -- until the response is sent; one "
+                                "more gets 503 + Retry-After at once. At least max_num_seqs + "
+                                "max_queue_depth. Default: twice that.")
+    max_requests_per_client: Optional[int] = Field(
+        None, gt=0, description="Of max_connections, how many one client address may hold; one more "
+                                "gets 429 + Retry-After at once. Default: half of max_connections. "
+                                "Behind a proxy on another host every request has the proxy's "
+                                "address: raise it to max_connections there.")
     replica_num_cpus: float = Field(1.0, gt=0, description="CPUs of the replica's own bundle (bundle 0).")
     num_replicas: Optional[int] = Field(
         None, gt=0, description="A fixed number of replicas, each an engine plus its TP workers "
@@ -127,12 +143,15 @@ class ServeAppConfig(BaseModel):
         None, description="Give each rank's bundle a GPU; when unset, true iff engine.parallel.device "
                           "is 'cuda' (or 'auto' on a cluster with GPUs).")
     control_headroom: int = Field(
-        16, ge=1, description="Serve slots per replica above the request capacity (max_ongoing_requests "
-                              "= max_num_seqs + max_queue_depth + this), so that /health, /stats and "
-                              "requests to be refused (4xx, 503) still reach the replica when it is full.")
+        32, ge=1, description="Serve slots per replica above max_connections (max_ongoing_requests = "
+                              "max_connections + this), so that /health and /stats, and requests "
+                              "being refused with 503/429, still reach the replica when it is full.")
     max_queued_requests: int = Field(
         64, ge=1, description="Serve's own bounded queue in front of the replicas (requests beyond "
-                              "every replica's max_ongoing_requests); past it Serve answers 503.")
+                              "every replica's max_ongoing_requests); past it Serve answers 503 in "
+                              "plain text (with Retry-After) itself. Reached only when more than "
+                              "control_headroom + this requests arrive faster than a full replica "
+                              "refuses them.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
     step_timeout_s: float = Field(120.0, gt=0, description="A step running longer than this fails "
@@ -152,6 +171,13 @@ class ServeAppConfig(BaseModel):
         if target and target > self.max_in_flight:
             raise ValueError(f"autoscaling_config.target_ongoing_requests: {target:g} is above what a "
                              f"replica admits (max_num_seqs + max_queue_depth = {self.max_in_flight})")
+        if self.max_connections is not None and self.max_connections < self.max_in_flight:
+            raise ValueError(f"max_connections: {self.max_connections} is below max_num_seqs + "
+                             f"max_queue_depth = {self.max_in_flight}: the engine could never fill; "
+                             f"lower max_queue_depth instead")
+        if self.max_requests_per_client is not None and self.max_requests_per_client > self.connection_limit:
+            raise ValueError(f"max_requests_per_client: {self.max_requests_per_client} exceeds "
+                             f"max_connections = {self.connection_limit}")
         return self
 
     def tokenizer_folder(self) -> Optional[str]:
@@ -171,6 +197,16 @@ class ServeAppConfig(BaseModel):
     @property
     def max_in_flight(self) -> int:
         return self.engine.max_num_seqs + self.max_queue_depth
+
+    @property
+    def connection_limit(self) -> int:
+        """max_connections, or its default."""
+        return self.max_connections or 2 * self.max_in_flight
+
+    @property
+    def client_limit(self) -> int:
+        """max_requests_per_client, or its default."""
+        return self.max_requests_per_client or max(1, self.connection_limit // 2)
 
 
 # --------------------------------------------------------------------------------------- requests
@@ -264,8 +300,8 @@ class FieldError(BaseModel):
 
 class OpenAIError(BaseModel):
     message: str = Field(description="Same as `detail`.")
-    type: str = Field(description="'invalid_request_error', 'not_found_error', 'service_unavailable' "
-                                  "or 'server_error'.")
+    type: str = Field(description="'invalid_request_error', 'not_found_error', 'rate_limit_error' "
+                                  "(429), 'service_unavailable' or 'server_error'.")
     param: Optional[str] = Field(None, description="Same as `field`.")
     code: int = Field(description="The HTTP status.")
 
@@ -317,6 +353,16 @@ class StatsResponse(BaseModel):
     requests_by_finish_reason: dict[str, int] = Field(
         description="Finished requests by finish reason ('length', 'stop', 'abort', 'error').")
     requests_rejected_full: int = Field(description="Requests answered 503 because the queue was full.")
+    connections_open: int = Field(description="Requests the replica holds open (max_connections counts "
+                                              "them), a body still arriving included.")
+    max_connections: int = Field(description="Bound on connections_open: beyond it new requests get 503.")
+    max_requests_per_client: int = Field(description="Bound on one client address's open requests: "
+                                                     "beyond it, 429.")
+    clients_open: int = Field(description="Client addresses with open requests.")
+    requests_rejected_connections: int = Field(description="Requests answered 503 because "
+                                                           "max_connections were open.")
+    requests_rejected_client: int = Field(description="Requests answered 429 because their client "
+                                                      "held max_requests_per_client.")
     engine_alive: bool = Field(description="Whether the engine loop is running.")
     uptime_s: float = Field(description="Seconds since the engine loop started.")
     vocab_size: int = Field(description="The model's vocabulary size (valid token ids are below it).")

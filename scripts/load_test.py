@@ -7,8 +7,10 @@ no request starts after ``--duration`` seconds, each has ``--request-timeout``, 
 waits (at most ``--drain-timeout``) for the server's in-flight count to reach 0 before it reads the
 KV blocks still in use from ``/stats`` -- any left at that point are leaked.
 
-Reports requests completed, errors (by kind), 503 rejections, p50/p99 latency, tokens/s and KV
-blocks in use at the end; writes them as JSON (default ``benchmarks/results/load_test.json``).
+Reports requests completed, errors (by kind), rejections (503, and 429 when one client address
+holds the replica's ``max_requests_per_client``; both reported as ``rejected_503``), p50/p99
+latency, tokens/s and KV blocks in use at the end; writes them as JSON (default
+``benchmarks/results/load_test.json``).
 With ``--check`` it exits 1 unless there were 0 errors and 0 leaked blocks::
 
     serve run deploy/serve_config.yaml &
@@ -110,7 +112,7 @@ async def client_loop(cid: int, client, args, vocab, prefixes, deadline, rec: Re
         stream = rng.random() < args.stream_fraction
         status, detail, t0 = await one_request(client, make_body(rng, args, vocab, prefixes), stream,
                                                rec, args.request_timeout)
-        if status == 503:
+        if status in (429, 503):  # a refusal with Retry-After, not an error: back off
             rec.rejected += 1
             await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         elif status != 200:

@@ -1,10 +1,19 @@
 import os
+import signal
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.timescale import TIME_SCALE
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+def pytest_report_header(config):
+    return f"test time scale: {TIME_SCALE:.2f} (RAY_ATTN_TEST_TIME_SCALE; waits are stretched by it)"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +29,62 @@ def pytest_collection_modifyitems(config, items):
 def rng(request):
     # Random inputs that differ per test case yet reproduce exactly on a rerun of that case.
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ------------------------------------------------------------------ a summary, whatever happens
+# Two ways a run with Ray in it used to end with no summary:
+# - ray.init installs a SIGTERM handler in the driver that raises SystemExit.  Inside a test that
+#   is only a failed test, so pytest went on to the next one (and the next hang) until something
+#   sent SIGKILL.  Here SIGTERM ends the session instead, with its summary.
+# - a Ray driver whose GCS is gone exits the process from C++ after 60 s (see summary_guard.py):
+#   nothing in this process can print after that, so a child process does, from the events fed
+#   to it by _SummaryGuard.
+def _sigterm(signum, frame):
+    pytest.exit(f"SIGTERM: the run was stopped from outside (signal {signum})", returncode=143)
+
+
+class _SummaryGuard:
+    """Feeds tests/summary_guard.py one line per test event; tells it when pytest ended cleanly."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def send(self, *fields: str) -> None:
+        if self.proc.stdin is None or self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.write("\t".join(f.replace("\t", " ").replace("\n", " ") for f in fields) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass  # the guard is gone: the run goes on without it
+
+    def pytest_runtest_logstart(self, nodeid):
+        self.send("start", nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        self.send("report", report.nodeid, report.when, report.outcome)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item):
+        # The test's fixtures have run: a ray.init among them put Ray's handler back.
+        if signal.getsignal(signal.SIGTERM) is not _sigterm:
+            signal.signal(signal.SIGTERM, _sigterm)
+
+    def pytest_unconfigure(self, config):
+        self.send("end")
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return  # an xdist worker reports to its controller, which has its own guard
+    signal.signal(signal.SIGTERM, _sigterm)
+    # Output capture is suspended while plugins configure: the guard inherits the real stdout.
+    # Its own session: a Ctrl-C or a group kill meant for pytest leaves it there to report.
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("summary_guard.py"))],
+                            stdin=subprocess.PIPE, text=True, start_new_session=True)
+    config.pluginmanager.register(_SummaryGuard(proc), "ray_attn_summary_guard")

@@ -3,6 +3,8 @@
 Two apps on one HTTP port: ``/`` is the TP=2 app (Ray worker actors in the replica's placement
 group, with a byte-level BPE tokenizer and a ChatML template trained in the test), ``/plain`` is a
 TP=1 in-process app without a tokenizer.  Both end at the tokenizer's EOS, as the direct engine does.
+``/plain`` has small connection bounds and a short body timeout (``FRONT``) for the hostile-client
+tests; ``/`` has room for the concurrent tests of one client.  Every deadline is ``scaled``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.timescale import scaled
 from tests.tokenizer_fixture import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 # Small limits so that the catalogue can reach them cheaply.
 LIMITS = dict(max_prompt_tokens=64, max_tokens_limit=128, max_stop_token_ids=4, max_queue_depth=4,
               max_body_bytes=4096, retry_after_s=2)
+# The TP=2 app takes 37 requests at once from one client (tests/deploy/test_serve_app.py).
+MAIN_BOUNDS = dict(max_connections=64, max_requests_per_client=64)
+# The /plain app's bounds (tests/deploy/test_front.py): reachable with a few raw sockets.
+FRONT = dict(max_connections=12, max_requests_per_client=4, body_timeout_s=round(scaled(2.0), 1),
+             max_body_bytes=1 << 20)
 MAX_NUM_SEQS = 4
 MODEL_ID = "tiny-chat"
 
@@ -40,8 +48,12 @@ class Served:
     args: dict
     tokenizer_dir: str
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60), **kw)
+        return httpx.Client(base_url=self.url, timeout=scaled(kw.pop("timeout", 60)), **kw)
 
 
 @pytest.fixture(scope="package")
@@ -71,10 +83,13 @@ def served(ray_session, tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     eng = engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS, eos=True)
     build_tokenizer(tok_dir, eng.model.vocab_size)
-    args = dict(LIMITS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir), served_model_name=MODEL_ID,
-                replica_num_cpus=0.5, health_check_period_s=1.0, health_check_timeout_s=10.0,
-                health_ping_timeout_s=3.0)
-    plain = dict(LIMITS, executor="in_process", replica_num_cpus=0.5,
+    # A ping that misses its deadline on a busy machine fails check_health, and three in a row
+    # make Serve replace a healthy replica under the next test: the deadlines are scaled.
+    args = dict(LIMITS, **MAIN_BOUNDS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir),
+                served_model_name=MODEL_ID, replica_num_cpus=0.5, health_check_period_s=1.0,
+                health_check_timeout_s=scaled(10.0), health_ping_timeout_s=scaled(5.0))
+    plain = dict(LIMITS, **FRONT, executor="in_process", replica_num_cpus=0.5,
+                 health_check_timeout_s=scaled(10.0),
                  engine=engine_config(tp=1, max_num_seqs=MAX_NUM_SEQS, eos=True).model_dump(mode="json"))
     port = free_port()
     t0 = time.perf_counter()

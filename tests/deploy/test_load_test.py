@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.conftest import LIMITS, MAX_NUM_SEQS
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
@@ -22,14 +23,15 @@ def test_load_test_reports_zero_errors_and_zero_leaked_blocks(served, tmp_path):
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--url", served.url, "--clients", str(clients), "--duration", "6",
-         "--max-tokens", "12", "--prompt-len", "24", "--request-timeout", "30", "--drain-timeout", "15",
+         "--max-tokens", "12", "--prompt-len", "24", "--request-timeout", str(scaled(30)),
+         "--drain-timeout", str(scaled(15)),
          "--out", str(out), "--check"],
-        capture_output=True, text=True, timeout=90)
+        capture_output=True, text=True, timeout=scaled(90))
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     print("\n" + proc.stdout)
-    assert wall < 60, "the load test must stop by itself"
+    assert wall < scaled(60), "the load test must stop by itself"
     assert report["errors"] == 0, report["error_samples"]
     assert report["requests_completed"] > 0 and report["tokens_per_s"] > 0
     assert report["rejected_503"] > 0, "more clients than capacity: the queue limit must answer 503"

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.deploy.conftest import MODEL_ID
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +18,7 @@ PROMPT = "hello world, the quick brown fox"
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=scaled(120)) as c:
         yield c
 
 
@@ -29,7 +30,7 @@ def tok(served):
 
 
 def generate(served, **body) -> dict:
-    r = httpx.post(served.url + "/v1/generate", json=body, timeout=120)
+    r = httpx.post(served.url + "/v1/generate", json=body, timeout=scaled(120))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -185,7 +186,7 @@ def test_unknown_model_is_404(client):
 
 
 def test_chat_without_a_tokenizer_is_refused_by_name(served):
-    with openai.OpenAI(base_url=served.plain_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=served.plain_url + "/v1", api_key="x", max_retries=0, timeout=scaled(60)) as c:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="ray_attn-random", messages=[{"role": "user", "content": "hi"}])
         assert e.value.body["param"] == "messages"

@@ -17,13 +17,14 @@ import pytest
 
 from tests.deploy.conftest import LIMITS, MAX_NUM_SEQS
 from tests.deploy.helpers import direct_generate, workload
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 VOCAB = 512
 
 
 async def post_all(url: str, bodies: list[dict], timeout: float = 120) -> list[httpx.Response]:
-    async with httpx.AsyncClient(base_url=url, timeout=timeout) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=scaled(timeout)) as c:
         return await asyncio.gather(*[c.post("/v1/generate", json=b) for b in bodies])
 
 
@@ -41,7 +42,8 @@ def read_sse(resp: httpx.Response) -> tuple[list[dict], bool]:
 
 
 def wait_for(pred, timeout: float, every: float = 0.1):
-    deadline = time.monotonic() + timeout
+    """``pred()`` once truthy, polling for up to ``timeout`` seconds (scaled); its last value."""
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         value = pred()
         if value or time.monotonic() > deadline:
@@ -49,12 +51,19 @@ def wait_for(pred, timeout: float, every: float = 0.1):
         time.sleep(every)
 
 
+def drained(c) -> bool:
+    """Nothing in flight and no KV block in use.  The counters move when a request ends, the KV
+    figures with the engine loop's next snapshot: wait for both."""
+    s = c.get("/stats").json()
+    return s["in_flight"] == 0 and s["kv_blocks_used"] == 0
+
+
 # ------------------------------------------------------------------------------------ correctness
 
 def serving_healthy(c, engine_alive: bool = False) -> bool:
     """/health answers 200 (and, if asked, /stats shows no dead engine); False while unreachable."""
     try:
-        return c.get("/health", timeout=5).status_code == 200 and (
+        return c.get("/health", timeout=scaled(5)).status_code == 200 and (
             not engine_alive or stat(c, "engine_dead") is None)
     except httpx.HTTPError:
         return False
@@ -99,7 +108,7 @@ def test_stop_token_ends_generation(served, direct_engine):
     body = workload(1, VOCAB, seed=13, max_tokens=12)[0]
     full = direct_generate(direct_engine, [body])[0]
     stop = full[3]
-    r = httpx.post(served.url + "/v1/generate", json=dict(body, stop=[stop]), timeout=60)
+    r = httpx.post(served.url + "/v1/generate", json=dict(body, stop=[stop]), timeout=scaled(60))
     assert r.status_code == 200
     out = r.json()
     assert out["token_ids"] == full[:full.index(stop) + 1] and out["finish_reason"] == "stop"
@@ -122,7 +131,7 @@ def test_text_prompt_with_tokenizer(served, direct_engine):
     text = "hello world the quick brown fox"
     ids = tok.encode(text)
     want = direct_generate(direct_engine, [{"prompt_token_ids": ids, "max_tokens": 6}])[0]
-    r = httpx.post(served.url + "/v1/generate", json={"prompt": text, "max_tokens": 6}, timeout=60)
+    r = httpx.post(served.url + "/v1/generate", json={"prompt": text, "max_tokens": 6}, timeout=scaled(60))
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["token_ids"] == want
@@ -132,10 +141,10 @@ def test_text_prompt_with_tokenizer(served, direct_engine):
 
 def test_in_process_app_without_tokenizer(served, direct_engine):
     body = workload(1, VOCAB, seed=14, max_tokens=5)[0]
-    r = httpx.post(served.plain_url + "/v1/generate", json=body, timeout=60)
+    r = httpx.post(served.plain_url + "/v1/generate", json=body, timeout=scaled(60))
     assert r.status_code == 200
     assert r.json()["token_ids"] == direct_generate(direct_engine, [body])[0]
-    r = httpx.post(served.plain_url + "/v1/generate", json={"prompt": "hello"}, timeout=60)
+    r = httpx.post(served.plain_url + "/v1/generate", json={"prompt": "hello"}, timeout=scaled(60))
     assert r.status_code == 422 and r.json()["field"] == "prompt"
     assert "tokenizer" in r.json()["detail"]
 
@@ -186,13 +195,13 @@ def test_replica_and_workers_share_one_placement_group(served):
 def test_prometheus_metrics_are_exported(served):
     import ray
 
-    httpx.post(served.url + "/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 3}, timeout=60)
+    httpx.post(served.url + "/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 3}, timeout=scaled(60))
     port = ray._private.worker.global_worker.node.metrics_export_port
     names = ("ray_attn_step_latency_s_bucket", "ray_attn_tokens_generated", "ray_attn_kv_cache_usage",
              "ray_attn_queue_depth")
 
     def scrape():
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=scaled(10)).text
         return text if all(n in text for n in names) else None
 
     assert wait_for(scrape, 30, 1.0), f"missing some of {names}"
@@ -242,7 +251,7 @@ BAD = [
 @pytest.mark.parametrize("case,body,status,field", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_4xx_naming_the_field(served, case, body, status, field):
     r = httpx.post(served.url + "/v1/generate", content=body,
-                   headers={"content-type": "application/json"}, timeout=30)
+                   headers={"content-type": "application/json"}, timeout=scaled(30))
     assert r.status_code == status, r.text
     err = r.json()
     assert err["field"] == field, err
@@ -254,7 +263,7 @@ def test_bad_input_does_not_disturb_requests_in_flight(served, direct_engine):
     want = direct_generate(direct_engine, bodies)
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=served.url, timeout=scaled(120)) as c:
             good = [asyncio.create_task(c.post("/v1/generate", json=b)) for b in bodies]
             await asyncio.sleep(0.3)  # let them start running
             bad = await asyncio.gather(*[
@@ -268,8 +277,7 @@ def test_bad_input_does_not_disturb_requests_in_flight(served, direct_engine):
     assert mid["in_flight"] <= len(bodies), "no bad request may be admitted"
     assert [r.json()["token_ids"] for r in good] == want
     with served.client() as c:
-        assert wait_for(lambda: c.get("/stats").json()["in_flight"] == 0, 10)
-        assert c.get("/stats").json()["kv_blocks_used"] == 0
+        assert wait_for(lambda: drained(c), 10), c.get("/stats").json()
 
 
 def test_full_queue_answers_503_with_retry_after(served, direct_engine):
@@ -280,7 +288,7 @@ def test_full_queue_answers_503_with_retry_after(served, direct_engine):
     want = direct_generate(direct_engine, bodies)
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=served.url, timeout=scaled(120)) as c:
             streams = [await c.send(c.build_request("POST", "/v1/generate", json=dict(b, stream=True)),
                                     stream=True) for b in bodies]
             # Every stream has its headers: all `cap` requests are accepted and unfinished.
@@ -323,9 +331,10 @@ def test_client_disconnect_aborts_and_frees_blocks(served):
                     break
         # The stream is closed after 2 of 128 tokens: the server must abort and free its blocks.
 
-        def aborted():
+        def aborted():  # the KV figures follow the counters at the engine loop's next snapshot
             s = c.get("/stats").json()
-            return s["in_flight"] == 0 and s["requests_by_finish_reason"].get("abort", 0) > aborted_before and s
+            return (s["in_flight"] == 0 and s["requests_by_finish_reason"].get("abort", 0) > aborted_before
+                    and s["kv_blocks_used"] == 0 and s)
 
         s = wait_for(aborted, 15)
         assert s, c.get("/stats").json()
@@ -342,7 +351,7 @@ def kill_one_rank() -> int:
 
 def stat(c: httpx.Client, key: str):
     try:
-        return c.get("/stats", timeout=5).json().get(key)
+        return c.get("/stats", timeout=scaled(5)).json().get(key)
     except (httpx.HTTPError, ValueError):
         return None
 
@@ -357,7 +366,7 @@ def test_dead_worker_is_recovered_in_place(served, direct_engine):
         t0 = time.perf_counter()
         # Killed once the first token is out: mid-request by construction, however fast the
         # machine (a fixed sleep let an idle CI box finish all 40 tokens first).
-        with c.stream("POST", "/v1/generate", json=dict(body, stream=True), timeout=120) as r:
+        with c.stream("POST", "/v1/generate", json=dict(body, stream=True), timeout=scaled(120)) as r:
             assert r.status_code == 200
             events, lines = [], r.iter_lines()
             for line in lines:
@@ -386,7 +395,7 @@ def test_rank_that_keeps_dying_ends_requests_and_serve_replaces_the_replica(serv
     with served.client() as c:
 
         async def scenario():
-            async with httpx.AsyncClient(base_url=served.url, timeout=120) as ac:
+            async with httpx.AsyncClient(base_url=served.url, timeout=scaled(120)) as ac:
                 # The first kill lands while the replica is idle, so the request's first step
                 # finds it (a kill after a fixed sleep could miss a request that already ended);
                 # each later one as soon as the previous recovery is done, while the request is
@@ -395,7 +404,7 @@ def test_rank_that_keeps_dying_ends_requests_and_serve_replaces_the_replica(serv
                 kill_one_rank()
                 task = asyncio.create_task(ac.post("/v1/generate", json=long_body))
                 while True:
-                    deadline = time.monotonic() + 30
+                    deadline = time.monotonic() + scaled(30)
                     while stat(c, "recoveries") == seen and not stat(c, "engine_dead"):
                         assert time.monotonic() < deadline, "neither a recovery nor a stop"
                         await asyncio.sleep(0.05)
@@ -434,7 +443,7 @@ def test_dead_replica_is_replaced_and_later_requests_succeed(served, direct_engi
     old_workers = {a["Pid"] for a in app_workers()}
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=served.url, timeout=60) as c:
+        async with httpx.AsyncClient(base_url=served.url, timeout=scaled(60)) as c:
             inflight = asyncio.create_task(c.post("/v1/generate", json=dict(body, max_tokens=128)))
             await asyncio.sleep(0.5)
             os.kill(replicas[0]["Pid"], signal.SIGKILL)

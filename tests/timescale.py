@@ -1,0 +1,61 @@
+"""One factor by which the tests' waits and timeouts grow on a slow or busy machine.
+
+A deadline that a Ray cluster meets in 3 s on an idle box is missed on two cores shared with other
+jobs: a worker ping times out, Serve marks a healthy replica unhealthy and replaces it, and the
+tests after it fail for a reason that is not theirs.  Every wait that would fail a test when
+missed is written for an idle machine and stretched by ``scaled``.
+
+The factor is ``RAY_ATTN_TEST_TIME_SCALE`` when set; otherwise it is measured once per process:
+the larger of the 1-minute load average per CPU and a fixed pure-Python workload's time against
+its time on an idle reference machine, within [1, 10].  It is exported to the environment, so
+subprocesses (scripts under test) use the same factor.  Waits only ever grow: a fast machine runs
+with 1.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+ENV = "RAY_ATTN_TEST_TIME_SCALE"
+MAX_SCALE = 10.0
+_REFERENCE_S = 0.011  # _workload() on an idle core of the 2-core development machine
+
+
+def _workload() -> float:
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(300_000):
+        x += i * i % 7
+    return time.perf_counter() - t0
+
+
+def measure() -> float:
+    """The factor for this machine now (see the module docstring)."""
+    cpus = os.cpu_count() or 1
+    load = os.getloadavg()[0] / cpus if hasattr(os, "getloadavg") else 0.0
+    speed = statistics.median(_workload() for _ in range(5)) / _REFERENCE_S
+    return min(MAX_SCALE, max(1.0, load, speed))
+
+
+def _from_env() -> float | None:
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV}={raw!r}: not a number") from None
+    if not 1.0 <= value <= 100.0:
+        raise ValueError(f"{ENV}={raw!r}: must be in [1, 100]")
+    return value
+
+
+TIME_SCALE: float = _from_env() or measure()
+os.environ[ENV] = f"{TIME_SCALE:.2f}"
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` (right for an idle machine) stretched for this one."""
+    return seconds * TIME_SCALE
