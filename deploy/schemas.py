@@ -1,4 +1,5 @@
-"""Pydantic models of the Serve app: its config, and the HTTP request and response bodies.
+"""Pydantic models of the Serve app's HTTP request and response bodies (its config is in
+``app_config.py``, re-exported here).
 
 Every request model forbids unknown fields and runs in strict mode (``"5"`` is not an int, ``1``
 is not a bool), so that a wrong type is answered with a 4xx naming the field instead of being
@@ -8,205 +9,24 @@ live in :class:`ServeAppConfig` and are checked by the app after parsing.
 
 from __future__ import annotations
 
-import os
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from deploy.app_config import (  # noqa: F401  (re-exported: the app config's old home)
+    AutoscalingSpec,
+    PrefixRouterConfig,
+    ServeAppConfig,
+    app_args_from_file,
+    default_engine_config,
+    engine_config_from_file,
+)
 
 INT64_MAX = 2**63 - 1
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-# ------------------------------------------------------------------------------------- app config
-def default_engine_config() -> EngineConfig:
-    """A small random-weight model with two real TP workers on CPU: light enough for 2 cores."""
-    return EngineConfig(
-        model=ModelConfig.from_name("serve-cpu"),
-        cache=CacheConfig(num_blocks=512, block_size=16),
-        parallel=ParallelConfig(tensor_parallel_size=2, device="cpu", num_cpus_per_worker=0.5),
-        max_num_seqs=32, max_num_batched_tokens=1024)
-
-
-class AutoscalingSpec(BaseModel):
-    """Serve's autoscaling of the LLMServer deployment (``autoscaling_config`` of the app args).
-    Each replica Serve adds is a whole engine with its own placement group (replica + TP ranks)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 lets the app scale to zero "
-                                                   "when idle (the first request then waits for one).")
-    max_replicas: int = Field(2, ge=1, description="Most replicas; each needs its own replica bundle "
-                                                   "and TP bundles on one node.")
-    target_ongoing_requests: Optional[float] = Field(
-        None, gt=0, description="Requests in flight per replica that Serve steers towards (it adds "
-                                "replicas above it, removes them below). Unset: engine.max_num_seqs, "
-                                "one full running batch per replica.")
-    upscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay above target "
-                                                           "before Serve adds a replica.")
-    downscale_delay_s: float = Field(600.0, ge=0, description="How long load must stay below target "
-                                                              "before Serve removes a replica.")
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas: {self.max_replicas} is below min_replicas "
-                             f"({self.min_replicas})")
-        return self
-
-
-class PrefixRouterConfig(BaseModel):
-    """Settings of the prefix-cache-aware router (``request_router: prefix_aware``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    imbalanced_threshold: int = Field(
-        8, ge=0, description="Largest lead, in requests in flight, that the replica holding a "
-                             "request's prefix may have over the least loaded replica and still get "
-                             "the request; beyond it the request goes by power-of-two choices.")
-    min_match_blocks: int = Field(
-        1, ge=1, description="Full prompt blocks a replica must already hold for the request to "
-                             "prefer it.")
-    max_blocks_per_replica: Optional[int] = Field(
-        None, gt=0, description="Block hashes remembered per replica (least recently routed "
-                                "forgotten first). Unset: engine.cache.num_blocks, or 65536 when the "
-                                "cache is sized from GPU memory.")
-    ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs of the front deployment that "
-                                                            "reads bodies and forwards requests.")
-    ingress_max_ongoing_requests: int = Field(
-        1024, ge=1, description="Requests the front deployment holds at once (it only forwards; "
-                                "admission stays with the replicas).")
-
-
-class ServeAppConfig(BaseModel):
-    """The ``args:`` of the Serve app (``deploy.app:build_app``): the engine plus the HTTP limits."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    engine: EngineConfig = Field(default_factory=default_engine_config,
-                                 description="The engine each replica runs (model, KV cache, TP layout).")
-    executor: Literal["ray", "in_process"] = Field(
-        "ray", description="'ray': one Ray actor per TP rank, placed in the replica's own placement "
-                           "group; 'in_process': TP=1 inside the replica process, no worker actors.")
-    tokenizer: Optional[str] = Field(
-        None, description="Local folder with a Hugging Face tokenizer (and its chat template); enables "
-                          "text prompts, text in responses, stop strings and chat. Default: the "
-                          "checkpoint folder when it holds a tokenizer. Local files only, no remote code.")
-    served_model_name: Optional[str] = Field(
-        None, description="The `model` name of the OpenAI endpoints (GET /v1/models); default: the "
-                          "checkpoint folder's name, else 'ray_attn-random'.")
-    max_choices: int = Field(16, gt=0, description="Most completions one OpenAI request may ask for "
-                                                   "(prompts x n).")
-    max_prompt_tokens: int = Field(1024, gt=0, description="Longest prompt accepted, in tokens.")
-    max_tokens_limit: int = Field(256, gt=0, description="Largest `max_tokens` a request may ask for.")
-    max_stop_token_ids: int = Field(16, ge=0, description="Most entries in a request's `stop` list.")
-    max_queue_depth: int = Field(
-        64, ge=0, description="Requests that may wait beyond the engine's running batch "
-                              "(engine.max_num_seqs). Past max_num_seqs + max_queue_depth requests "
-                              "in flight, a new one gets 503 with Retry-After.")
-    max_body_bytes: int = Field(1 << 20, gt=0, description="Largest request body, in bytes (413 beyond).")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with every 503 and 429.")
-    body_timeout_s: float = Field(
-        30.0, gt=0, allow_inf_nan=False,
-        description="A request body must arrive in full within this many seconds of its handler "
-                    "starting to read it, else 408 and the connection is closed: a client that "
-                    "stalls mid-body must not hold its connection slot for as long as it likes.")
-    max_connections: Optional[int] = Field(
-        None, gt=0, description="Requests one replica holds open at once (every route but /health "
-                                "and /stats), counted from the moment the app gets them -- a client "
-                                "still sending its body counts -- until the response is sent; one "
-                                "more gets 503 + Retry-After at once. At least max_num_seqs + "
-                                "max_queue_depth. Default: twice that.")
-    max_requests_per_client: Optional[int] = Field(
-        None, gt=0, description="Of max_connections, how many one client address may hold; one more "
-                                "gets 429 + Retry-After at once. Default: half of max_connections. "
-                                "Behind a proxy on another host every request has the proxy's "
-                                "address: raise it to max_connections there.")
-    replica_num_cpus: float = Field(1.0, gt=0, description="CPUs of the replica's own bundle (bundle 0).")
-    num_replicas: Optional[int] = Field(
-        None, gt=0, description="A fixed number of replicas, each an engine plus its TP workers "
-                                "(1 when neither this nor autoscaling_config is given).")
-    autoscaling_config: Optional[AutoscalingSpec] = Field(
-        None, description="Let Serve scale the replicas with load; excludes num_replicas.")
-    request_router: Literal["default", "prefix_aware"] = Field(
-        "default", description="'default': Serve's power-of-two choices by queue length, HTTP "
-                               "straight to the replicas; 'prefix_aware': a front deployment reads "
-                               "each prompt and sends it to the replica that holds its prefix "
-                               "(deploy/router.py).")
-    prefix_router: PrefixRouterConfig = Field(
-        default_factory=PrefixRouterConfig, description="Settings of the prefix-aware router.")
-    use_gpu: Optional[bool] = Field(
-        None, description="Give each rank's bundle a GPU; when unset, true iff engine.parallel.device "
-                          "is 'cuda' (or 'auto' on a cluster with GPUs).")
-    control_headroom: int = Field(
-        32, ge=1, description="Serve slots per replica above max_connections (max_ongoing_requests = "
-                              "max_connections + this), so that /health and /stats, and requests "
-                              "being refused with 503/429, still reach the replica when it is full.")
-    max_queued_requests: int = Field(
-        64, ge=1, description="Serve's own bounded queue in front of the replicas (requests beyond "
-                              "every replica's max_ongoing_requests); past it Serve answers 503 in "
-                              "plain text (with Retry-After) itself. Reached only when more than "
-                              "control_headroom + this requests arrive faster than a full replica "
-                              "refuses them.")
-    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
-    health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
-    step_timeout_s: float = Field(120.0, gt=0, description="A step running longer than this fails "
-                                                            "check_health (a hung rank or collective).")
-    health_ping_timeout_s: float = Field(10.0, gt=0, description="How long check_health waits for the "
-                                                                 "workers' ping.")
-
-    @model_validator(mode="after")
-    def _check(self):
-        tp = self.engine.parallel.tensor_parallel_size
-        if self.executor == "in_process" and tp != 1:
-            raise ValueError(f"executor='in_process' runs tensor_parallel_size=1 only, got {tp}")
-        if self.num_replicas is not None and self.autoscaling_config is not None:
-            raise ValueError("num_replicas: give either a fixed num_replicas or autoscaling_config, "
-                             "not both")
-        target = self.autoscaling_config and self.autoscaling_config.target_ongoing_requests
-        if target and target > self.max_in_flight:
-            raise ValueError(f"autoscaling_config.target_ongoing_requests: {target:g} is above what a "
-                             f"replica admits (max_num_seqs + max_queue_depth = {self.max_in_flight})")
-        if self.max_connections is not None and self.max_connections < self.max_in_flight:
-            raise ValueError(f"max_connections: {self.max_connections} is below max_num_seqs + "
-                             f"max_queue_depth = {self.max_in_flight}: the engine could never fill; "
-                             f"lower max_queue_depth instead")
-        if self.max_requests_per_client is not None and self.max_requests_per_client > self.connection_limit:
-            raise ValueError(f"max_requests_per_client: {self.max_requests_per_client} exceeds "
-                             f"max_connections = {self.connection_limit}")
-        return self
-
-    def tokenizer_folder(self) -> Optional[str]:
-        if self.tokenizer:
-            return self.tokenizer
-        ckpt = self.engine.checkpoint
-        if ckpt and any(os.path.exists(os.path.join(ckpt, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return ckpt
-        return None
-
-    def model_id(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        ckpt = self.engine.checkpoint
-        return os.path.basename(os.path.normpath(ckpt)) if ckpt else "ray_attn-random"
-
-    @property
-    def max_in_flight(self) -> int:
-        return self.engine.max_num_seqs + self.max_queue_depth
-
-    @property
-    def connection_limit(self) -> int:
-        """max_connections, or its default."""
-        return self.max_connections or 2 * self.max_in_flight
-
-    @property
-    def client_limit(self) -> int:
-        """max_requests_per_client, or its default."""
-        return self.max_requests_per_client or max(1, self.connection_limit // 2)
 
 
 # --------------------------------------------------------------------------------------- requests
@@ -368,35 +188,6 @@ class StatsResponse(BaseModel):
     vocab_size: int = Field(description="The model's vocabulary size (valid token ids are below it).")
     max_prompt_tokens: int = Field(description="Limit on prompt length.")
     max_tokens_limit: int = Field(description="Limit on max_tokens.")
-
-
-# ------------------------------------------------------------------------------------ files
-def app_args_from_file(path: str) -> dict:
-    """The app args in a JSON/YAML file: a ``serve run`` config (its first application's
-    ``args``), app args themselves, or a bare engine config (returned as ``{"engine": ...}``)."""
-    import json
-    from pathlib import Path
-
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    if "applications" in data:
-        data = (data["applications"] or [{}])[0].get("args") or {}
-    if data and set(data) <= set(EngineConfig.model_fields):  # an engine config on its own
-        return {"engine": data}
-    return data
-
-
-def engine_config_from_file(path: str) -> EngineConfig:
-    """The EngineConfig in any file ``app_args_from_file`` reads (the default engine when it has none)."""
-    engine = app_args_from_file(path).get("engine")
-    return EngineConfig.model_validate(engine) if engine is not None else default_engine_config()
 
 
 # ------------------------------------------------------------------------------ deployment limits
