@@ -133,6 +133,9 @@ def serve_config(args):
             engine[section] = dict(engine.get(section) or {}) | given
     if args.max_num_seqs:
         engine["max_num_seqs"] = args.max_num_seqs
+    if args.device == "cpu":  # CPU ranks share the host's few cores: reserve half a core each
+        engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
+        app.setdefault("replica_num_cpus", 0.5)
     app["engine"] = engine
     for key, value in (("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name)):
         if value:
