@@ -213,3 +213,20 @@ def test_bench_serve_measures_the_app_over_http(served):
     # a token whose text is still an incomplete character streams as an empty chunk, which vLLM's
     # client (and ours) does not count as a token arrival: at most 4 gaps per request
     assert r["model_id"] == MODEL_ID and all(1 <= len(itl) <= 4 for itl in r["itls"])
+
+
+def test_n_samples_share_the_prompts_blocks(client, served):
+    """The n samples are queued together and admitted in one step: the first computes the
+    prompt's full blocks and the others hit them in that same step (/stats counts the hits)."""
+    import time
+
+    prompt = np.random.default_rng(3).integers(3, 400, 60).tolist()  # 3 full 16-token blocks
+    with httpx.Client(base_url=served.url, timeout=scaled(30)) as c:
+        before = c.get("/stats").json()["prefix_cache_hits"]
+        out = client.completions.create(model=MODEL_ID, prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=9)
+        assert len(out.choices) == 4
+        deadline = time.monotonic() + scaled(10)
+        while (hits := c.get("/stats").json()["prefix_cache_hits"] - before) < 3 * 48 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)  # /stats is the engine loop's last snapshot
+    assert hits >= 3 * 48  # three samples found the first one's 48 prompt tokens
