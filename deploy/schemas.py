@@ -198,20 +198,11 @@ def limit_errors(req: GenerateRequest, prompt_token_ids: list[int], *, vocab_siz
 
     ``prompt_token_ids`` is the prompt after tokenization (the ``prompt`` field when text was
     sent), so errors about it name whichever field the client used."""
-    errs: list[tuple[str, str]] = []
     pfield = "prompt_token_ids" if req.prompt_token_ids is not None else "prompt"
     n = len(prompt_token_ids)
-    if n == 0:
-        errs.append((pfield, f"{pfield}: the prompt is empty after tokenization"))
-    if n > max_prompt_tokens:
-        errs.append((pfield, f"{pfield}: {n} tokens exceeds the limit of {max_prompt_tokens} "
-                             f"(max_prompt_tokens)"))
-    elif req.prompt_token_ids is not None:
-        for i, t in enumerate(prompt_token_ids):
-            if not 0 <= t < vocab_size:
-                errs.append((f"prompt_token_ids[{i}]", f"prompt_token_ids[{i}]: token id {t} is "
-                                                       f"outside the vocabulary [0, {vocab_size})"))
-                break
+    # text prompts are the tokenizer's ids, which fit the vocabulary by construction
+    errs = prompt_errors(prompt_token_ids, pfield, max_prompt_tokens,
+                         vocab_size if req.prompt_token_ids is not None else None)
     if req.max_tokens > max_tokens_limit:
         errs.append(("max_tokens", f"max_tokens: {req.max_tokens} exceeds the limit of "
                                    f"{max_tokens_limit} (max_tokens_limit)"))
@@ -222,12 +213,26 @@ def limit_errors(req: GenerateRequest, prompt_token_ids: list[int], *, vocab_siz
         errs.append(("stop", f"stop: {len(req.stop)} stop token ids exceeds the limit of "
                              f"{max_stop_token_ids} (max_stop_token_ids)"))
     else:
-        for i, t in enumerate(req.stop):
-            if not 0 <= t < vocab_size:
-                errs.append((f"stop[{i}]", f"stop[{i}]: token id {t} is outside the vocabulary "
-                                           f"[0, {vocab_size})"))
-                break
+        errs += out_of_vocab(req.stop, "stop", vocab_size)
     return errs
+
+
+def out_of_vocab(ids, field: str, vocab_size: int) -> list[tuple[str, str]]:
+    """The first id outside [0, vocab_size) as a (``field[i]``, message) pair; [] when all fit."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            return [(f"{field}[{i}]", f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab_size})")]
+    return []
+
+
+def prompt_errors(ids, field: str, max_prompt_tokens: int, vocab_size: int | None) -> list[tuple[str, str]]:
+    """An empty or over-long prompt, else (with ``vocab_size``) its first out-of-vocabulary id."""
+    if not ids:
+        return [(field, f"{field}: the prompt is empty after tokenization")]
+    if len(ids) > max_prompt_tokens:
+        return [(field, f"{field}: {len(ids)} tokens exceeds the limit of {max_prompt_tokens} "
+                        f"(max_prompt_tokens)")]
+    return out_of_vocab(ids, field, vocab_size) if vocab_size is not None else []
 
 
 def field_name(loc: tuple) -> str:
@@ -236,9 +241,6 @@ def field_name(loc: tuple) -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
-
-
-_KNOWN_FIELDS = tuple(GenerateRequest.model_fields) + ("id",)
 
 
 def validation_errors(exc, model: type[BaseModel] = GenerateRequest) -> list[tuple[str, str]]:
@@ -250,7 +252,7 @@ def validation_errors(exc, model: type[BaseModel] = GenerateRequest) -> list[tup
         if e.get("type") == "value_error":
             msg = msg.removeprefix("Value error, ")
             head = msg.split(":", 1)[0]
-            if field == "body" and (head in _KNOWN_FIELDS or head in model.model_fields):
+            if field == "body" and head in model.model_fields:
                 field, msg = head, msg.split(":", 1)[1].strip()
         elif e.get("type") == "extra_forbidden":
             msg = f"unknown field (allowed: {', '.join(model.model_fields)})"

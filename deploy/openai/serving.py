@@ -10,6 +10,7 @@ finished at once and its engine request aborted, so no more of its tokens are co
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -17,6 +18,7 @@ from typing import AsyncIterator, Optional
 from deploy.http import HTTPError
 from deploy.loop import Event, LoopDead, QueueFull
 from deploy.openai.protocol import SamplingFields
+from deploy.schemas import out_of_vocab, prompt_errors, validation_errors
 
 _MASK64 = (1 << 64) - 1
 
@@ -214,8 +216,6 @@ def parse(model, body: bytes):
     """The body as ``model``; every problem a 400 naming its field (OpenAI answers 400 here)."""
     from pydantic import ValidationError
 
-    from deploy.schemas import validation_errors
-
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -229,16 +229,9 @@ def check_model(server, name: Optional[str]) -> None:
 
 
 def check_prompt(server, ids: list[int], field: str) -> None:
-    cfg = server.cfg
-    if not ids:
-        raise HTTPError(400, [(field, f"{field}: the prompt is empty after tokenization")])
-    if len(ids) > cfg.max_prompt_tokens:
-        raise HTTPError(400, [(field, f"{field}: {len(ids)} tokens exceeds the limit of "
-                                      f"{cfg.max_prompt_tokens} (max_prompt_tokens)")])
-    for i, t in enumerate(ids):
-        if not 0 <= t < server.vocab_size:
-            raise HTTPError(400, [(f"{field}[{i}]", f"{field}[{i}]: token id {t} is outside the "
-                                                    f"vocabulary [0, {server.vocab_size})")])
+    errs = prompt_errors(ids, field, server.cfg.max_prompt_tokens, server.vocab_size)
+    if errs:
+        raise HTTPError(400, errs)
 
 
 def resolve_max_tokens(server, asked: Optional[int], prompt_len: int, field: str) -> int:
@@ -268,10 +261,9 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
         if len(values) > cfg.max_stop_token_ids:
             raise HTTPError(400, [(name, f"{name}: {len(values)} entries exceeds the limit of "
                                          f"{cfg.max_stop_token_ids} (max_stop_token_ids)")])
-    for i, t in enumerate(stop_ids):
-        if not 0 <= t < server.vocab_size:
-            raise HTTPError(400, [(f"stop_token_ids[{i}]", f"stop_token_ids[{i}]: token id {t} is "
-                                                           f"outside the vocabulary [0, {server.vocab_size})")])
+    bad = out_of_vocab(stop_ids, "stop_token_ids", server.vocab_size)
+    if bad:
+        raise HTTPError(400, bad)
     if stops and server.tokenizer is None:
         raise HTTPError(400, [("stop", "stop: stop strings need a tokenizer on the server (app config "
                                        "'tokenizer'); use stop_token_ids")])
@@ -293,8 +285,6 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
 
 
 def sse(obj) -> str:
-    import json
-
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
