@@ -55,11 +55,13 @@ class IncrementalDetokenizer:
                 self._find_stop(before)
         return self.stopped
 
-    def _next_piece(self) -> str:
+    def _next_piece(self, final: bool = False) -> str:
+        """The text the unread tokens add; held back while it ends in an incomplete character,
+        unless ``final``."""
         w, p, r = self._window, self._prefix_offset, self._read_offset
         prefix = self._decode(w[p:r])
         full = self._decode(w[p:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self._prefix_offset, self._read_offset = r, len(w)
             return full[len(prefix):]
         return ""
@@ -80,14 +82,10 @@ class IncrementalDetokenizer:
         """The request ended: release a trailing incomplete character too (as U+FFFD)."""
         if self.stopped:
             return
-        w, p, r = self._window, self._prefix_offset, self._read_offset
-        rest = self._decode(w[p:])[len(self._decode(w[p:r])):]
-        if rest:
-            before = len(self.text)
-            self.text += rest
-            self._prefix_offset = self._read_offset = len(w)
-            if self.stop:
-                self._find_stop(before)
+        before = len(self.text)
+        self.text += self._next_piece(final=True)
+        if self.stop:
+            self._find_stop(before)
 
     def take(self, final: bool = False) -> str:
         """Text not yet handed out.  Until ``final`` (or a stop), the tail that could still be
