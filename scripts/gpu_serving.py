@@ -94,8 +94,15 @@ def serving_workloads(scale: float) -> dict[str, Workload]:
     return {w.name: w for w in out}
 
 
-def args_for(w: Workload, preset: str, seed: int):
-    argv = ["--backend", "engine", "--model", preset, "--disable-tqdm", "--ignore-eos", "--seed", str(seed),
+def workload_seed(seed: int, key: str) -> int:
+    """A seed of each workload's own: two workloads with the same prompts would find the first
+    one's blocks in the prefix cache, and the second would be measured on cache hits.  The HTTP
+    suite (``gpu_http_serving.py``) uses the same seeds, so both send the same prompts."""
+    return seed * 1_000_003 + zlib.crc32(key.encode()) % 1_000_003
+
+
+def args_for(w: Workload, preset: str, seed: int, backend: tuple[str, ...] = ("--backend", "engine")):
+    argv = [*backend, "--model", preset, "--disable-tqdm", "--ignore-eos", "--seed", str(seed),
             "--num-prompts", str(w.num_prompts), "--request-rate", str(w.rate), *w.flags]
     if w.max_concurrency:
         argv += ["--max-concurrency", str(w.max_concurrency)]
@@ -157,9 +164,7 @@ class Suite:
                                     rl.computed_starts(prompts, bs), batch, last_arrival)
 
     def seed(self, key: str) -> int:
-        """A seed of each workload's own: two workloads with the same prompts would find the
-        first one's blocks in the prefix cache, and the second would be measured on cache hits."""
-        return self.args.seed * 1_000_003 + zlib.crc32(key.encode()) % 1_000_003
+        return workload_seed(self.args.seed, key)
 
     def serve(self, engine, w: Workload, key: str | None = None) -> dict:
         args = args_for(w, self.args.preset, self.seed(key or w.name))

@@ -26,6 +26,7 @@ from ray_attn.config import ModelConfig
 from ray_attn.metadata import FlashAttentionMetadata
 from ray_attn.model import weights
 from ray_attn.model.attention import ParallelAttention
+from ray_attn.model.gemv import linear
 from ray_attn.model.layers import RMSNorm, RotaryEmbedding, Shard, new_param, replicated
 from ray_attn.model.tp import TPGroup
 
@@ -167,7 +168,7 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """float32 [B, vocab], the same on every rank (the LM head is replicated)."""
-        logits = F.linear(hidden[logits_indices], self.lm_head).float()
+        logits = linear(hidden[logits_indices], self.lm_head).float()
         cap = self.config.final_logit_soft_cap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap  # HF Gemma-2's order: divide, tanh, multiply

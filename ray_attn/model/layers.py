@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_attn.model.fused import apply_rope, rms_norm, silu_mul
+from ray_attn.model.gemv import linear
 from ray_attn.model.tp import TPGroup
 
 
@@ -167,7 +168,7 @@ class ColumnParallelLinear(nn.Module):
                            for i, s in enumerate(map(self.shard, range(len(self.parts))))], full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -183,7 +184,7 @@ class RowParallelLinear(nn.Module):
         return Shard(self.weight, (self.weight.shape[0], self.full_in), 1, self.start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight))
 
 
 def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_size: int, tp: TPGroup, *,

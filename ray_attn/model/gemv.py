@@ -1,0 +1,105 @@
+"""y = x W^T for one row (decode at batch 1), as one Triton kernel.
+
+Why: at batch 1 a decode step is a stream of weight reads.  cuBLAS reads the wide matrices
+(gate_up, the LM head) at the copy rate, but the narrow ones -- qkv, o_proj, down_proj, N <= 8192
+-- at 60-89% of it, and splits K for o_proj and down_proj, which adds a reduce kernel to each.
+This kernel gives each program 8 whole rows of W and streams them once over K in 1024-wide steps,
+keeping the dot products in float32 registers: no split, no second kernel, N / 8 programs.
+
+Measured on an H200, replayed from CUDA graphs over 32 layers' weights
+(``scripts/probe_decode_kernels.py``, benchmarks/NOTES.md): at one row, o_proj 13.2 -> 10.6 us,
+down_proj 31.2 -> 28.8 us, qkv 15.3 -> 14.6 us; gate_up (55 us) and the LM head are as fast in
+cuBLAS.  At two rows or more cuBLAS's tiles share each weight load across the rows and this
+kernel loses (o_proj 13.2 vs 14.0 us at two rows, 2x slower at four), so it serves one row only.
+Everything else -- CPU, other dtypes, wider N, more rows -- is ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ray_attn.backend.triton_ops import available
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU machines without triton
+    triton = None
+
+MAX_ROWS = 1  # from two rows on, cuBLAS wins (see above)
+MAX_N = 8192  # wider outputs (gate_up, the LM head) already stream at the copy rate in cuBLAS
+# RAY_ATTN_GEMV=0 turns the kernel off (an A/B switch for benchmarks; read once, at import).
+ENABLED = os.environ.get("RAY_ATTN_GEMV", "1") != "0"
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        mmask = rm < M
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * w_stride + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * x_stride + rk[None, :]
+        # Partial products stay per K lane until the end: one reduction per row, not per step.
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+            else:
+                kmask = (k + rk) < K
+                w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=2)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+def config(m: int, n: int, k: int) -> dict:
+    """Block sizes for an (m, n, k) product: 8 rows of W per program (N = 4096 gives 512
+    programs, ~4 per SM of an H200) and 16 KB of weights per K step at one row; a narrower K step
+    for more rows keeps the float32 partial sums (BLOCK_M x BLOCK_N x BLOCK_K) in registers."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    block_k = 1024 if block_m == 1 else 256 if block_m <= 2 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ bias) on CUDA with the Triton kernel; ``cfg`` overrides ``config``."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} must agree on K, unit stride")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    c = {**config(m, n, k), **cfg}
+    grid = (triton.cdiv(n, c["BLOCK_N"]),)
+    _gemv_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
+                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0, **c)
+    return y
+
+
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (ENABLED and available() and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and w.shape[0] <= MAX_N and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and w.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA (CPU: exactly F.linear)."""
+    if use_gemv(x, w):
+        return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
+    return F.linear(x, w, bias)

@@ -1,0 +1,69 @@
+"""The Triton GEMV (ray_attn/model/gemv.py) against a float64 product: on a GPU in bf16, and on
+CPU under Triton's interpreter when triton is installed (CI has none: those cases skip)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ray_attn.model import gemv as G
+
+# Shapes with ragged N and K (masked tails) beside the Llama-3-8B ones the kernel is tuned for.
+SHAPES = [(37, 1000), (6144, 4096), (4096, 14336), (130, 264)]
+
+
+def ref(x, w, b):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def inputs(m, n, k, dtype, device, bias, seed=0):
+    g = torch.Generator().manual_seed(seed + 7 * m + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype=dtype, device=device)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype=dtype, device=device)
+    b = torch.randn(n, generator=g).to(dtype=dtype, device=device) if bias else None
+    return x, w, b
+
+
+def test_cpu_is_exactly_f_linear():
+    x, w, b = inputs(2, 33, 70, torch.float32, "cpu", True)
+    assert not G.use_gemv(x, w)
+    assert torch.equal(G.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("n,k", [(37, 1000), (130, 264)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_interpreter_matches_float64(m, n, k, bias):
+    """float32 in, float32 out: only the summation order differs from float64 (K <= 1000 terms of
+    unit size: errors ~1e-6), so 1e-4 catches a dropped tail block, a wrong row or a lost bias."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernel is defined, at import
+        pytest.skip("run with TRITON_INTERPRET=1 to check the kernel on CPU")
+    x, w, b = inputs(m, n, k, torch.float32, "cpu", bias)
+    y = G.gemv(x, w, b, BLOCK_K=256)
+    torch.testing.assert_close(y.double(), ref(x, w, b), rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_bf16_matches_float64(m, n, k, bias):
+    """bf16 in and out, float32 accumulation.  Each rounding is relative to what it rounds: the
+    product x W^T (once, or twice where F.linear rounds it before adding the bias) and the sum with
+    the bias, each to bf16 (2^-9 relative); float32 sums of K <= 14336 unit-size terms add ~1e-5.
+    Bound: 2^-8 x (|x W^T| + |b|) + 1e-4."""
+    pytest.importorskip("triton")
+    x, w, b = inputs(m, n, k, torch.bfloat16, "cuda", bias)
+    assert G.use_gemv(x, w) == (G.ENABLED and m <= G.MAX_ROWS and n <= G.MAX_N)
+    r = ref(x, w, b)
+    tol = 2 ** -8 * (ref(x, w, None).abs() + (0 if b is None else b.double().abs())) + 1e-4
+    y = G.gemv(x, w, b)  # any row count works; the dispatch picks where it is used
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert ((y.double() - r).abs() <= tol).all()
+    # through the dispatch, from a strided x (a column slice, as the model's views are)
+    xs = torch.cat([x, x], 1)[:, :k]
+    assert ((G.linear(xs, w, b).double() - r).abs() <= tol).all()
