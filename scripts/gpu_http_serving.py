@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--result-dir", default=str(RESULTS))
     p.add_argument("--mirror-dir", default=None, help="also copy the result here after each workload ($OUT)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
+    p.add_argument("--compare-only", default=None, metavar="JSON",
+                   help="run nothing: redo this HTTP result's vs_engine against --engine-results")
     a = p.parse_args(argv)
     import torch
 
@@ -94,6 +96,16 @@ def main(argv=None) -> int:
         kv = {"auto": "bf16"}.get(a.kv_cache_dtype, a.kv_cache_dtype) + (f"_tp{a.tp}" if a.tp > 1 else "")
         conf = next((c for c in json.loads(engine_path.read_text())["configs"] if c["name"] == kv), {})
         engine_runs = conf.get("workloads", {})
+    if a.compare_only:
+        path = Path(a.compare_only)
+        res = json.loads(path.read_text())
+        for name, rec in res["workloads"].items():
+            if "median_itl_ms" in rec:
+                rec["vs_engine"] = compare(rec, engine_runs.get(name))
+        res["engine_results"] = str(engine_path) if engine_runs else None
+        path.write_text(json.dumps(res, indent=1, default=float) + "\n")
+        print(f"updated {path} against {engine_path}")
+        return 0
     out_path = Path(a.result_dir) / f"serving_h200_http{a.suffix}.json"
     out = dict(date=datetime.date.today().isoformat(), preset=a.preset, tp=a.tp, kv_cache_dtype=a.kv_cache_dtype,
                scale=a.scale, transport="http (Ray Serve proxy -> deploy.app replica)",

@@ -143,7 +143,8 @@ class Suite:
 
         a = self.args
         cfg = EngineConfig(model=ModelConfig.from_name(a.preset),
-                           cache=CacheConfig(kv_cache_dtype=kv_dtype, num_blocks=a.num_blocks),
+                           cache=CacheConfig(kv_cache_dtype=kv_dtype, num_blocks=a.num_blocks,
+                                             block_size=a.block_size),
                            parallel=ParallelConfig(tensor_parallel_size=tp, device=a.device,
                                                    use_compiled_graph=a.device == "cuda" and a.executor == "ray"),
                            max_num_seqs=256, max_num_batched_tokens=8192)
@@ -344,6 +345,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtypes", default="auto,fp8", help="comma-separated cache.kv_cache_dtype values, one engine each")
     p.add_argument("--executor", choices=["ray", "in_process"], default="ray")
     p.add_argument("--num-blocks", type=int, default=None, help="fix the KV cache (default: sized from memory)")
+    p.add_argument("--block-size", type=int, default=16, help="KV page size in tokens (FA3 takes any)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every prompt count (and decode batch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated workload names to run; the rest are marked skipped")

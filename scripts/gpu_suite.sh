@@ -8,7 +8,9 @@
 # ACCURACY_SUFFIX=_tp2 pick rows and the result file) | serving (one H200: the KV-sizing GPU
 # tests, then scripts/gpu_serving.py -- bf16 and fp8 KV engines, every serving workload, the
 # token-budget sweep and kv_capacity on the bf16 engine) | serving_tp2 (nvidia-h200-x2: the same
-# workloads at TP=2, bf16, and a TP=1 engine for the 64 x 4k efficiency).  SERVING_DEADLINE_S
+# workloads at TP=2, bf16, and a TP=1 engine for the 64 x 4k efficiency) | serving_http (one H200:
+# the same workloads over HTTP through the Serve app, scripts/gpu_http_serving.py; needs
+# `bash scripts/device/stage_serve.sh` here first, for Serve's HTTP stack).  SERVING_DEADLINE_S
 # (default 420 for serving, 480 for serving_tp2) stops starting workloads after that long, so the
 # call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
@@ -71,7 +73,13 @@ if [[ $stage == serving_tp2 ]]; then
   step python3 scripts/gpu_serving.py --tp 2 --kv-dtypes auto --no-capacity --budget-sweep "" \
     --deadline-s "${SERVING_DEADLINE_S:-480}" ${OUT:+--mirror-dir "$OUT"} ${SERVING_ARGS:-}
 fi
-if [[ $stage == serving || $stage == serving_tp2 ]]; then
+if [[ $stage == serving_http ]]; then
+  [[ -f .device/serve_env.sh ]] || { echo "run bash scripts/device/stage_serve.sh on the host first"; exit 1; }
+  source .device/serve_env.sh || exit 1
+  step python3 scripts/gpu_http_serving.py --deadline-s "${SERVING_DEADLINE_S:-420}" ${OUT:+--mirror-dir "$OUT"} \
+    ${SERVING_ARGS:-}
+fi
+if [[ $stage == serving || $stage == serving_tp2 || $stage == serving_http ]]; then
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"

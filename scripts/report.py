@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 R = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -73,7 +74,10 @@ def serving(paths=None):
     """The serving table from scripts/gpu_serving.py's ``serving_h200*.json``: one row per
     configuration and workload, the offline and decode measures, the goals, and others' published
     figures as context rows."""
-    paths = sorted(R.glob("serving_h200*.json")) if paths is None else paths
+    # the engine-thread suite's files only: _http (gpu_http_serving.py) and the _b{N} page-size
+    # reruns have their own layout and place
+    own = re.compile(r"serving_h200(?!.*_http)(?!_b\d+\.json).*\.json")
+    paths = sorted(p for p in R.glob("serving_h200*.json") if own.fullmatch(p.name)) if paths is None else paths
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if not runs:
         return
@@ -141,9 +145,42 @@ def serving(paths=None):
                  if "legacy_ideal_requests" in cap else ".") + "\n")
 
 
+def serving_http(suffix: str = ""):
+    """The HTTP serving table (``scripts/gpu_http_serving.py``) beside the engine-thread run of
+    the same workloads and prompts (``serving_h200.json``, bf16 config)."""
+    h = load("serving_h200_http" + suffix)
+    if not h:
+        return
+    eng = load("serving_h200" + suffix) or {"configs": []}
+    conf = next((c for c in eng["configs"] if c["name"] == "bf16"), {"workloads": {}})
+    rows = []
+    for key, r in h["workloads"].items():
+        e = conf["workloads"].get(key) or {}
+        if "output_throughput" not in r:
+            continue
+        ratio = lambda m: r[m] / e[m] if e.get(m) else None  # noqa: E731
+        rows.append(dict(workload=key, prompts=r["completed"], out_tok_s=r["output_throughput"],
+                         vs_engine=ratio("output_throughput"), ttft_p50=r["median_ttft_ms"],
+                         ttft_added=r["median_ttft_ms"] - e["median_ttft_ms"] if e else None,
+                         tpot_p50=r["median_tpot_ms"], tpot_vs_engine=ratio("median_tpot_ms"),
+                         itl_p50=r["median_itl_ms"], itl_p99=r["p99_itl_ms"]))
+    ms = lambda v: "" if v is None else f"{v:,.1f}"  # noqa: E731
+    x = lambda v: "" if v is None else f"{v:.3f}x"  # noqa: E731
+    print(f"### Serving over HTTP ({h['preset']}, {h['kv_cache_dtype']} KV, TP={h['tp']}, {h['date']}; "
+          "`python scripts/gpu_http_serving.py`)\n")
+    print(table(rows, ["workload", "prompts", "out_tok_s", "vs_engine", "ttft_p50", "ttft_added", "tpot_p50",
+                       "tpot_vs_engine", "itl_p50", "itl_p99"],
+                {"out_tok_s": num, "vs_engine": x, "ttft_p50": ms, "ttft_added": ms, "tpot_p50": ms,
+                 "tpot_vs_engine": x, "itl_p50": ms, "itl_p99": ms}))
+    print("\nStreamed `/v1/completions` through Ray Serve's proxy and our app, timed at the client "
+          "(`bench_serve.py --backend openai`); `vs_engine` and `ttft_added` against the engine-thread "
+          "run above (same prompts, its own engine).\n")
+
+
 def main():
     accuracy()
     serving()
+    serving_http()
     a = load("bench_attention")
     if a:
         m = a["machine"]

@@ -64,6 +64,11 @@ def test_gpu_bf16_matches_float64(m, n, k, bias):
     y = G.gemv(x, w, b)  # any row count works; the dispatch picks where it is used
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert ((y.double() - r).abs() <= tol).all()
-    # through the dispatch, from a strided x (a column slice, as the model's views are)
+    # through the dispatch, from a strided x (a column slice, as the model's views are): our
+    # kernel where it serves, else exactly F.linear (cuBLAS, whose bf16 split-K reductions are
+    # not held to this bound)
     xs = torch.cat([x, x], 1)[:, :k]
-    assert ((G.linear(xs, w, b).double() - r).abs() <= tol).all()
+    if G.use_gemv(xs, w):
+        assert ((G.linear(xs, w, b).double() - r).abs() <= tol).all()
+    else:
+        assert torch.equal(G.linear(xs, w, b), F.linear(xs, w, b))
