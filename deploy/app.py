@@ -34,7 +34,8 @@ from pydantic import ValidationError
 from ray import serve
 
 from deploy.admission import Admission, AdmissionMiddleware
-from deploy.http import HTTPError, error_responses, install_error_handlers, read_body
+from deploy.http import (HTTPError, error_responses, install_error_handlers, not_taken, read_body,
+                         request_failed)
 from deploy.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
 from deploy.metrics import RayMetricsHooks
 from deploy.openai.chat import create_chat_completion
@@ -269,12 +270,8 @@ class LLMServer:
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
         try:
             rid = self.loop.submit(prompt, params, sink)
-        except QueueFull as e:
-            raise HTTPError(503, [("queue", f"queue: replica is at capacity ({e}); retry later")],
-                            retry) from None
-        except LoopDead as e:
-            raise HTTPError(503, [("replica", f"replica: unavailable ({e}); retry later")],
-                            retry) from None
+        except (QueueFull, LoopDead) as e:
+            raise not_taken(e, retry) from None
         try:
             first = await sink.get()
         except asyncio.CancelledError:
@@ -284,7 +281,7 @@ class LLMServer:
             field = "max_tokens" if "max_tokens" in (first.error or "") else "prompt_token_ids"
             raise HTTPError(422, [(field, f"{field}: {first.error}")])
         if first.kind != "accepted":
-            raise HTTPError(503, [("replica", f"replica: request failed: {first.error}")], retry)
+            raise request_failed(first.error, retry)
         if req.stream:
             return StreamingResponse(self._sse(rid, sink), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
@@ -298,10 +295,9 @@ class LLMServer:
             if last is None or not last.finished:
                 self.loop.abort(rid)  # the client went away: free its blocks now
         if last.finish_reason == "error":
-            # The engine or a rank failed under this request: a server-side failure the client
-            # may retry (on this replica once Serve has replaced it, or on another one).
-            raise HTTPError(503, [("replica", f"replica: request failed: {last.error}")],
-                            {"Retry-After": str(self.cfg.retry_after_s)})
+            # The engine or a rank failed under this request (on this replica once Serve has
+            # replaced it, or on another one, a retry may succeed).
+            raise request_failed(last.error, retry)
         resp = GenerateResponse(
             id=rid, token_ids=tokens, text=self._decode(tokens), finish_reason=last.finish_reason or "error",
             error=last.error, usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(tokens)))

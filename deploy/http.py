@@ -64,6 +64,23 @@ class HTTPError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def not_taken(e: Exception, retry: dict) -> HTTPError:
+    """503 + Retry-After for a request the engine loop refused at submit (``QueueFull``: the replica
+    is full; otherwise ``LoopDead``: its engine is gone).  Both are the server's state, not the
+    request's: the client may retry, here later or on another replica."""
+    from deploy.loop import QueueFull
+
+    if isinstance(e, QueueFull):
+        return HTTPError(503, [("queue", f"queue: replica is at capacity ({e}); retry later")], retry)
+    return HTTPError(503, [("replica", f"replica: unavailable ({e}); retry later")], retry)
+
+
+def request_failed(error, retry: dict) -> HTTPError:
+    """503 + Retry-After for a request the engine accepted and then failed (a rank or the engine
+    died under it): a server-side failure the client may retry."""
+    return HTTPError(503, [("replica", f"replica: request failed: {error}")], retry)
+
+
 def error_responses(*statuses: int) -> dict:
     """OpenAPI ``responses`` for a route's error statuses."""
     return {s: {"model": ErrorResponse} for s in statuses or (400, 408, 413, 422, 429, 503)}

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from deploy.http import HTTPError
+from deploy.http import HTTPError, not_taken, request_failed
 from deploy.loop import Event, LoopDead, QueueFull
 from deploy.openai.protocol import SamplingFields
 from deploy.schemas import out_of_vocab, prompt_errors, validation_errors
@@ -126,8 +126,7 @@ class ChoiceSet:
                 c.rid = self.engine_loop.submit(c.prompt_ids, c.params, _TaggedSink(loop, self.queue, c.index))
         except (QueueFull, LoopDead) as e:
             self.abort()
-            what = "replica is at capacity" if isinstance(e, QueueFull) else "replica is unavailable"
-            raise HTTPError(503, [("queue", f"queue: {what} ({e}); retry later")], self.retry) from None
+            raise not_taken(e, self.retry) from None
         try:
             while not all(c.accepted for c in self.choices):
                 idx, ev = await self.queue.get()
@@ -137,7 +136,7 @@ class ChoiceSet:
                 elif ev.kind == "rejected":
                     raise HTTPError(400, [("prompt", f"prompt: {ev.error}")])
                 elif ev.kind == "failed":
-                    raise HTTPError(503, [("replica", f"replica: request failed: {ev.error}")], self.retry)
+                    raise request_failed(ev.error, self.retry)
                 else:
                     self._backlog.append((idx, ev))
         except BaseException:
@@ -202,7 +201,7 @@ class ChoiceSet:
         """A choice ended by a server-side failure makes the whole answer a 503 the client may retry."""
         for c in self.choices:
             if c.finish_reason == "error":
-                raise HTTPError(503, [("replica", f"replica: request failed: {c.error}")], self.retry)
+                raise request_failed(c.error, self.retry)
 
     def usage(self) -> dict:
         prompts = {c.prompt_index: len(c.prompt_ids) for c in self.choices}

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from deploy.admission import Admission, AdmissionMiddleware, route_path
-from deploy.http import MAX_ERRORS, HTTPError, _validation_error, read_body
+from deploy.http import MAX_ERRORS, HTTPError, _validation_error, not_taken, read_body, request_failed
+from deploy.loop import LoopDead, QueueFull
 from deploy.schemas import GenerateRequest, ServeAppConfig, validation_errors
 
 
@@ -36,6 +37,18 @@ CASES = {
     "non-ASCII keys": lambda: unknown_keys(100, lambda i: f"{i}" + "\U0001f600" * 2000),
     "one huge message": lambda: [("body", "body: " + "y" * 1_000_000)],
 }
+
+
+@pytest.mark.parametrize("exc,field", [(QueueFull("256 running"), "queue"), (LoopDead("rank 1 died"), "replica")])
+def test_a_request_the_loop_refused_is_a_retryable_503_naming_why(exc, field):
+    """/v1/generate and the OpenAI routes map the loop's refusals through one function: a full
+    replica and a dead engine are both 503 + Retry-After, told apart by the field."""
+    e = not_taken(exc, {"Retry-After": "2"})
+    body = e.body()
+    assert e.status == 503 and e.headers == {"Retry-After": "2"}
+    assert body["field"] == field and str(exc) in body["detail"] and body["error"]["type"] == "service_unavailable"
+    f = request_failed("rank 0: CUDA error", {"Retry-After": "2"})
+    assert f.status == 503 and f.body()["field"] == "replica" and "rank 0: CUDA error" in f.body()["detail"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
