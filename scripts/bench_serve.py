@@ -7,7 +7,8 @@ Two backends drive the same workload (``scripts/servebench``):
                     app or vLLM -- prompts sent as token-id lists, so no tokenizer is needed.
   --backend engine  an LLMEngine in this process behind the Serve app's EngineLoop, from
                     --engine-config (a JSON/YAML EngineConfig or Serve config, or a model preset
-                    name); for machines without the HTTP stack (the H200 box).
+                    name): the engine's own timing, without HTTP (gpu_serving.py; on the
+                    H200 box, gpu_http_serving.py measures the same workloads over HTTP).
 
 Examples::
 
