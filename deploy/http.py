@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deploy.loop import QueueFull
 from deploy.schemas import ErrorResponse, field_name
 
 MAX_ERRORS = 16  # a body with thousands of bad keys gets a bounded answer, not one line per key
@@ -68,8 +69,6 @@ def not_taken(e: Exception, retry: dict) -> HTTPError:
     """503 + Retry-After for a request the engine loop refused at submit (``QueueFull``: the replica
     is full; otherwise ``LoopDead``: its engine is gone).  Both are the server's state, not the
     request's: the client may retry, here later or on another replica."""
-    from deploy.loop import QueueFull
-
     if isinstance(e, QueueFull):
         return HTTPError(503, [("queue", f"queue: replica is at capacity ({e}); retry later")], retry)
     return HTTPError(503, [("replica", f"replica: unavailable ({e}); retry later")], retry)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -131,8 +132,7 @@ def main(argv=None) -> int:
         out["startup_s"] = time.perf_counter() - t0
         print(f"Serve app up in {out['startup_s']:.0f} s on port {a.port}")
         base = f"http://127.0.0.1:{a.port}"
-        warm = serving_workloads(a.scale)["random_concurrency_1"]
-        warm.num_prompts = 8
+        warm = dataclasses.replace(works["random_concurrency_1"], num_prompts=8)
         wargs = args_for(warm, a.preset, workload_seed(a.seed, "http_warmup"), ("--backend", "openai", "--base-url", base))
         asyncio.run(bench_serve.benchmark(wargs))  # first requests: graph capture done, pools warm
         for name in names:

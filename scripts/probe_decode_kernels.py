@@ -91,11 +91,11 @@ def probe_gemv(rows_list, copy_bw, dev):
 
 
 def fa3_call(q, kc, vc, out, m, max_k, num_splits, pack_gqa, sched=None, table=None):
-    from flash_attn_interface import flash_attn_3_gpu
+    from ray_attn.backend.kernels import FlashAttn3Kernel
 
-    flash_attn_3_gpu.fwd(q, kc, vc, None, None, None, out, m.query_start_loc, None, None, None, m.seq_lens,
-                         1, max_k, m.block_table if table is None else table, None, None, None, None, None,
-                         None, None, None, D ** -0.5, True, -1, -1, 0, 0.0, True, sched, num_splits, pack_gqa, 0)
+    FlashAttn3Kernel._raw(q, kc, vc, out, m.query_start_loc, 1, m.seq_lens, max_k,
+                          m.block_table if table is None else table, D ** -0.5, True, (-1, -1), 0.0,
+                          None, None, None, sched, num_splits, pack_gqa)
 
 
 def probe_fa3_engine_call(copy_bw, dev, bound=16384):

@@ -146,22 +146,22 @@ def serving(paths=None):
 
 
 def serving_http(suffix: str = ""):
-    """The HTTP serving table (``scripts/gpu_http_serving.py``) beside the engine-thread run of
-    the same workloads and prompts (``serving_h200.json``, bf16 config)."""
+    """The HTTP serving table (``scripts/gpu_http_serving.py``), with the script's own comparison
+    (``vs_engine``) against the engine-thread run of the same workloads and prompts; after a new
+    engine-thread run, ``gpu_http_serving.py --compare-only`` redoes it."""
     h = load("serving_h200_http" + suffix)
     if not h:
         return
-    eng = load("serving_h200" + suffix) or {"configs": []}
-    conf = next((c for c in eng["configs"] if c["name"] == "bf16"), {"workloads": {}})
     rows = []
     for key, r in h["workloads"].items():
-        e = conf["workloads"].get(key) or {}
         if "output_throughput" not in r:
             continue
-        ratio = lambda m: r[m] / e[m] if e.get(m) else None  # noqa: E731
+        vs = r.get("vs_engine") or {}
+        ratio = lambda m: (vs.get(m) or {}).get("ratio")  # noqa: E731
+        ttft = vs.get("median_ttft_ms")
         rows.append(dict(workload=key, prompts=r["completed"], out_tok_s=r["output_throughput"],
                          vs_engine=ratio("output_throughput"), ttft_p50=r["median_ttft_ms"],
-                         ttft_added=r["median_ttft_ms"] - e["median_ttft_ms"] if e else None,
+                         ttft_added=ttft["http"] - ttft["engine"] if ttft else None,
                          tpot_p50=r["median_tpot_ms"], tpot_vs_engine=ratio("median_tpot_ms"),
                          itl_p50=r["median_itl_ms"], itl_p99=r["p99_itl_ms"]))
     ms = lambda v: "" if v is None else f"{v:,.1f}"  # noqa: E731

@@ -217,14 +217,14 @@ class FlashAttn3Kernel(Kernel):
     def _raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
              block_table, scale,
              causal, window_size, softcap, q_descale, k_descale, v_descale, scheduler_metadata,
-             num_splits=0):
+             num_splits=0, pack_gqa=None):
         from flash_attn_interface import flash_attn_3_gpu
 
         o, lse, *_ = flash_attn_3_gpu.fwd(
             q, k_cache, v_cache, None, None, None, out, cu_seqlens_q, None, None, None, seqused_k,
             max_seqlen_q, max_seqlen_k, block_table, None, None, None, None, None, q_descale, k_descale,
             v_descale, scale, causal, window_size[0], window_size[1], 0, softcap, True,
-            scheduler_metadata, num_splits, None, 0)
+            scheduler_metadata, num_splits, pack_gqa, 0)
         if o.data_ptr() != out.data_ptr():
             out.copy_(o)
         return lse
