@@ -42,7 +42,7 @@ class FlashAttentionMetadata:
     max_seq_len: int
     seq_lens: Any  # [B] kv length of each request after this step's tokens are written
     block_table: Any  # [B, max_blocks]; entries past a request's blocks are ignored
-    slot_mapping: Any  # [num_tokens] flat cache slot per token; -1 = do not write
+    slot_mapping: Any  # [num_tokens] flat cache slot per token (int32 or int64); < 0 = do not write
 
     # Cascade attention.  Tokens are ordered so that each prefix group is contiguous.
     use_cascade: bool = False
@@ -73,19 +73,24 @@ class FlashAttentionMetadata:
         return len(self.seq_lens)
 
     def to_device(self, device, non_blocking: bool = True, put=None) -> "FlashAttentionMetadata":
-        """Every array field as an int32 torch tensor on ``device`` (zero-copy on CPU).
+        """Every array field as an int32 torch tensor on ``device`` (zero-copy on CPU); an int64
+        ``slot_mapping`` (vLLM's) stays int64, which the cache write reads as it is.
 
         ``put(name, array) -> tensor`` lets the worker stage the arrays in its persistent buffers
         (``ray_attn.runtime.buffers.StepBuffers``) instead of allocating fresh ones each step."""
         if put is None:
-            return _map_arrays(self, lambda name, a: _to_tensor(a, device, non_blocking))
+            return _map_arrays(self, lambda name, a: _to_tensor(a, device, non_blocking, _dtype(name, a)))
         return _map_arrays(self, put)
 
 
-def _to_tensor(a: np.ndarray, device, non_blocking: bool):
+def _dtype(name: str, a: np.ndarray):
+    return np.int64 if name == "slot_mapping" and a.dtype == np.int64 else np.int32
+
+
+def _to_tensor(a: np.ndarray, device, non_blocking: bool, dtype=np.int32):
     import torch
 
-    a = np.ascontiguousarray(a, dtype=np.int32)
+    a = np.ascontiguousarray(a, dtype=dtype)
     if not a.flags.writeable:  # Ray hands over zero-copy read-only buffers; torch wants writable
         a = a.copy()
     t = torch.from_numpy(a)

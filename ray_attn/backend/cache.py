@@ -45,7 +45,8 @@ def reshape_and_cache_flash(
 ) -> None:
     """Store ``key``/``value`` [T, Hk, D] at flat slots ``block * block_size + offset``.
 
-    Slots of -1 are skipped (padding tokens); the caller passes only the real tokens.  With an fp8
+    ``slot_mapping`` is int32 (our planner) or int64 (vLLM's), read as it is.  Negative slots are
+    skipped, as vLLM's write skips them: vLLM pads its slot mapping with -1 (``PAD_SLOT_ID``).  With an fp8
     ``kv_cache_dtype`` the values are divided by ``k_scale``/``v_scale`` (floats or one-element
     tensors, as on vLLM's layers) and rounded to e4m3; the caches may be float8 or uint8.
     """
@@ -63,7 +64,7 @@ def reshape_and_cache_flash(
             return
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    slots = slot_mapping.long()
+    slots = slot_mapping.long()  # index_copy_ wants int64; a no-op for vLLM's int64 slots
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]

@@ -88,8 +88,15 @@ def _fields(m, use_irope: bool) -> list[tuple[str, object, int]]:
     return f
 
 
+# vLLM keeps its slot mapping in int64 (``slot_mapping_cpu``) and ``reshape_and_cache_flash`` takes
+# it so; our planner sends int32.  Both cache writes read either width as it is (no conversion on
+# the hot path), so both are accepted.  Every other array is an int32 argument of the kernels.
+_DTYPES = {"slot_mapping": (torch.int32, torch.int64)}
+
+
 def check_metadata_structure(m, device: torch.device, use_irope: bool = False) -> None:
-    """Every array the forward reads is there, an int32 tensor on ``device``, of the right rank."""
+    """Every array the forward reads is there, an int32 tensor (the slot mapping int32 or int64)
+    on ``device``, of the right rank."""
     for name, a, ndim in _fields(m, use_irope):
         if a is None:
             why = " (use_cascade=True)" if name.startswith(("cu_prefix", "prefix", "suffix")) else ""
@@ -97,8 +104,9 @@ def check_metadata_structure(m, device: torch.device, use_irope: bool = False) -
         if not isinstance(a, torch.Tensor):
             raise _bad(f"attn_metadata.{name} must be a torch.Tensor on {device}, got {type(a).__name__} "
                        "(FlashAttentionMetadata.to_device moves the planner's arrays)")
-        if a.dtype != torch.int32:
-            raise _bad(f"attn_metadata.{name} must be int32, got {a.dtype}")
+        if a.dtype not in _DTYPES.get(name, (torch.int32,)):
+            want = " or ".join(str(d).removeprefix("torch.") for d in _DTYPES.get(name, (torch.int32,)))
+            raise _bad(f"attn_metadata.{name} must be {want}, got {a.dtype}")
         if a.device != device:
             raise _bad(f"attn_metadata.{name} is on {a.device} but query is on {device}")
         if a.dim() != ndim:
@@ -185,8 +193,9 @@ def check_metadata_values(m, num_blocks: int, block_size: int) -> None:
     if m.slot_mapping.shape[0] < n:
         raise _bad(f"slot_mapping has {m.slot_mapping.shape[0]} entries for num_actual_tokens={n}")
     slots = _np(m.slot_mapping)[:n]
-    if slots.size and (slots.min() < -1 or slots.max() >= num_blocks * block_size):
-        bad = slots[(slots < -1) | (slots >= num_blocks * block_size)]
+    # Negative slots are padding (vLLM's PAD_SLOT_ID is -1) and are skipped by the cache write.
+    if slots.size and slots.max() >= num_blocks * block_size:
+        bad = slots[slots >= num_blocks * block_size]
         raise _bad(f"slot {int(bad[0])} is outside the cache ({num_blocks} blocks x {block_size})")
     if m.use_cascade and m.prefix_block_table is not None:
         _check_cascade_values(m, qsl, q_lens, seq_lens, num_blocks, block_size)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from ray_attn.backend import AttentionLayer, FlashAttentionImpl
+from ray_attn.backend.cache import FP8_DTYPE, quantize_fp8, reshape_and_cache_flash
 from ray_attn.metadata import LocalAttentionMetadata
-from tests.backend.batch import dense_reference, make_batch
+from tests.backend.batch import dense_reference, expected_cache_after, make_batch
 from tests.backend.test_flash_attn import GPU, run, setup
 
 KERNELS = [pytest.param("torch", id="torch"), pytest.param("fa2", marks=GPU, id="fa2"),
@@ -156,3 +157,84 @@ def test_numpy_metadata_is_refused(rng):
     out = torch.empty_like(batch.query)
     with pytest.raises(ValueError, match="query_start_loc must be a torch.Tensor"):
         impl.forward(AttentionLayer(), batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, out)
+
+
+# -- vLLM's slot mapping: int64, padded with -1 ------------------------------------------------
+# vLLM's block table keeps ``slot_mapping`` in int64 and pads it with PAD_SLOT_ID = -1, which its
+# cache write skips (issue 22: we refused int64 on every kernel).
+
+def vllm_slot_mapping(meta, dtype, device, pad: int) -> torch.Tensor:
+    """The slot mapping as vLLM's runner hands it over: a device tensor of ``dtype``, -1 past the
+    real tokens."""
+    real = np.asarray(meta.slot_mapping[:meta.num_actual_tokens], np.int64)
+    return torch.from_numpy(np.concatenate([real, np.full(pad, -1, np.int64)])).to(device, dtype)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("cascade", [False, True], ids=["plain", "seed_cascade"])
+def test_vllm_slot_mapping_any_width_padded(kernel, slot_dtype, cascade, rng):
+    """The seed's call: query/key/value padded past num_actual_tokens, the slot mapping int32 or
+    int64 with -1 padding; output equals float64 dense attention, the cache changes at exactly the
+    real tokens' slots, and the padding rows are left alone."""
+    pad = 5
+    bs = block_size_for(kernel)
+    device, dt, atol = setup(kernel, D, bs)
+    q_lens, extra = [1, 7, 1, 12], [3, 7, 40, 12]
+    batch = make_batch(q_lens, [2 * bs + e for e in extra], H=H, Hk=HK, D=D, block_size=bs, dtype=dt,
+                       gen=rng, groups=[(2, list(range(4)))], pad_tokens=pad)
+    impl = FlashAttentionImpl(H, D, D ** -0.5, HK, None, None, "auto", dtype=dt, block_size=bs,
+                              device=device, kernel=kernel)
+    meta = seed_cascade(batch, 2, bs) if cascade else batch.meta
+    dm = meta.to_device(device)
+    dm.slot_mapping = vllm_slot_mapping(meta, slot_dtype, device, pad)
+    cache, before = batch.kv_cache.to(device), batch.kv_cache.clone()
+    out = torch.full_like(batch.query, float("nan"), device=device)
+    impl.forward(AttentionLayer(device=device), batch.query.to(device), batch.key.to(device),
+                 batch.value.to(device), cache, dm, out)
+    n = batch.meta.num_actual_tokens
+    ref = dense_reference(batch, before, scale=D ** -0.5)
+    torch.testing.assert_close(out[:n].cpu().double(), ref, atol=atol, rtol=atol)
+    assert out[n:].isnan().all(), "padding rows must be left as they were"
+    assert torch.equal(cache.cpu(), expected_cache_after(batch, before, lambda x, _: x.to(before.dtype)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cache_write_skips_negative_slots(device, slot_dtype, kv_cache_dtype):
+    """reshape_and_cache_flash (the torch write on CPU, the Triton kernel on CUDA): a token whose
+    slot is negative leaves the cache byte for byte as it was; every other token lands in its slot
+    (rounded to e4m3 with an fp8 cache)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    nb, bs, hk, d, T = 6, 16, 2, 64, 12
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    fp8 = kv_cache_dtype == "fp8"
+    cache = torch.randn(2, nb, bs, hk, d, generator=gen).to(FP8_DTYPE if fp8 else dtype).to(device)
+    before = cache.clone()
+    key, value = (torch.randn(T, hk, d, generator=gen).to(dtype).to(device) for _ in range(2))
+    slots = torch.randperm(nb * bs, generator=gen)[:T]
+    slots[[2, 7]] = -1  # vLLM's padding, mid-batch as well as at the end
+    slots[T - 1] = -1
+    sm = slots.to(device, slot_dtype)
+    scale = 0.5
+    reshape_and_cache_flash(key, value, cache[0], cache[1], sm, kv_cache_dtype, scale, scale)
+    exp = before.cpu().clone()
+    keep = slots >= 0
+    flat = exp.view(2, nb * bs, hk, d)
+    store = (lambda x: quantize_fp8(x.cpu(), scale)) if fp8 else (lambda x: x.cpu())
+    flat[0, slots[keep]] = store(key[keep.to(device)])
+    flat[1, slots[keep]] = store(value[keep.to(device)])
+    got = cache.cpu()
+    assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8)), "only the non-negative slots change"
+
+
+def test_to_device_keeps_an_int64_slot_mapping(rng):
+    """A vLLM-style int64 numpy slot mapping stays int64 (no narrowing); the planner's int32 stays."""
+    _, batch, _, _, _ = shared_batch("torch", rng, [1, 2], [3, 9])
+    assert batch.meta.to_device("cpu").slot_mapping.dtype == torch.int32
+    wide = dataclasses.replace(batch.meta, slot_mapping=batch.meta.slot_mapping.astype(np.int64))
+    t = wide.to_device("cpu")
+    assert t.slot_mapping.dtype == torch.int64 and t.seq_lens.dtype == torch.int32
