@@ -378,7 +378,9 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
         placement_group_strategy="STRICT_PACK",
         # Admission control is ours (deploy/admission.py: 503/429 + Retry-After past
         # max_connections); Serve's slots exceed it so that our bounds bite first and /health and
-        # /stats still get in, and Serve's own queue stays short instead of unbounded.
+        # /stats still get in.  Serve's queue behind those slots is unbounded (-1) by default: a
+        # bounded one answers its own plain-text 503 to a burst that outruns the refusals, and
+        # the refusals (no body read, no handler run) drain the queue as fast as it fills.
         max_ongoing_requests=cfg.connection_limit + cfg.control_headroom,
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config={"retry_after_s": cfg.retry_after_s},

@@ -135,15 +135,16 @@ class ServeAppConfig(BaseModel):
         None, description="Give each rank's bundle a GPU; when unset, true iff engine.parallel.device "
                           "is 'cuda' (or 'auto' on a cluster with GPUs).")
     control_headroom: int = Field(
-        32, ge=1, description="Serve slots per replica above max_connections (max_ongoing_requests = "
-                              "max_connections + this), so that /health and /stats, and requests "
-                              "being refused with 503/429, still reach the replica when it is full.")
+        1024, ge=1, description="Serve slots per replica above max_connections (max_ongoing_requests = "
+                                "max_connections + this), so that /health and /stats, and requests "
+                                "being refused with 503/429, reach the replica at once when it is "
+                                "full instead of waiting in Serve's queue behind a burst.")
     max_queued_requests: int = Field(
-        64, ge=1, description="Serve's own bounded queue in front of the replicas (requests beyond "
-                              "every replica's max_ongoing_requests); past it Serve answers 503 in "
-                              "plain text (with Retry-After) itself. Reached only when more than "
-                              "control_headroom + this requests arrive faster than a full replica "
-                              "refuses them.")
+        -1, ge=-1, description="Serve's own queue in front of the replicas (requests beyond every "
+                               "replica's max_ongoing_requests). -1, the default: unbounded, so that "
+                               "Serve never refuses a request itself and every refusal is our JSON "
+                               "503/429 (a full replica refuses at once, which keeps the queue short). "
+                               "A bound brings back Serve's plain-text 503 past it.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
     step_timeout_s: float = Field(120.0, gt=0, description="A step running longer than this fails "
