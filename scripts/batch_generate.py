@@ -171,8 +171,8 @@ def start_pool(cfg: EngineConfig, args):
     """The engine replicas, on the cluster in RAY_ADDRESS or on a local Ray started here."""
     import ray
 
-    from ray_attn.serve.engine_pool import EnginePool
     from ray_attn.runtime.cluster import ensure_ray
+    from ray_attn.serve.engine_pool import EnginePool
 
     if not ray.is_initialized() and not (cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")):
         # Workers of a local Ray import ray_attn from this checkout, as the driver does.

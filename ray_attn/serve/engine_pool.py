@@ -32,8 +32,8 @@ class EngineReplica:
     """One engine (+ its TP ranks in this actor's placement group), fed through an EngineLoop."""
 
     def __init__(self, config: dict, executor: str, use_gpu: bool, max_in_flight: int):
-        from ray_attn.serve.loop import EngineLoop
         from ray_attn.engine import LLMEngine
+        from ray_attn.serve.loop import EngineLoop
 
         cfg = EngineConfig.model_validate(config)
         if executor == "in_process":

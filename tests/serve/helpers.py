@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_attn.serve.schemas import default_engine_config
 from ray_attn.config import EngineConfig
+from ray_attn.serve.schemas import default_engine_config
 from tests.tokenizer_fixture import EOS_ID
 
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ray_attn.serve.loop import EngineLoop, Event, LoopDead, QueueFull, drive_blocking
 from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor
+from ray_attn.serve.loop import EngineLoop, Event, LoopDead, QueueFull, drive_blocking
 from tests.serve.helpers import direct_generate, engine_config, sampling_params, workload
 
 
