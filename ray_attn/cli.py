@@ -1,4 +1,7 @@
-"""``ray-attn``: the main job (``demo``) and small utilities."""
+"""``ray-attn``: the main job (``demo``) and small utilities.
+
+``ray-attn serve`` is the deployment layer's own command (``ray_attn.serve.cli``): this module,
+the entry point, is the one library module that reaches into ``ray_attn.serve``."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import sys
 import time
 
 import numpy as np
+
+from ray_attn.serve import cli as serve_cli
 
 
 def demo_config(tp: int, device: str, compiled: bool, num_blocks: int | None):
@@ -106,67 +111,6 @@ def run_demo(args) -> int:
     return 0
 
 
-def serve_config(args):
-    """The Serve app's config: ``ray-attn serve``'s flags over a YAML's app ``args`` (or over the
-    small random CPU model).  A checkpoint folder brings its own shapes (config.json) and, when it
-    holds one, its tokenizer."""
-    import os
-
-    from deploy.schemas import ServeAppConfig, default_engine_config
-
-    app: dict = {}
-    if args.config:
-        from deploy.schemas import app_args_from_file
-
-        app = dict(app_args_from_file(args.config))
-    engine = dict(app.get("engine") or ({} if args.model else default_engine_config().model_dump(mode="json")))
-    if args.model:
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ValueError(f"model: {args.model!r} is not a checkpoint folder (no config.json in it)")
-        engine.pop("model", None)  # the checkpoint's config.json is the model
-        engine["checkpoint"] = args.model
-    sections = {"model": {"dtype": args.dtype}, "cache": {"kv_cache_dtype": args.kv_cache_dtype},
-                "parallel": {"tensor_parallel_size": args.tp, "device": args.device}}
-    for section, values in sections.items():
-        given = {k: v for k, v in values.items() if v is not None}
-        if given:
-            engine[section] = dict(engine.get(section) or {}) | given
-    if args.max_num_seqs:
-        engine["max_num_seqs"] = args.max_num_seqs
-    if args.device == "cpu":  # CPU ranks share the host's few cores: reserve half a core each
-        engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
-        app.setdefault("replica_num_cpus", 0.5)
-    app["engine"] = engine
-    for key, value in (("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name)):
-        if value:
-            app[key] = value
-    return ServeAppConfig.model_validate(app)
-
-
-def run_serve(args) -> int:
-    import ray
-    from ray import serve
-
-    from deploy.app import build_app
-
-    cfg = serve_config(args)
-    started = not ray.is_initialized()
-    ray.init(address=args.address, include_dashboard=False) if args.address else ray.init(include_dashboard=False)
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(cfg), name="ray_attn", route_prefix="/", blocking=False)
-        print(f"ray_attn: serving '{cfg.model_id()}' on http://{args.host}:{args.port}/v1 "
-              f"(OpenAI API; /v1/generate, /health, /stats); Ctrl-C stops", flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ray-attn")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -182,25 +126,13 @@ def main(argv=None) -> int:
     d.add_argument("--num-blocks", type=int, default=None, help="KV blocks per rank (default: from memory)")
     d.add_argument("--json", default=None, help="also write the table as JSON here")
     s = sub.add_parser("serve", help="serve a checkpoint folder with the OpenAI API on Ray Serve")
-    s.add_argument("model", nargs="?", help="HF checkpoint folder (config.json, safetensors and, when "
-                                            "present, the tokenizer); omitted: the small random CPU model")
-    s.add_argument("--config", help="a Serve YAML (deploy/serve_config*.yaml) whose app args the flags override")
-    s.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's own)")
-    s.add_argument("--served-model-name", help="the `model` name clients send (default: the folder's name)")
-    s.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks")
-    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    s.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None)
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+    serve_cli.add_arguments(s)
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
             return run_demo(args)
         if args.cmd == "serve":
-            return run_serve(args)
+            return serve_cli.run(args)
     except (ValueError, RuntimeError, OSError) as e:  # bad arguments or an unusable cluster: one line
         p.error(one_line(e))
     return 2

@@ -12,6 +12,8 @@ from typing import Callable, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ray_attn import hf_config
+
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 SUPPORTED_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
 # HF ``architectures`` names with a model family in ray_attn.model (see its registry).
@@ -167,20 +169,18 @@ def pretrained_fields(folder: str) -> dict:
     """``ModelConfig`` fields of an HF-format checkpoint folder: its config.json's, with the end-of-
     sequence ids of its generation_config.json where that file sets ``eos_token_id`` (what
     transformers' ``generate`` stops on), else config.json's."""
-    from ray_attn.hf_config import eos_token_ids, fields_from_hf
-
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder {folder!r} does not exist (or is not a directory)")
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint folder {folder!r} has no config.json; an HF-format checkpoint "
                                 "holds config.json next to its *.safetensors")
-    fields = fields_from_hf(_read_json(path), folder)
+    fields = hf_config.fields_from_hf(_read_json(path), folder)
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.isfile(gen_path):
         gen = _read_json(gen_path)
         if "eos_token_id" in gen:
-            fields["eos_token_ids"] = eos_token_ids(gen["eos_token_id"], gen_path)
+            fields["eos_token_ids"] = hf_config.eos_token_ids(gen["eos_token_id"], gen_path)
     return fields
 
 

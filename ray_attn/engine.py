@@ -114,7 +114,7 @@ class LLMEngine:
         self._failures: list[float] = []
         self.dead: str | None = None
 
-    # The scheduler's queues, read by servers (deploy/loop.py) and tests.
+    # The scheduler's queues, read by servers (ray_attn/serve/loop.py) and tests.
     @property
     def waiting(self):
         return self.scheduler.waiting

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the writers' argument type only: ray_attn.config imports this module
     from ray_attn.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")

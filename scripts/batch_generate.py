@@ -10,11 +10,11 @@ naming the line and the field.  Each output line, in input order::
      "error": null, "usage": {"prompt_tokens": 5, "completion_tokens": 16}}
 
 With one engine the output is written to ``OUTPUT.partial`` and renamed to ``OUTPUT`` once
-complete.  ``--replicas N`` runs N engines (``deploy/engine_pool.py``: a Ray actor each, in its own
+complete.  ``--replicas N`` runs N engines (``ray_attn/serve/engine_pool.py``: a Ray actor each, in its own
 placement group with its TP ranks); ``--replicas N`` or ``--resume`` write each line the moment it
 finishes (completion order; sort by ``index``), so a crash loses no finished record, and
 ``--resume`` skips the records already in ``OUTPUT`` (by ``id``, else by line index;
-``deploy/batch_output.py``).  At most ``--max-in-flight`` requests are in each engine at once, so
+``ray_attn/serve/batch_output.py``).  At most ``--max-in-flight`` requests are in each engine at once, so
 memory stays bounded for any input size.
 
 Runs on the embedded local Ray, or on the cluster in ``RAY_ADDRESS`` (as set under ``ray job
@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout (or working_dir)
 
 from pydantic import ValidationError  # noqa: E402
 
-from deploy.batch_output import AppendOutput, OrderedOutput, record_key  # noqa: E402
-from deploy.schemas import (  # noqa: E402
+from ray_attn.serve.batch_output import AppendOutput, OrderedOutput, record_key  # noqa: E402
+from ray_attn.serve.schemas import (  # noqa: E402
     BatchRecord,
     default_engine_config,
     engine_config_from_file,
@@ -171,11 +171,11 @@ def start_pool(cfg: EngineConfig, args):
     """The engine replicas, on the cluster in RAY_ADDRESS or on a local Ray started here."""
     import ray
 
-    from deploy.engine_pool import EnginePool
     from ray_attn.runtime.cluster import ensure_ray
+    from ray_attn.serve.engine_pool import EnginePool
 
     if not ray.is_initialized() and not (cfg.parallel.ray_address or os.environ.get("RAY_ADDRESS")):
-        # Workers of a local Ray import deploy/ and ray_attn/ from this checkout, as the driver does.
+        # Workers of a local Ray import ray_attn from this checkout, as the driver does.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x)
     ranks = cfg.parallel.tensor_parallel_size if args.executor == "ray" else 0

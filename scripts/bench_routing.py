@@ -134,7 +134,7 @@ def wait_healthy(url: str, timeout: float = 120.0) -> None:
 def run_router(router: str, app_args: dict, bodies: list[dict], args, port: int, metrics_port: int) -> dict:
     from ray import serve
 
-    from deploy.app import build_app
+    from ray_attn.serve.app import build_app
 
     cfg = copy.deepcopy(app_args)
     cfg["request_router"] = router
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     app_args = data["applications"][0]["args"]
     if args.num_blocks:
         app_args.setdefault("engine", {}).setdefault("cache", {})["num_blocks"] = args.num_blocks
-    from deploy.schemas import ServeAppConfig
+    from ray_attn.serve.schemas import ServeAppConfig
 
     cfg = ServeAppConfig.model_validate(app_args)
     bodies = workload(args, cfg.engine.model.vocab_size, cfg.engine.cache.block_size)

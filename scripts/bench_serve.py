@@ -30,7 +30,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ray_attn and deploy, from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ray_attn, from a checkout
 
 import numpy as np  # noqa: E402
 

@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
@@ -188,10 +189,7 @@ def main(argv=None):
                           "worker_us", "added_us"],
                    f"decode step, batch {args.batch}, {model} model, TP=1, {device}")
     print(f"plan -> device copy: {copy_us:.1f} us;  wrote {path}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.barh([f'{r["path"]}{" (async)" if r["async_scheduling"] else ""}' for r in rows],

@@ -217,10 +217,9 @@ def plot(path_png, series: dict, xlabel: str, ylabel: str, title: str, logx=True
 def plot_panels(path_png, panels: list, xlabel: str, ylabel: str, logx=True, hline=None,
                 hline_label=None):
     """Side-by-side plots sharing the y axis; ``panels`` is [(title, {label: (xs, ys)})]."""
-    import matplotlib
+    from plotting import pyplot  # scripts/ is on sys.path wherever a script plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), sharey=True,
                              squeeze=False)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The serving workloads over HTTP: our Serve app (``deploy.app:build_app``: proxy, replica,
+"""The serving workloads over HTTP: our Serve app (``ray_attn.serve.app:build_app``: proxy, replica,
 engine, Ray worker actors, CUDA graphs, async scheduling) measured by ``bench_serve.py`` the way
 ``vllm bench serve`` measures a server -- streamed ``/v1/completions``, TTFT and ITL taken at the
 client.  ``gpu_serving.py`` times the same workloads (same seeds, so the same prompts) on the
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         return 0
     out_path = Path(a.result_dir) / f"serving_h200_http{a.suffix}.json"
     out = dict(date=datetime.date.today().isoformat(), preset=a.preset, tp=a.tp, kv_cache_dtype=a.kv_cache_dtype,
-               scale=a.scale, transport="http (Ray Serve proxy -> deploy.app replica)",
+               scale=a.scale, transport="http (Ray Serve proxy -> ray_attn.serve.app replica)",
                engine_results=str(engine_path) if engine_runs else None, workloads={})
 
     def save():
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from deploy.app import build_app
+    from ray_attn.serve.app import build_app
 
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x)
     ray.init(include_dashboard=False, log_to_driver=False)

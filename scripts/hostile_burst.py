@@ -49,7 +49,7 @@ class Outcome:
 
 
 def is_our_error(status: int, headers, body: bytes) -> bool:
-    """Our error body (deploy/http.py): JSON with ``error``, ``detail`` and ``field``, and
+    """Our error body (ray_attn/serve/http.py): JSON with ``error``, ``detail`` and ``field``, and
     ``Retry-After`` on a 503 or 429."""
     if not headers.get("content-type", "").startswith("application/json"):
         return False

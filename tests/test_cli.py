@@ -56,8 +56,8 @@ def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path)
     import torch
     import transformers
 
-    from tests.deploy.conftest import free_port
     from tests.model.test_families import reinit
+    from tests.serve.conftest import free_port
     from tests.tokenizer_fixture import EOS_ID, build_tokenizer
 
     folder = tmp_path / "tiny-qwen3"

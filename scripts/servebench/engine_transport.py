@@ -1,6 +1,6 @@
 """The in-process transport: an ``LLMEngine`` in this process, driven by the Serve app's loop.
 
-``deploy.loop.EngineLoop`` is the thread the Serve replica runs: it batches every request in
+``ray_attn.serve.loop.EngineLoop`` is the thread the Serve replica runs: it batches every request in
 flight into the same engine steps.  This transport submits each request to it and times the
 events it pushes, with the HTTP transport's definitions: TTFT is the first event with tokens,
 ITL the gaps between such events, E2EL the last one.  Events are timed on the engine thread as
@@ -27,7 +27,7 @@ def load_engine_config(spec: str, overrides: dict | None = None):
     from ray_attn.config import MODEL_PRESETS, EngineConfig, ModelConfig
 
     if Path(spec).is_file():
-        from deploy.schemas import engine_config_from_file
+        from ray_attn.serve.schemas import engine_config_from_file
 
         data = engine_config_from_file(spec).model_dump()
     elif spec in MODEL_PRESETS:
@@ -136,7 +136,7 @@ class _TimedSink:
 
 class EngineTransport:
     def __init__(self, engine, max_in_flight: int, ignore_eos: bool):
-        from deploy.loop import EngineLoop
+        from ray_attn.serve.loop import EngineLoop
 
         self.engine = engine
         self.ignore_eos = ignore_eos

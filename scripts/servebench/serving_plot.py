@@ -24,10 +24,9 @@ def plot_latency_vs_rate(configs: list[dict], png, title: str) -> bool:
     series = [(c["name"], rate_points(c.get("workloads", {}))) for c in configs]
     if not any(pts for _, pts in series):
         return False
-    import matplotlib
+    from plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(6 * len(METRICS), 4.2), squeeze=False)
     finite = [r for _, r in RATE_KEYS if r]

@@ -11,7 +11,7 @@ import pytest
 
 from ray_attn.engine import LLMEngine
 from ray_attn.runtime import InProcessExecutor
-from tests.deploy.helpers import direct_generate, engine_config, workload
+from tests.serve.helpers import direct_generate, engine_config, workload
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "batch_generate.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import free_port
+from tests.serve.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from deploy.loop import QueueFull
-from deploy.schemas import ErrorResponse, field_name
+from ray_attn.serve.loop import QueueFull
+from ray_attn.serve.schemas import ErrorResponse, field_name
 
 MAX_ERRORS = 16  # a body with thousands of bad keys gets a bounded answer, not one line per key
 MAX_MESSAGE_CHARS = 512
@@ -89,7 +89,7 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     """The body, refused with 413 past ``limit`` bytes (by Content-Length when sent, else while
     reading), with 400 when empty, and with 408 when it has not all arrived ``timeout_s`` seconds
     after reading began.  ``timeout_s`` defaults to the ``body_timeout_s`` that the admission
-    middleware (``deploy/admission.py``) puts in the request's state: a client that sends its
+    middleware (``ray_attn/serve/admission.py``) puts in the request's state: a client that sends its
     headers and then stalls must not hold its connection slot for as long as it likes."""
     if timeout_s is None:
         timeout_s = getattr(request.state, "body_timeout_s", DEFAULT_BODY_TIMEOUT_S)

@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deploy.app_config import (  # noqa: F401  (re-exported: the app config's old home)
+from ray_attn.serve.app_config import (  # noqa: F401  (re-exported: the app config's old home)
     AutoscalingSpec,
     PrefixRouterConfig,
     ServeAppConfig,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import LIMITS, MAX_NUM_SEQS
+from tests.serve.conftest import LIMITS, MAX_NUM_SEQS
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow

@@ -1,11 +1,11 @@
-"""Shared pieces of the deploy and scripts tests: a light engine config and a workload."""
+"""Shared pieces of the serve and scripts tests: a light engine config and a workload."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from deploy.schemas import default_engine_config
 from ray_attn.config import EngineConfig
+from ray_attn.serve.schemas import default_engine_config
 from tests.tokenizer_fixture import EOS_ID
 
 

@@ -32,8 +32,8 @@ class EngineReplica:
     """One engine (+ its TP ranks in this actor's placement group), fed through an EngineLoop."""
 
     def __init__(self, config: dict, executor: str, use_gpu: bool, max_in_flight: int):
-        from deploy.loop import EngineLoop
         from ray_attn.engine import LLMEngine
+        from ray_attn.serve.loop import EngineLoop
 
         cfg = EngineConfig.model_validate(config)
         if executor == "in_process":
@@ -52,7 +52,7 @@ class EngineReplica:
         return self.executor.num_blocks
 
     async def generate(self, prompt_token_ids: list[int], params) -> dict:
-        from deploy.loop import AsyncioSink
+        from ray_attn.serve.loop import AsyncioSink
 
         sink = AsyncioSink()
         self.loop.submit(prompt_token_ids, params, sink)

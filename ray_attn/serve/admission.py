@@ -12,7 +12,7 @@ its handler (the handler returns the ``StreamingResponse`` before the first toke
 ``finally`` of one ASGI call is the one place where releasing the count cannot be skipped --
 whether the response ended, the client went away or the request was cancelled.
 
-Serve's own ``max_ongoing_requests`` is set above ``max_connections`` (``deploy/app.py``
+Serve's own ``max_ongoing_requests`` is set above ``max_connections`` (``ray_attn/serve/app.py``
 ``deployment_options``) so that these bounds bite first and the answers stay ours.
 """
 
@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from typing import Callable, Optional
 
-from deploy.http import HTTPError
+from ray_attn.serve.http import HTTPError
 
 EXEMPT_PATHS = frozenset({"/health", "/stats"})
 

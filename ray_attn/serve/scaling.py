@@ -1,6 +1,6 @@
 """Serve options for how many LLMServer replicas run and how requests pick one.
 
-Kept out of ``deploy/app.py``'s deployment options so that the replica count (fixed, or Serve's
+Kept out of ``ray_attn/serve/app.py``'s deployment options so that the replica count (fixed, or Serve's
 autoscaling) and the request router are decided in one place.  Whatever the count, each replica
 still reserves its own placement group (its bundle plus one per TP rank, ``STRICT_PACK``), so a
 replica Serve adds or removes comes and goes with its ranks.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from deploy.router import DEFAULT_MAX_BLOCKS_PER_REPLICA
-from deploy.schemas import ServeAppConfig
+from ray_attn.serve.router import DEFAULT_MAX_BLOCKS_PER_REPLICA
+from ray_attn.serve.schemas import ServeAppConfig
 
-PREFIX_AWARE_ROUTER = "deploy.router:PrefixAwareRequestRouter"
+PREFIX_AWARE_ROUTER = "ray_attn.serve.router:PrefixAwareRequestRouter"
 
 
 def scaling_options(cfg: ServeAppConfig) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 
 openai = pytest.importorskip("openai")  # the test extra has it; the GPU machine does not
 
-from tests.deploy.conftest import MODEL_ID  # noqa: E402
+from tests.serve.conftest import MODEL_ID  # noqa: E402
 from tests.timescale import scaled  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def test_stop_string_ends_the_text_at_the_string(client):
 
 
 def test_logprobs_are_log_softmax_of_the_logits(client, served, tok):
-    from tests.deploy.helpers import teacher_forced_logits
+    from tests.serve.helpers import teacher_forced_logits
 
     out = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
                                     extra_body={"return_token_ids": True})

@@ -75,7 +75,7 @@ class PrefixRouterConfig(BaseModel):
 
 
 class ServeAppConfig(BaseModel):
-    """The ``args:`` of the Serve app (``deploy.app:build_app``): the engine plus the HTTP limits."""
+    """The ``args:`` of the Serve app (``ray_attn.serve.app:build_app``): the engine plus the HTTP limits."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -128,7 +128,7 @@ class ServeAppConfig(BaseModel):
         "default", description="'default': Serve's power-of-two choices by queue length, HTTP "
                                "straight to the replicas; 'prefix_aware': a front deployment reads "
                                "each prompt and sends it to the replica that holds its prefix "
-                               "(deploy/router.py).")
+                               "(ray_attn/serve/router.py).")
     prefix_router: PrefixRouterConfig = Field(
         default_factory=PrefixRouterConfig, description="Settings of the prefix-aware router.")
     use_gpu: Optional[bool] = Field(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.deploy.conftest import free_port
+from tests.serve.conftest import free_port
 
 pytestmark = pytest.mark.slow
 YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.replicas.yaml"
@@ -195,8 +195,8 @@ def test_autoscaled_replicas_each_reserve_their_own_placement_group(app_url):
     import ray
     from ray import serve
 
-    from deploy.app import build_app
-    from tests.deploy.helpers import engine_config
+    from ray_attn.serve.app import build_app
+    from tests.serve.helpers import engine_config
 
     url = app_url[0].removesuffix(ROUTE) + "/autoscaled"
     args = {"engine": engine_config(tp=2).model_dump(mode="json"), "replica_num_cpus": 0.25,

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from deploy.loop import EngineLoop, Event, LoopDead, QueueFull, drive_blocking
 from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor
-from tests.deploy.helpers import direct_generate, engine_config, sampling_params, workload
+from ray_attn.serve.loop import EngineLoop, Event, LoopDead, QueueFull, drive_blocking
+from tests.serve.helpers import direct_generate, engine_config, sampling_params, workload
 
 
 def make_engine(**kw):

@@ -15,10 +15,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from deploy.http import HTTPError, not_taken, request_failed
-from deploy.loop import Event, LoopDead, QueueFull
-from deploy.openai.protocol import SamplingFields
-from deploy.schemas import out_of_vocab, prompt_errors, validation_errors
+from ray_attn.serve.http import HTTPError, not_taken, request_failed
+from ray_attn.serve.loop import Event, LoopDead, QueueFull
+from ray_attn.serve.openai.protocol import SamplingFields
+from ray_attn.serve.schemas import out_of_vocab, prompt_errors, validation_errors
 
 _MASK64 = (1 << 64) - 1
 

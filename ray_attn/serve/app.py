@@ -7,7 +7,7 @@ replica and its ranks' CPUs/GPUs together, and the replica starts its workers in
 that group, so a replica and its GPUs come and go together.
 
 HTTP API (FastAPI ingress):
-  POST /v1/completions        OpenAI completions (``deploy/openai/completions.py``)
+  POST /v1/completions        OpenAI completions (``ray_attn/serve/openai/completions.py``)
   POST /v1/chat/completions   OpenAI chat, through the tokenizer's chat template (``openai/chat.py``)
   GET  /v1/models             the served model's name, context length and vocabulary
   POST /v1/generate   JSON body (GenerateRequest); ``"stream": true`` answers with server-sent events
@@ -16,8 +16,8 @@ HTTP API (FastAPI ingress):
 
 Request bodies are read with a byte cap and a deadline and parsed as JSON by pydantic (strict,
 unknown fields forbidden); nothing a client sends is ever unpickled or evaluated.  Every route but
-/health and /stats is bounded in open requests, per replica and per client (``deploy/admission.py``),
-and every error of every route, FastAPI's own included, has the body of ``deploy/http.py``.
+/health and /stats is bounded in open requests, per replica and per client (``ray_attn/serve/admission.py``),
+and every error of every route, FastAPI's own included, has the body of ``ray_attn/serve/http.py``.
 """
 
 
@@ -26,24 +26,25 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from deploy.admission import Admission, AdmissionMiddleware
-from deploy.http import (HTTPError, error_responses, install_error_handlers, not_taken, read_body,
-                         request_failed)
-from deploy.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
-from deploy.metrics import RayMetricsHooks
-from deploy.openai.chat import create_chat_completion
-from deploy.openai.completions import create_completion
-from deploy.openai.models import list_models
-from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
-from deploy.scaling import scaling_options
-from deploy.schemas import (
+from ray_attn.serve.admission import Admission, AdmissionMiddleware
+from ray_attn.serve.http import (HTTPError, error_responses, install_error_handlers, not_taken, read_body,
+                                 request_failed)
+from ray_attn.serve.ingress import REPLICA_HEADER, RoutedHTTPRequest, build_routed_app, run_asgi
+from ray_attn.serve.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
+from ray_attn.serve.metrics import RayMetricsHooks
+from ray_attn.serve.openai.chat import create_chat_completion
+from ray_attn.serve.openai.completions import create_completion
+from ray_attn.serve.openai.models import list_models
+from ray_attn.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from ray_attn.serve.scaling import scaling_options
+from ray_attn.serve.schemas import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -112,6 +113,9 @@ class LLMServer:
             self.executor.shutdown()
             raise
         replica = _replica_tag()
+        # Behind the prefix-aware front a client cannot pick a replica: every answer relayed by
+        # handle_http names its replica, so per-replica /stats can be told apart.
+        self.replica_header = (REPLICA_HEADER, replica.encode())
         self.metrics = RayMetricsHooks(replica)
         self.admission = Admission(self.cfg.connection_limit, self.cfg.client_limit, self.cfg.retry_after_s,
                                    self.cfg.body_timeout_s, on_refused=self.metrics.on_rejected)
@@ -196,6 +200,14 @@ class LLMServer:
             self.executor = None
 
     # -- HTTP -----------------------------------------------------------------------------------
+    async def handle_http(self, request: RoutedHTTPRequest) -> AsyncIterator[dict]:
+        """This replica's HTTP app on a request the prefix-aware front forwarded over a handle
+        (``ingress.py``), its ASGI messages yielded back as the app sends them."""
+        async for message in run_asgi(self.app, request.scope, request.body):
+            if message.get("type") == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), self.replica_header])
+            yield message
+
     @fastapi_app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(self):
         ok, workers, detail = await self._probe()
@@ -376,7 +388,7 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
         ray_actor_options=actor,
         placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
-        # Admission control is ours (deploy/admission.py: 503/429 + Retry-After past
+        # Admission control is ours (ray_attn/serve/admission.py: 503/429 + Retry-After past
         # max_connections); Serve's slots exceed it so that our bounds bite first and /health and
         # /stats still get in.  Serve's queue behind those slots is unbounded (-1) by default: a
         # bounded one answers its own plain-text 503 to a burst that outruns the refusals, and
@@ -390,11 +402,10 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
 
 
 def build_app(args: dict | ServeAppConfig | None = None):
-    """Serve app builder (``import_path: deploy.app:build_app``); ``args`` is a ServeAppConfig."""
+    """Serve app builder (``import_path: ray_attn.serve.app:build_app``); ``args`` is a ServeAppConfig."""
     cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(args or {})
     cfg = cfg.model_copy(update={"use_gpu": resolve_use_gpu(cfg)})
+    llm = LLMServer.options(**deployment_options(cfg))
     if cfg.request_router == "prefix_aware":
-        from deploy.ingress import build_routed_app
-
-        return build_routed_app(cfg, deployment_options(cfg))
-    return LLMServer.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"))
+        return build_routed_app(cfg, llm)
+    return llm.bind(cfg.model_dump(mode="json"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.deploy.conftest import FRONT, LIMITS, REPO
+from tests.serve.conftest import FRONT, LIMITS, REPO
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow

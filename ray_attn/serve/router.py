@@ -14,7 +14,7 @@ handle call.  Behind Serve's HTTP proxy a FastAPI ingress replica gets one argum
 ``StreamingHTTPRequest`` holding only the ASGI scope (path, headers); the replica pulls the body
 from the proxy afterwards (``receive_asgi_messages``), after routing.  So the prompt is not
 reachable there, and the prefix-aware app puts a front deployment before the replicas
-(``deploy/ingress.py``): it reads the body, hashes the prompt's blocks, and calls the LLMServer
+(``ray_attn/serve/ingress.py``): it reads the body, hashes the prompt's blocks, and calls the LLMServer
 handle with a ``RoutedHTTPRequest`` whose ``prefix_block_hashes`` this router reads.  Ray's own LLM
 stack is built the same way (an OpenAI ingress calling LLMServer handles).
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from deploy.app import build_app, deployment_options
-from deploy.schemas import GenerateRequest, ServeAppConfig, validation_errors
+from ray_attn.serve.app import build_app, deployment_options
+from ray_attn.serve.schemas import GenerateRequest, ServeAppConfig, validation_errors
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -17,7 +17,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 def app_args(name: str) -> dict:
     data = yaml.safe_load((DEPLOY / name).read_text())
     (app,) = data["applications"]
-    assert app["import_path"] == "deploy.app:build_app"
+    assert app["import_path"] == "ray_attn.serve.app:build_app"
     return data, app["args"]
 
 
@@ -96,7 +96,7 @@ def test_seed_zero_is_a_seed():
 def test_replicas_yaml_is_two_prefix_routed_replicas_on_two_cores():
     from ray._common.utils import import_attr
 
-    from deploy.router import PrefixAwareRequestRouter
+    from ray_attn.serve.router import PrefixAwareRequestRouter
 
     _, args = app_args("serve_config.replicas.yaml")
     cfg = ServeAppConfig.model_validate(args)

@@ -1,10 +1,10 @@
-"""The Serve app's Prometheus metrics: the engine loop's hooks (``deploy.loop.LoopHooks``) fed into
+"""The Serve app's Prometheus metrics: the engine loop's hooks (``ray_attn.serve.loop.LoopHooks``) fed into
 ``ray.util.metrics``, which every Ray node's metrics agent exports.  Kept apart from the HTTP
-handlers in ``deploy/app.py``: the loop calls them, the routes never do."""
+handlers in ``ray_attn/serve/app.py``: the loop calls them, the routes never do."""
 
 import time
 
-from deploy.loop import LoopHooks
+from ray_attn.serve.loop import LoopHooks
 
 STEP_LATENCY_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 

@@ -6,9 +6,9 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from deploy.http import HTTPError, read_body
-from deploy.openai.protocol import ChatCompletionRequest
-from deploy.openai.serving import (
+from ray_attn.serve.http import HTTPError, read_body
+from ray_attn.serve.openai.protocol import ChatCompletionRequest
+from ray_attn.serve.openai.serving import (
     build_choices,
     check_model,
     check_prompt,

@@ -5,7 +5,7 @@
     HTTP proxy -> PrefixRoutingIngress (1 replica) --handle--> LLMServer replicas (PrefixAwareRequestRouter)
 
 A request router only sees the arguments of a handle call, and behind the HTTP proxy those hold no
-body (``deploy/router.py`` says why).  So the front deployment reads the body (bounded by
+body (``ray_attn/serve/router.py`` says why).  So the front deployment reads the body (bounded by
 ``max_body_bytes``), hashes the prompt's leading blocks, and forwards the whole HTTP request --
 scope, body and hashes in a ``RoutedHTTPRequest`` -- to an LLMServer replica's ``handle_http``.
 That method runs the replica's own FastAPI app on it and streams the ASGI messages back, which the
@@ -30,10 +30,9 @@ from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deploy.app import LLMServer, _replica_tag
-from deploy.http import HTTPError
-from deploy.schemas import ServeAppConfig
 from ray_attn.planner.block_pool import prompt_hashes
+from ray_attn.serve.http import HTTPError
+from ray_attn.serve.schemas import ServeAppConfig
 
 log = logging.getLogger("ray.serve")
 
@@ -152,26 +151,6 @@ async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[dict]:
             task.cancel()
 
 
-class RoutedLLMServer(LLMServer.func_or_class):
-    """LLMServer plus ``handle_http``: its HTTP app reached through a handle call.
-
-    Every answer names the replica in ``X-Replica-Id`` (behind the front deployment a client
-    cannot pick a replica, so that is how per-replica ``/stats`` are told apart)."""
-
-    async def __init__(self, app_config: dict):
-        await super().__init__(app_config)
-        self.replica_header = (REPLICA_HEADER, _replica_tag().encode())
-
-    async def handle_http(self, request: RoutedHTTPRequest) -> AsyncIterator[dict]:
-        async for message in run_asgi(self.app, request.scope, request.body):
-            if message.get("type") == "http.response.start":
-                message = dict(message, headers=[*message.get("headers", ()), self.replica_header])
-            yield message
-
-
-RoutedLLMServerDeployment = serve.deployment(RoutedLLMServer, name="LLMServer")
-
-
 # ------------------------------------------------------------------------------- the front side
 async def _send_error(send, status: int, field_name: str, detail: str, headers=()) -> None:
     body = json.dumps(HTTPError(status, [(field_name, detail)]).body()).encode()
@@ -248,9 +227,11 @@ class PrefixRoutingIngress:
         return RelayedResponse(self.llm.remote(routed), self.retry_after_s)
 
 
-def build_routed_app(cfg: ServeAppConfig, llm_options: dict):
-    """The prefix-aware app: the front deployment bound to the LLMServer replicas."""
-    llm = RoutedLLMServerDeployment.options(**llm_options).bind(cfg.model_dump(mode="json"))
+def build_routed_app(cfg: ServeAppConfig, llm_server):
+    """The prefix-aware app: the front deployment bound to ``llm_server``, the replicas' deployment
+    with its options set (``app.build_app`` passes it in: the replica imports this module for
+    ``run_asgi``, so this one cannot import the replica)."""
+    llm = llm_server.bind(cfg.model_dump(mode="json"))
     front = cfg.prefix_router
     return PrefixRoutingIngress.options(
         ray_actor_options={"num_cpus": front.ingress_num_cpus},
@@ -259,5 +240,5 @@ def build_routed_app(cfg: ServeAppConfig, llm_options: dict):
            retry_after_s=cfg.retry_after_s)
 
 
-__all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "RoutedLLMServer", "build_routed_app",
+__all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "build_routed_app",
            "forwarded_scope", "prefix_block_hashes", "prompt_units", "run_asgi"]

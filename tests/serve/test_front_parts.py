@@ -12,10 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from deploy.admission import Admission, AdmissionMiddleware, route_path
-from deploy.http import MAX_ERRORS, HTTPError, _validation_error, not_taken, read_body, request_failed
-from deploy.loop import LoopDead, QueueFull
-from deploy.schemas import GenerateRequest, ServeAppConfig, validation_errors
+from ray_attn.serve.admission import Admission, AdmissionMiddleware, route_path
+from ray_attn.serve.http import MAX_ERRORS, HTTPError, _validation_error, not_taken, read_body, request_failed
+from ray_attn.serve.loop import LoopDead, QueueFull
+from ray_attn.serve.schemas import GenerateRequest, ServeAppConfig, validation_errors
 
 
 def body_bytes(resp) -> int:
@@ -280,7 +280,7 @@ def test_bad_front_config_is_refused_naming_the_field(kw, field):
     (dict(max_queue_depth=8), 80, 40),
 ])
 def test_serve_slots_exceed_our_bounds(kw, conns, per_client):
-    from deploy.app import deployment_options
+    from ray_attn.serve.app import deployment_options
 
     cfg = config(**kw)
     assert (cfg.connection_limit, cfg.client_limit) == (conns, per_client)

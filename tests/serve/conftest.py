@@ -1,4 +1,4 @@
-"""One real Serve instance on loopback for the deploy tests (and the load-test script test).
+"""One real Serve instance on loopback for the serve tests (and the load-test script test).
 
 Two apps on one HTTP port: ``/`` is the TP=2 app (Ray worker actors in the replica's placement
 group, with a byte-level BPE tokenizer and a ChatML template trained in the test), ``/plain`` is a
@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Small limits so that the catalogue can reach them cheaply.
 LIMITS = dict(max_prompt_tokens=64, max_tokens_limit=128, max_stop_token_ids=4, max_queue_depth=4,
               max_body_bytes=4096, retry_after_s=2)
-# The TP=2 app takes 37 requests at once from one client (tests/deploy/test_serve_app.py).
+# The TP=2 app takes 37 requests at once from one client (tests/serve/test_serve_app.py).
 MAIN_BOUNDS = dict(max_connections=64, max_requests_per_client=64)
-# The /plain app's bounds (tests/deploy/test_front.py): reachable with a few raw sockets.
+# The /plain app's bounds (tests/serve/test_front.py): reachable with a few raw sockets.
 FRONT = dict(max_connections=12, max_requests_per_client=4, body_timeout_s=round(scaled(2.0), 1),
              max_body_bytes=1 << 20)
 MAX_NUM_SEQS = 4
@@ -62,7 +62,7 @@ def ray_session():
 
     started = False
     if not ray.is_initialized():
-        # Replicas and workers import `deploy` and `ray_attn` from this checkout.
+        # Replicas and workers import `ray_attn` from this checkout.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
@@ -77,8 +77,8 @@ def ray_session():
 def served(ray_session, tmp_path_factory):
     from ray import serve
 
-    from deploy.app import build_app
-    from tests.deploy.helpers import engine_config
+    from ray_attn.serve.app import build_app
+    from tests.serve.helpers import engine_config
 
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     eng = engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS, eos=True)
@@ -107,7 +107,7 @@ def served(ray_session, tmp_path_factory):
 def direct_engine(ray_session):
     """The engine the app runs (same config, TP=2 worker actors), driven directly."""
     from ray_attn.engine import LLMEngine
-    from tests.deploy.helpers import engine_config
+    from tests.serve.helpers import engine_config
 
     eng = LLMEngine(engine_config(tp=2, max_num_seqs=MAX_NUM_SEQS, eos=True))
     yield eng

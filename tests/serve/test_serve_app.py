@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from tests.deploy.conftest import LIMITS, MAX_NUM_SEQS
-from tests.deploy.helpers import direct_generate, workload
+from tests.serve.conftest import LIMITS, MAX_NUM_SEQS
+from tests.serve.helpers import direct_generate, workload
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow

@@ -18,9 +18,9 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from deploy.ingress import RoutedHTTPRequest, prefix_block_hashes, run_asgi
-from deploy.router import PrefixAwareRequestRouter, PrefixIndex, request_block_hashes
 from ray_attn.planner.block_pool import prompt_hashes
+from ray_attn.serve.ingress import RoutedHTTPRequest, prefix_block_hashes, run_asgi
+from ray_attn.serve.router import PrefixAwareRequestRouter, PrefixIndex, request_block_hashes
 
 BS = 16
 

@@ -1,0 +1,85 @@
+"""``ray-attn serve``: a checkpoint folder (or a Serve YAML's app) on Ray Serve with the OpenAI API.
+
+The top-level ``ray-attn`` parser hands this subcommand its arguments (``add_arguments``) and runs
+it (``run``); a bad argument raises ``ValueError``, which the entry point prints as one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from ray_attn.serve.schemas import ServeAppConfig, app_args_from_file, default_engine_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="HF checkpoint folder (config.json, safetensors and, when "
+                                            "present, the tokenizer); omitted: the small random CPU model")
+    p.add_argument("--config", help="a Serve YAML (deploy/serve_config*.yaml) whose app args the flags override")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's own)")
+    p.add_argument("--served-model-name", help="the `model` name clients send (default: the folder's name)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+
+
+def serve_config(args):
+    """The Serve app's config: ``ray-attn serve``'s flags over a YAML's app ``args`` (or over the
+    small random CPU model).  A checkpoint folder brings its own shapes (config.json) and, when it
+    holds one, its tokenizer."""
+    app: dict = {}
+    if args.config:
+        app = dict(app_args_from_file(args.config))
+    engine = dict(app.get("engine") or ({} if args.model else default_engine_config().model_dump(mode="json")))
+    if args.model:
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"model: {args.model!r} is not a checkpoint folder (no config.json in it)")
+        engine.pop("model", None)  # the checkpoint's config.json is the model
+        engine["checkpoint"] = args.model
+    sections = {"model": {"dtype": args.dtype}, "cache": {"kv_cache_dtype": args.kv_cache_dtype},
+                "parallel": {"tensor_parallel_size": args.tp, "device": args.device}}
+    for section, values in sections.items():
+        given = {k: v for k, v in values.items() if v is not None}
+        if given:
+            engine[section] = dict(engine.get(section) or {}) | given
+    if args.max_num_seqs:
+        engine["max_num_seqs"] = args.max_num_seqs
+    if args.device == "cpu":  # CPU ranks share the host's few cores: reserve half a core each
+        engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
+        app.setdefault("replica_num_cpus", 0.5)
+    app["engine"] = engine
+    for key, value in (("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name)):
+        if value:
+            app[key] = value
+    return ServeAppConfig.model_validate(app)
+
+
+def run(args) -> int:
+    """Serve until Ctrl-C, on the cluster at ``--address`` or on a local Ray started here."""
+    # Ray and the Serve app load here, not at import: ``ray-attn demo`` builds this parser too.
+    import ray
+    from ray import serve
+
+    from ray_attn.serve.app import build_app
+
+    cfg = serve_config(args)
+    started = not ray.is_initialized()
+    ray.init(address=args.address, include_dashboard=False) if args.address else ray.init(include_dashboard=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(cfg), name="ray_attn", route_prefix="/", blocking=False)
+        print(f"ray_attn: serving '{cfg.model_id()}' on http://{args.host}:{args.port}/v1 "
+              f"(OpenAI API; /v1/generate, /health, /stats); Ctrl-C stops", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
