@@ -191,7 +191,7 @@ MOE_CONFIGS = {
 
 def moe_config(arch, **kw):
     return ModelConfig(architecture=arch, vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=256, **(MOE_CONFIGS[arch] | kw))
+                       num_key_value_heads=2, max_position_embeddings=256, **({"head_dim": 32} | MOE_CONFIGS[arch] | kw))
 
 
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
