@@ -48,21 +48,23 @@ ExpertFormat = Literal["w123", "proj", "fused", "fused_t"]
 
 def select_experts(router_logits: torch.Tensor, top_k: int, scoring: Scoring,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 weights, int64 expert ids), each [T, top_k], as transformers computes them:
+    """(float32 weights, int64 expert ids), each [T, top_k], as transformers computes them
+    (float64 for float64 logits):
 
     - softmax (Mixtral, Qwen3-MoE): softmax over every expert in float32, its top k, divided by
       their sum when ``renormalize`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``);
     - sigmoid (Llama 4): the top k of the raw logits, each through a sigmoid (never renormalised).
     """
+    acc = torch.promote_types(router_logits.dtype, torch.float32)  # float32, or a float64 reference's own
     if scoring == "softmax":
-        probs = torch.softmax(router_logits.float(), dim=-1)
+        probs = torch.softmax(router_logits.to(acc), dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
     if scoring == "sigmoid":
         values, ids = torch.topk(router_logits, top_k, dim=-1)
-        return torch.sigmoid(values.float()), ids
+        return torch.sigmoid(values.to(acc)), ids
     raise ValueError(f"scoring={scoring!r}: choose softmax or sigmoid")
 
 
