@@ -232,8 +232,7 @@ READERS: dict[str, Callable[[dict], dict]] = {
     "Gemma2ForCausalLM": _gemma2_in,
     "Qwen2ForCausalLM": lambda hf: _qwen_in("Qwen2ForCausalLM", hf, QWEN_DEFAULTS),
     "Qwen3ForCausalLM": lambda hf: _qwen_in("Qwen3ForCausalLM", hf, QWEN3_DEFAULTS),
-    "MixtralForCausalLM": _mixtral_in, "Qwen3MoeForCausalLM": _qwen3_moe_in, "Llama4ForCausalLM": _llama4_in,
-    "Llama4ForConditionalGeneration": _llama4_in}
+    "MixtralForCausalLM": _mixtral_in, "Qwen3MoeForCausalLM": _qwen3_moe_in, "Llama4ForCausalLM": _llama4_in}
 
 
 def architecture_of(hf: dict, folder: str = "") -> str:
@@ -247,10 +246,10 @@ def architecture_of(hf: dict, folder: str = "") -> str:
                              f"is not supported; supported model types: {', '.join(MODEL_TYPES)}")
         return MODEL_TYPES[model_type]
     for name in names:
-        if name in READERS:
+        if name in READERS or name in TEXT_PART_OF:
             return name
     raise ValueError(f"{folder}: architectures={names} is not supported; supported architectures: "
-                     f"{', '.join(READERS)}")
+                     f"{', '.join([*READERS, *TEXT_PART_OF])}")
 
 
 def fields_from_hf(hf: dict, folder: str = "") -> dict:
