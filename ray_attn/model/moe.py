@@ -143,7 +143,9 @@ class FusedMoE(nn.Module):
     """Every expert's SwiGLU; this rank keeps its slice of each expert's inner width: ``w13``
     [E, 2n, H] (gate rows then up rows, as vLLM's FusedMoE), ``w2`` [E, H, n].  ``forward`` returns
     this rank's partial sum; the caller all-reduces it.  ``impl``: "auto" picks the grouped GEMM
-    on CUDA (``grouped_mm_supported``) and the loop elsewhere; "loop" / "grouped" force one."""
+    on CUDA (``grouped_mm_supported``) and the loop elsewhere; "loop" / "grouped" force one.  The
+    loop reads per-expert counts on the host, so a CUDA model in float16/float32 (or a torch
+    without ``_grouped_mm``) cannot capture decode graphs: ``cuda_graphs="auto"`` then runs eagerly."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, *,
                  impl: MoeImpl = "auto", dtype, device):
