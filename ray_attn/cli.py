@@ -18,7 +18,7 @@ from ray_attn.serve import cli as serve_cli
 def demo_config(tp: int, device: str, compiled: bool, num_blocks: int | None):
     from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 
-    # Llama-4-like interleave: chunked-local layers with a full-attention layer between them.
+    # A small Llama 4 (random weights): chunked-local and NoPE layers, MoE on alternate layers.
     model = ModelConfig.from_name("demo-llama4")
     return EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks, block_size=16),
                         parallel=ParallelConfig(tensor_parallel_size=tp, device=device,

@@ -13,19 +13,29 @@ from typing import Callable, Literal, Optional, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ray_attn import hf_config
+from ray_attn.presets import MODEL_PRESETS  # named model shapes; re-exported here  # noqa: F401
 
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 SUPPORTED_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
 # HF ``architectures`` names with a model family in ray_attn.model (see its registry).
 Architecture = Literal["LlamaForCausalLM", "MistralForCausalLM", "MptForCausalLM", "Gemma2ForCausalLM",
-                       "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+                       "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                       "Llama4ForCausalLM"]
 ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
 # rope_scaling types ray_attn.model.layers.rope_inv_freq computes.
 ROPE_TYPES = ("default", "llama3")
 # The ModelConfig properties a checkpoint's tensors fix: a model that differs from its checkpoint's
 # config.json in any of them cannot load it (or, for the family, computes another function).
 CHECKPOINT_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads", "head_size", "tie_word_embeddings")
+                           "num_attention_heads", "num_key_value_heads", "head_size", "tie_word_embeddings",
+                           "num_local_experts", "expert_intermediate_size", "shared_expert_intermediate_size",
+                           "moe_layer_ids")
+# The families with routed experts (ray_attn/model/moe.py), and the fields only they read.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Llama4ForCausalLM")
+MOE_FIELDS = ("num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layers",
+              "norm_topk_prob")
+# Llama 4's attention options: no other family's layers read them, so elsewhere they are refused.
+LLAMA4_FIELDS = ("no_rope_layers", "use_qk_norm", "attn_temperature_tuning")
 
 # Fields a family's checkpoints fix, as (value given the other fields, why).  Unset, the field
 # takes that value; set to anything else, the config is refused: no checkpoint of the family
@@ -41,6 +51,19 @@ FAMILY_FIXED: dict[str, dict[str, tuple[Callable[[dict], object], str]]] = {
     "Gemma2ForCausalLM": {"use_alibi": (lambda f: False, "Gemma-2 uses RoPE")},
     "Qwen2ForCausalLM": {"use_alibi": (lambda f: False, "Qwen2 uses RoPE")},
     "Qwen3ForCausalLM": {"use_alibi": (lambda f: False, "Qwen3 uses RoPE")},
+    "Qwen3MoeForCausalLM": {"use_alibi": (lambda f: False, "Qwen3-MoE uses RoPE"),
+                            "shared_expert_intermediate_size": (lambda f: None, "Qwen3-MoE has no shared expert")},
+    "MixtralForCausalLM": {
+        "use_alibi": (lambda f: False, "Mixtral uses RoPE"),
+        "norm_topk_prob": (lambda f: True, "Mixtral renormalises its top-k routing weights"),
+        "moe_layers": (lambda f: None, "every Mixtral layer is sparse"),
+        "moe_intermediate_size": (lambda f: None, "Mixtral's experts are intermediate_size wide"),
+        "shared_expert_intermediate_size": (lambda f: None, "Mixtral has no shared expert")},
+    "Llama4ForCausalLM": {
+        "use_alibi": (lambda f: False, "Llama 4 uses RoPE (and NoPE layers)"),
+        "norm_topk_prob": (lambda f: False, "Llama 4's sigmoid routing weights are not renormalised"),
+        "shared_expert_intermediate_size": (lambda f: f["moe_intermediate_size"] or f["intermediate_size"],
+                                            "Llama 4's shared expert is as wide as its routed experts")},
 }
 
 
@@ -81,6 +104,28 @@ class ModelConfig(_Strict):
     alibi_bias_max: float = Field(8.0, gt=0, description=(
         "ALiBi slope of head i (1-based) of n, n rounded up to a power of 2: 2 ** (-alibi_bias_max * i / n) "
         "(MPT's attn_config.alibi_bias_max; 8 gives the ALiBi paper's slopes)."))
+    # -- mixture of experts (Mixtral, Qwen3-MoE, Llama 4) --
+    num_local_experts: Optional[int] = Field(None, gt=0, description=(
+        "Routed experts per MoE layer (HF num_local_experts; Qwen3-MoE's num_experts). Unset: a dense model."))
+    num_experts_per_tok: int = Field(2, gt=0, description="Experts each token is routed to (top-k).")
+    moe_intermediate_size: Optional[int] = Field(None, gt=0, description=(
+        "Each expert's inner width; intermediate_size when unset (intermediate_size stays the width of "
+        "the dense MLP layers: Qwen3-MoE's mlp_only_layers, Llama 4's intermediate_size_mlp)."))
+    shared_expert_intermediate_size: Optional[int] = Field(None, gt=0, description=(
+        "Inner width of the shared expert every token also goes through (Llama 4); none when unset."))
+    norm_topk_prob: bool = Field(False, description=(
+        "Renormalise the top-k softmax routing weights to sum to 1 (Qwen3-MoE's norm_topk_prob; Mixtral always)."))
+    moe_layers: Optional[list[int]] = Field(None, description=(
+        "Indices of the sparse (MoE) layers, the others dense; every layer when unset. From HF's "
+        "moe_layers / interleave_moe_layer_step (Llama 4) or decoder_sparse_step / mlp_only_layers (Qwen3-MoE)."))
+    # -- Llama 4 attention --
+    no_rope_layers: Optional[list[int]] = Field(None, description=(
+        "Llama 4's per-layer RoPE switch, HF's (inverted) name and meaning: 1 = RoPE, 0 = NoPE. Unset: RoPE everywhere."))
+    use_qk_norm: bool = Field(False, description="Llama 4: L2-normalise q and k (no weight) after RoPE, on RoPE layers.")
+    attn_temperature_tuning: bool = Field(False, description=(
+        "Llama 4: on NoPE layers scale q by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))."))
+    floor_scale: float = Field(8192.0, gt=0, description="Llama 4 temperature tuning: positions per step.")
+    attn_scale: float = Field(0.1, description="Llama 4 temperature tuning: strength.")
     seed: int = Field(0, description="Seed for random weights when no checkpoint is given.")
     eos_token_ids: list[int] = Field(default_factory=list, description=(
         "Token ids that end generation (finish_reason 'stop') unless a request sets ignore_eos; "
@@ -95,6 +140,22 @@ class ModelConfig(_Strict):
         if self.softmax_scale is not None:
             return self.softmax_scale
         return (self.query_pre_attn_scalar or self.head_size) ** -0.5
+
+    @property
+    def expert_intermediate_size(self) -> int | None:
+        if self.num_local_experts is None:
+            return None
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The sparse layers' indices (none for a dense model)."""
+        if self.num_local_experts is None:
+            return ()
+        return tuple(range(self.num_hidden_layers) if self.moe_layers is None else self.moe_layers)
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.use_alibi and (self.no_rope_layers is None or bool(self.no_rope_layers[layer]))
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "ModelConfig":
@@ -146,12 +207,40 @@ class ModelConfig(_Strict):
         if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
             raise ValueError(f"softmax_scale={self.softmax_scale} and query_pre_attn_scalar="
                              f"{self.query_pre_attn_scalar} both set the attention scale; set one")
+        self._check_moe_and_llama4()
         values = dict(self)
         for name, (value, why) in FAMILY_FIXED.get(self.architecture, {}).items():
             if values[name] != value(values):
                 raise ValueError(f"architecture={self.architecture} needs {name}={value(values)!r}, "
                                  f"got {values[name]!r} ({why})")
         return self
+
+
+    def _check_moe_and_llama4(self) -> None:
+        fields, arch, n = type(self).model_fields, self.architecture, self.num_hidden_layers
+        if arch not in MOE_ARCHITECTURES:
+            for name in MOE_FIELDS:
+                if getattr(self, name) != fields[name].default:
+                    raise ValueError(f"{name}={getattr(self, name)!r}: architecture={arch} has no experts "
+                                     f"(MoE families: {', '.join(MOE_ARCHITECTURES)})")
+        elif self.num_local_experts is None:
+            raise ValueError(f"architecture={arch} needs num_local_experts (its routed experts per MoE layer)")
+        if arch != "Llama4ForCausalLM":
+            for name in LLAMA4_FIELDS:
+                if getattr(self, name) != fields[name].default:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is a Llama 4 option; "
+                                     f"architecture={arch} does not read it")
+        E, k = self.num_local_experts, self.num_experts_per_tok
+        if E is not None and k > E:
+            raise ValueError(f"num_experts_per_tok={k} must not exceed num_local_experts={E}")
+        if self.moe_layers is not None:
+            ids = self.moe_layers
+            if sorted(set(ids)) != list(ids) or any(not 0 <= i < n for i in ids):
+                raise ValueError(f"moe_layers={ids} must be increasing layer indices in [0, num_hidden_layers={n})")
+        if self.no_rope_layers is not None:
+            r = self.no_rope_layers
+            if len(r) < n or any(v not in (0, 1) for v in r):
+                raise ValueError(f"no_rope_layers={r} needs a 0 (NoPE) or 1 (RoPE) for each of the {n} layers")
 
 
 def _read_json(path: str) -> dict:
@@ -182,30 +271,6 @@ def pretrained_fields(folder: str) -> dict:
         if "eos_token_id" in gen:
             fields["eos_token_ids"] = hf_config.eos_token_ids(gen["eos_token_id"], gen_path)
     return fields
-
-
-# Named model shapes (gpt-fast's ``transformer_configs``): benchmarks, the demo and the Serve
-# app's default model start from these, so that each shape is written once.  Random weights unless
-# an EngineConfig names a checkpoint.
-MODEL_PRESETS: dict[str, dict] = {
-    # Llama-3-8B's shape: what the GPU benchmarks measure.
-    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                       max_position_embeddings=16384, dtype="bfloat16"),
-    # The CPU stand-in for it in the same benchmarks.
-    "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, dtype="float32"),
-    # One small layer: a step that is nothing but the step machinery (bench_step_overhead).
-    "one-layer": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1),
-    # Llama-4-like interleave of chunked-local and full layers: `ray-attn demo`.
-    "demo-llama4": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=4, attention_chunk_size=1024,
-                        layer_types=["chunked_attention", "full_attention"] * 2, seed=1234),
-    # The Serve app's default: light enough for two TP workers on a 2-core CPU.
-    "serve-cpu": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, seed=1234),
-}
 
 
 class CacheConfig(_Strict):
@@ -312,8 +377,13 @@ def check_runnable(model: ModelConfig, cache: CacheConfig, parallel: ParallelCon
         raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv} (or exceed it, to replicate)")
     if kv < tp and tp % kv:
         raise ValueError(f"num_key_value_heads={kv} must divide tensor_parallel_size={tp} to replicate KV heads")
-    if model.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={model.intermediate_size}")
+    widths = {"moe_intermediate_size (each expert's width)": model.expert_intermediate_size,
+              "shared_expert_intermediate_size": model.shared_expert_intermediate_size}
+    if len(model.moe_layer_ids) < model.num_hidden_layers:  # some layers are dense
+        widths = {"intermediate_size": model.intermediate_size} | widths
+    for name, width in widths.items():
+        if width is not None and width % tp:  # each rank holds a slice of every MLP's / expert's width
+            raise ValueError(f"tensor_parallel_size={tp} must divide {name}={width}")
     if model.attention_chunk_size and model.attention_chunk_size % cache.block_size:
         raise ValueError(f"attention_chunk_size={model.attention_chunk_size} must be a multiple of "
                          f"block_size={cache.block_size}")

@@ -18,7 +18,13 @@ LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "max_position_embeddings", "tie_word_embeddings", "sliding_window")
 # config.json files without ``architectures`` (a config saved on its own) still name a model_type.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mpt": "MptForCausalLM",
-               "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"}
+# Checkpoints whose text decoder is one of our families: the multimodal Llama 4 holds a
+# Llama4ForCausalLM under ``language_model.`` (config in ``text_config``; the vision tower is
+# not loaded).
+TEXT_PART_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 GEMMA2_ACTIVATION = "gelu_pytorch_tanh"
 # transformers' Qwen2Config / Qwen3Config defaults, for the keys a config.json may leave out (HF
 # fills them from its class; ours differ, e.g. rms_norm_eps 1e-5 and a 512-token vocabulary).
@@ -27,6 +33,18 @@ QWEN_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=2201
                      rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
                      sliding_window=4096, max_window_layers=28)
 QWEN3_DEFAULTS = QWEN_DEFAULTS | dict(head_dim=128, attention_bias=False)
+QWEN3_MOE_DEFAULTS = QWEN_DEFAULTS | dict(
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
+    attention_bias=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+    decoder_sparse_step=1, mlp_only_layers=[])
+MIXTRAL_DEFAULTS = dict(num_local_experts=8, num_experts_per_tok=2, hidden_act="silu")
+# transformers' Llama4TextConfig defaults (Scout's shapes), for keys a config.json may leave out.
+LLAMA4_DEFAULTS = dict(
+    vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,
+    num_attention_heads=40, num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=131072,
+    rms_norm_eps=1e-5, num_experts_per_tok=1, num_local_experts=16, interleave_moe_layer_step=1, use_qk_norm=True,
+    no_rope_layer_interval=4, attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192,
+    attn_scale=0.1, attention_bias=False, tie_word_embeddings=False)
 
 
 def _refuse(arch: str, name: str, value, why: str) -> None:
@@ -46,9 +64,9 @@ def eos_token_ids(value, where: str = "config.json") -> list[int]:
     return list(ids)
 
 
-def _rope_in(hf: dict) -> dict:
+def _rope_in(hf: dict, default_theta: float = 10000.0) -> dict:
     rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
-    theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    theta = hf.get("rope_theta", rope.pop("rope_theta", default_theta))
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     return dict(rope_theta=float(theta), rope_scaling=scaling)
 
@@ -151,11 +169,70 @@ def _qwen_in(arch: str, hf: dict, defaults: dict) -> dict:
     return {k: v for k, v in fields.items() if v is not None} | _rope_in(hf)
 
 
+def _experts_in(arch: str, hf: dict, num_experts) -> dict:
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        _refuse(arch, "num_experts", num_experts, "a sparse family needs routed experts")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(arch, "hidden_act", hf["hidden_act"], "only SwiGLU experts with silu are implemented")
+    # router_aux_loss_coef, router_jitter_noise, output_router_logits: training only, ignored
+    return dict(num_local_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"])
+
+
+def _mixtral_in(hf: dict) -> dict:
+    hf = MIXTRAL_DEFAULTS | hf
+    return _llama_in(hf) | _rope_in(hf, 1e6) | _experts_in("MixtralForCausalLM", hf, hf["num_local_experts"])
+
+
+def _qwen3_moe_in(hf: dict) -> dict:
+    arch = "Qwen3MoeForCausalLM"
+    hf = QWEN3_MOE_DEFAULTS | {k: v for k, v in hf.items() if v is not None}
+    E = hf.get("num_local_experts", hf["num_experts"])  # transformers 5 writes num_local_experts
+    fields = _qwen_in(arch, hf, {}) | _experts_in(arch, hf, E)
+    n, step, dense = fields["num_hidden_layers"], hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or [])
+    if not isinstance(step, int) or step <= 0:
+        _refuse(arch, "decoder_sparse_step", step, "must be a positive layer interval")
+    # HF's rule (Qwen3MoeDecoderLayer): sparse unless in mlp_only_layers, every decoder_sparse_step-th layer
+    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    return fields | dict(moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf["norm_topk_prob"]),
+                         moe_layers=None if len(sparse) == n else sparse)
+
+
+def _llama4_in(hf: dict) -> dict:
+    arch = "Llama4ForCausalLM"
+    hf = LLAMA4_DEFAULTS | {k: v for k, v in hf.items() if v is not None or k == "attention_chunk_size"}
+    if hf.get("attention_bias"):
+        _refuse(arch, "attention_bias", True, "projection biases are not implemented")
+    n = hf["num_hidden_layers"]
+    # transformers' Llama4TextConfig.__post_init__, for configs that leave these out
+    rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0) for i in range(n)]
+    step = hf["interleave_moe_layer_step"]
+    moe = hf.get("moe_layers")
+    if moe is None:
+        if not isinstance(step, int) or step <= 0:
+            _refuse(arch, "interleave_moe_layer_step", step, "must be a positive layer interval")
+        moe = list(range(step - 1, n, step))
+    chunk = hf.get("attention_chunk_size")
+    kinds = hf.get("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
+                                      for r in rope[:n]]
+    if "sliding_attention" in kinds:
+        _refuse(arch, "layer_types", kinds, "Llama 4 has chunked and full attention layers only")
+    fields = {k: hf[k] for k in LLAMA_KEYS if hf.get(k) is not None and k not in ("sliding_window", "intermediate_size")}
+    fields.update(
+        intermediate_size=hf["intermediate_size_mlp"], moe_intermediate_size=hf["intermediate_size"],
+        shared_expert_intermediate_size=hf["intermediate_size"], moe_layers=None if len(moe) == n else list(moe),
+        no_rope_layers=[int(bool(r)) for r in rope[:n]], use_qk_norm=bool(hf["use_qk_norm"]),
+        attn_temperature_tuning=bool(hf["attn_temperature_tuning"]), floor_scale=float(hf["floor_scale"]),
+        attn_scale=float(hf["attn_scale"]), layer_types=list(kinds),
+        attention_chunk_size=chunk if "chunked_attention" in kinds else None)
+    return fields | _rope_in(hf, 500000.0) | _experts_in(arch, hf, hf["num_local_experts"])
+
+
 READERS: dict[str, Callable[[dict], dict]] = {
     "LlamaForCausalLM": _llama_in, "MistralForCausalLM": _llama_in, "MptForCausalLM": _mpt_in,
     "Gemma2ForCausalLM": _gemma2_in,
     "Qwen2ForCausalLM": lambda hf: _qwen_in("Qwen2ForCausalLM", hf, QWEN_DEFAULTS),
-    "Qwen3ForCausalLM": lambda hf: _qwen_in("Qwen3ForCausalLM", hf, QWEN3_DEFAULTS)}
+    "Qwen3ForCausalLM": lambda hf: _qwen_in("Qwen3ForCausalLM", hf, QWEN3_DEFAULTS),
+    "MixtralForCausalLM": _mixtral_in, "Qwen3MoeForCausalLM": _qwen3_moe_in, "Llama4ForCausalLM": _llama4_in}
 
 
 def architecture_of(hf: dict, folder: str = "") -> str:
@@ -169,18 +246,25 @@ def architecture_of(hf: dict, folder: str = "") -> str:
                              f"is not supported; supported model types: {', '.join(MODEL_TYPES)}")
         return MODEL_TYPES[model_type]
     for name in names:
-        if name in READERS:
+        if name in READERS or name in TEXT_PART_OF:
             return name
     raise ValueError(f"{folder}: architectures={names} is not supported; supported architectures: "
-                     f"{', '.join(READERS)}")
+                     f"{', '.join([*READERS, *TEXT_PART_OF])}")
 
 
 def fields_from_hf(hf: dict, folder: str = "") -> dict:
     """``ModelConfig`` fields from an HF config.json's contents."""
     arch = architecture_of(hf, folder)
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+    eos = hf.get("eos_token_id")
+    if arch in TEXT_PART_OF:
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"{folder}: {arch} config.json lacks its text_config")
+        eos = text.get("eos_token_id", eos)
+        hf, arch = text, TEXT_PART_OF[arch]
     return READERS[arch](hf) | dict(architecture=arch, dtype=dtype if dtype in DTYPES else "bfloat16",
-                                    eos_token_ids=eos_token_ids(hf.get("eos_token_id"), f"{folder}/config.json"))
+                                    eos_token_ids=eos_token_ids(eos, f"{folder}/config.json"))
 
 
 # -- writers: ModelConfig -> config.json ----------------------------------------------------------
@@ -237,10 +321,10 @@ def _gemma2_out(c: "ModelConfig") -> dict:
         query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.head_size), rope_parameters=_rope_out(c))
 
 
-def _qwen_out(c: "ModelConfig") -> dict:
+def _qwen_out(c: "ModelConfig", moe: set[str] = frozenset()) -> dict:
     _only(c, {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
-              "max_position_embeddings", "tie_word_embeddings", "sliding_window", "layer_types"})
+              "max_position_embeddings", "tie_word_embeddings", "sliding_window", "layer_types"} | moe)
     kinds = c.layer_kinds()
     if "chunked_attention" in kinds:
         raise ValueError(f"a {c.architecture} config.json cannot hold chunked_attention layer_types")
@@ -251,7 +335,7 @@ def _qwen_out(c: "ModelConfig") -> dict:
     # layer_types carries any pattern; max_window_layers (the full layers before the first sliding
     # one) is what readers without layer_types go by, exact for HF's full-then-sliding pattern.
     full_first = kinds.index("sliding_attention") if sliding else len(kinds)
-    qwen3 = c.architecture == "Qwen3ForCausalLM"
+    qwen3 = c.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     return d | dict(
         architectures=[c.architecture], model_type="qwen3" if qwen3 else "qwen2", head_dim=c.head_size,
         hidden_act="silu", use_sliding_window=sliding, sliding_window=c.sliding_window if sliding else None,
@@ -259,9 +343,60 @@ def _qwen_out(c: "ModelConfig") -> dict:
         **(dict(attention_bias=False) if qwen3 else {}))
 
 
+_EXPERT_FIELDS = {"num_local_experts", "num_experts_per_tok"}
+
+
+def _qwen3_moe_out(c: "ModelConfig") -> dict:
+    d = _qwen_out(c, _EXPERT_FIELDS | {"moe_intermediate_size", "norm_topk_prob", "moe_layers"})
+    sparse = set(c.moe_layer_ids)
+    return d | dict(model_type="qwen3_moe", num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                    moe_intermediate_size=c.expert_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                    decoder_sparse_step=1, mlp_only_layers=[i for i in range(c.num_hidden_layers) if i not in sparse])
+
+
+def _mixtral_out(c: "ModelConfig") -> dict:
+    _only(c, {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+              "max_position_embeddings", "tie_word_embeddings", "sliding_window", "layer_types",
+              "norm_topk_prob"} | _EXPERT_FIELDS)
+    kinds = c.layer_kinds()
+    if set(kinds) - {"sliding_attention"} and set(kinds) - {"full_attention"}:
+        raise ValueError(f"a MixtralForCausalLM config.json holds one sliding_window for every layer, not {kinds}")
+    d = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                    "max_position_embeddings", "tie_word_embeddings", "num_local_experts",
+                                    "num_experts_per_tok")}
+    return d | dict(architectures=["MixtralForCausalLM"], model_type="mixtral", head_dim=c.head_size,
+                    hidden_act="silu", rope_parameters=_rope_out(c),
+                    sliding_window=c.sliding_window if "sliding_attention" in kinds else None)
+
+
+def _llama4_out(c: "ModelConfig") -> dict:
+    _only(c, {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+              "max_position_embeddings", "tie_word_embeddings", "attention_chunk_size", "layer_types",
+              "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layers", "no_rope_layers",
+              "use_qk_norm", "attn_temperature_tuning", "floor_scale", "attn_scale", "norm_topk_prob"} | _EXPERT_FIELDS)
+    kinds = c.layer_kinds()
+    if "sliding_attention" in kinds:
+        raise ValueError("a Llama4ForCausalLM config.json cannot hold sliding_attention layer_types")
+    d = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                    "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                                    "tie_word_embeddings", "num_local_experts", "num_experts_per_tok",
+                                    "use_qk_norm", "attn_temperature_tuning", "attn_scale")}
+    return d | dict(
+        architectures=["Llama4ForCausalLM"], model_type="llama4_text", head_dim=c.head_size, hidden_act="silu",
+        intermediate_size=c.expert_intermediate_size, intermediate_size_mlp=c.intermediate_size,
+        moe_layers=list(c.moe_layer_ids), interleave_moe_layer_step=1, layer_types=kinds,
+        no_rope_layers=list(c.no_rope_layers or [1] * c.num_hidden_layers),
+        attention_chunk_size=c.attention_chunk_size, floor_scale=_number(c.floor_scale), attention_bias=False,
+        rope_parameters=_rope_out(c))
+
+
 WRITERS: dict[str, Callable[["ModelConfig"], dict]] = {
     "LlamaForCausalLM": _llama_out, "MistralForCausalLM": _llama_out, "MptForCausalLM": _mpt_out,
-    "Gemma2ForCausalLM": _gemma2_out, "Qwen2ForCausalLM": _qwen_out, "Qwen3ForCausalLM": _qwen_out}
+    "Gemma2ForCausalLM": _gemma2_out, "Qwen2ForCausalLM": _qwen_out, "Qwen3ForCausalLM": _qwen_out,
+    "MixtralForCausalLM": _mixtral_out, "Qwen3MoeForCausalLM": _qwen3_moe_out, "Llama4ForCausalLM": _llama4_out}
 
 
 def hf_config_dict(config: "ModelConfig") -> dict:

@@ -108,6 +108,17 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: fa(i) or need(not i["async"], "async still on")),
         Row("graphs_off", what="CUDA graphs off (eager decode)", parallel=dict(cuda_graphs="off"),
             expect=lambda s, i: fa(i) or need(not i["cuda_graphs"], "graphs still on")),
+        Row("llama4", family="llama4", prompts="chunk_edges",
+            what="Llama 4 text: chunked-local RoPE layers (decode crosses chunk boundaries), NoPE + temperature "
+                 "tuning, L2 q/k norm, sigmoid top-1 MoE + shared expert",
+            expect=lambda s, i: default(s, i) or need(s["local_steps"] > 0, "no local-attention step")),
+        Row("llama4_cascade", family="llama4_onechunk", prompts="one_prefix",
+            what="Llama 4, cascade forced where exact (every key in one chunk)",
+            engine=dict(cascade_min_saved_kv_tokens=0),
+            expect=lambda s, i: default(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
+        Row("mixtral", family="mixtral", what="Mixtral: softmax top-2 of 8 experts, renormalised", expect=default),
+        Row("qwen3_moe", family="qwen3_moe", what="Qwen3-MoE: top-4 of 16 experts (norm_topk_prob), a dense "
+            "layer, q/k norms", expect=default),
         Row("tp2_graphs", what="TP=2, CUDA graphs on (NCCL inside)", tp=2, parallel=dict(cuda_graphs="on"),
             expect=default),
         Row("tp2_eager", what="TP=2, CUDA graphs off", tp=2, parallel=dict(cuda_graphs="off"),
@@ -115,10 +126,12 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
     ]
 
 
-def prompt_sets(vocab: int, gpu: bool, seed: int = 0) -> dict[str, list[list[int]]]:
+def prompt_sets(vocab: int, gpu: bool, seed: int = 0, chunk: int = 256) -> dict[str, list[list[int]]]:
     """12 prompts each: ``mixed`` = 8 sharing a long prefix + 4 unrelated (two short, two long);
     ``one_prefix`` = 12 sharing one; ``three_prefixes`` = 4 on each of three prefixes;
-    ``repeats`` = 4 prompts, each 3 times (the n samples of a request, as the OpenAI app sends them)."""
+    ``repeats`` = 4 prompts, each 3 times (the n samples of a request, as the OpenAI app sends them);
+    ``chunk_edges`` = 4 and 20 tokens short of each of the first six multiples of ``chunk``, so that
+    every prompt's decode crosses a chunk boundary (up to ~6 chunks: 1,532 tokens at chunk 256)."""
     r = np.random.default_rng(seed)
     tok = lambda n: r.integers(0, vocab, n).tolist()
     k = 1 if gpu else 4  # CPU: the same shapes, shorter (the prefix still passes cascade's 256-token minimum)
@@ -130,6 +143,7 @@ def prompt_sets(vocab: int, gpu: bool, seed: int = 0) -> dict[str, list[list[int
             "one_prefix": [prefix + s for s in suffixes],
             "three_prefixes": [prefixes[i // 4] + suffixes[i] for i in range(12)],
             "repeats": [p for p in [prefixes[i] + suffixes[i] for i in range(3)] + [singles[2]] for _ in range(3)],
+            "chunk_edges": [tok(chunk * j - d) for j in range(1, 7) for d in (4, 20)],
             "_prefix": [prefix]}
 
 
@@ -205,7 +219,10 @@ class Gate:
         self.gpu, self.workdir, self.init = gpu, workdir, init
         self.size = hf.GPU_SIZE if gpu else hf.CPU_SIZE
         self.window, self.chunk = (384, 512) if gpu else (40, 48)
-        self.prompts = prompt_sets(self.size["vocab"], gpu)
+        # Llama 4's checkpoints: chunk 256 (decode crosses boundaries), and one chunk long enough
+        # to hold every one_prefix prompt (so cascade is exact)
+        self.llama4_chunks = {"llama4": 256 if gpu else 32, "llama4_onechunk": 2048 if gpu else 512}
+        self.prompts = prompt_sets(self.size["vocab"], gpu, chunk=self.llama4_chunks["llama4"])
         self.controls = Controls(torch.device("cuda" if gpu else "cpu"))
         self.folders: dict[str, str] = {}
 
@@ -216,7 +233,8 @@ class Gate:
         if family not in self.folders:
             folder = self.folders[family] = os.path.join(self.workdir, family)
             hf.write_checkpoint(family, folder, size=self.size, seed=1, window=self.window, init=self.init,
-                                dtype=torch.bfloat16 if self.gpu else torch.float32)
+                                dtype=torch.bfloat16 if self.gpu else torch.float32,
+                                chunk=self.llama4_chunks.get(family))
         return self.folders[family]
 
     def run(self, row: Row) -> dict:

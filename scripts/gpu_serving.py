@@ -32,6 +32,7 @@ Goals (each a ratio from this run): offline >= 85% of roofline; concurrency-1 me
     python scripts/gpu_serving.py                                  # one H200: bf16 and fp8 KV
     python scripts/gpu_serving.py --tp 2 --kv-dtypes auto          # two H200s
     python scripts/gpu_serving.py --preset tiny --device cpu --scale 0.01 --num-blocks 2048
+    python scripts/gpu_serving.py --preset qwen3-30b-a3b       # MoE: the roofline counts the experts hit
 Writes benchmarks/results/serving_h200{suffix}.json and .png (after every workload, so a run cut
 short keeps what it measured; ``--mirror-dir`` copies them there too).
 """
@@ -339,7 +340,9 @@ class Suite:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default=None, help="model preset (default: llama-3-8b on GPU, tiny on CPU)")
+    p.add_argument("--preset", default=None, help=(
+        "model preset (default: llama-3-8b on GPU, tiny on CPU); MoE: qwen3-30b-a3b (one H200), llama-4-scout "
+        "(--tp 4), and their CPU stand-ins tiny-qwen3-moe, tiny-llama4"))
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--kv-dtypes", default="auto,fp8", help="comma-separated cache.kv_cache_dtype values, one engine each")
@@ -354,7 +357,8 @@ def parser() -> argparse.ArgumentParser:
                    help="token budgets for the random_rate_16 sweep on the first config ('' for none)")
     p.add_argument("--no-tp1-baseline", dest="tp1_baseline", action="store_false",
                    help="with --tp > 1: skip the TP=1 engine that decode_64x4k's efficiency needs")
-    p.add_argument("--suffix", default=None, help="result file suffix (default: _tp{N} for TP > 1, _cpu on CPU)")
+    p.add_argument("--suffix", default=None, help="result file suffix (default: _tp{N} for TP > 1, _cpu on CPU, "
+                   "after _{preset} for presets other than llama-3-8b / tiny)")
     p.add_argument("--result-dir", default=str(RESULTS))
     p.add_argument("--mirror-dir", default=None, help="also copy the results here after each workload ($OUT)")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -369,6 +373,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.preset = a.preset or ("llama-3-8b" if a.device == "cuda" else "tiny")
+    from ray_attn.config import MODEL_PRESETS
+
+    if a.preset not in MODEL_PRESETS:
+        p.error(f"--preset {a.preset!r}: choose one of {sorted(MODEL_PRESETS)}")
     a.only = set(a.only.split(",")) if a.only else None
     try:
         a.budget_sweep = [int(b) for b in a.budget_sweep.split(",") if b.strip()]
@@ -376,6 +384,8 @@ def main(argv=None) -> int:
         p.error(f"--budget-sweep: {a.budget_sweep!r} is not a comma-separated list of integers")
     if a.suffix is None:
         a.suffix = f"_tp{a.tp}" if a.tp > 1 else ("_cpu" if a.device == "cpu" else "")
+        if a.preset not in (None, "llama-3-8b", "tiny"):  # another model's run keeps the default's file
+            a.suffix = f"_{a.preset}{a.suffix}"
     if a.tp < 1 or not a.scale > 0 or any(b < 1 for b in a.budget_sweep):
         p.error("--tp must be >= 1, --scale > 0 and every --budget-sweep value >= 1")
     if a.tp > 1 and a.executor != "ray":

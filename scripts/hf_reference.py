@@ -22,6 +22,7 @@ CPU_SIZE = dict(vocab=512, hidden=128, layers=2, heads=4, kv_heads=2, head=32, i
 
 
 def hf_config(family: str, size: dict, *, window: int, chunk: int | None = None):
+    """``chunk``: Llama 4's attention_chunk_size (``llama4``, ``llama4_onechunk``)."""
     import transformers as tf
 
     s = size
@@ -46,6 +47,28 @@ def hf_config(family: str, size: dict, *, window: int, chunk: int | None = None)
         # Twice the query heads, so q is wider than the residual stream (Qwen3-4B: 32 x 128 over 2560).
         return tf.Qwen3Config(**(common | dict(num_attention_heads=2 * s["heads"])), attention_bias=False,
                               rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
+    if family == "mixtral":
+        # 8 experts, top-2 renormalised (Mixtral's routing), half-width experts
+        return tf.MixtralConfig(**(common | dict(intermediate_size=s["inter"] // 2)), num_local_experts=8,
+                                num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        # 16 narrow experts, top-4 renormalised, q/k norms; the first layer dense (mlp_only_layers)
+        return tf.Qwen3MoeConfig(**common, moe_intermediate_size=s["inter"] // 4, num_experts=16,
+                                 num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[0],
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
+    if family in ("llama4", "llama4_onechunk"):
+        # Scout's pattern over >= 4 layers: RoPE + chunked-local on 3 of 4, NoPE + full attention
+        # (temperature tuning, at a floor_scale small enough to act within the prompts) on every
+        # 4th; L2 q/k norm; MoE (8 experts, sigmoid top-1, shared expert) on alternate layers,
+        # dense SwiGLU of intermediate_size_mlp between.
+        layers = max(s["layers"], 4)
+        return tf.Llama4TextConfig(
+            **(common | dict(num_hidden_layers=layers, intermediate_size=s["inter"] // 2)),
+            intermediate_size_mlp=s["inter"], num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)], attention_chunk_size=chunk,
+            use_qk_norm=True, attn_temperature_tuning=True, floor_scale=max(chunk // 4, 8), attn_scale=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)
     if family == "mpt":
         # HF's MPT builds (and writes) a 4 * d_model MLP whatever expansion_ratio says.
         return tf.MptConfig(d_model=s["hidden"], n_heads=s["heads"], n_layers=s["layers"], max_seq_len=s["max_pos"],
@@ -64,6 +87,7 @@ def liven(model: torch.nn.Module, seed: int) -> None:
     cfg = model.config
     tied = bool(getattr(cfg, "tie_word_embeddings", False)) or getattr(cfg, "model_type", "") == "mpt"
     gemma = getattr(cfg, "model_type", "").startswith("gemma")
+    llama4 = getattr(cfg, "model_type", "").startswith("llama4")  # stacked experts stored input-major
     embed = model.get_input_embeddings().weight
     for name, p in model.named_parameters():
         x = torch.randn(p.shape, generator=g, dtype=torch.float32)
@@ -75,16 +99,17 @@ def liven(model: torch.nn.Module, seed: int) -> None:
         elif p.dim() == 1:
             p.copy_(x * 0.5)
         else:
-            p.copy_(x * p.shape[-1] ** -0.5)
+            fan_in = p.shape[-2] if llama4 and p.dim() == 3 else p.shape[-1]
+            p.copy_(x * fan_in ** -0.5)
 
 
 def write_checkpoint(family: str, folder: str, *, size: dict, seed: int, dtype: torch.dtype, window: int,
-                     init: str = "alive"):
+                     init: str = "alive", chunk: int | None = None):
     """``init="hf"`` keeps transformers' own random init (std 0.02): near-tied logits, where any
     perturbation -- bf16 rounding included -- flips many argmaxes (a baseline, not a gate)."""
     import transformers as tf
 
-    cfg = hf_config(family, size, window=window)
+    cfg = hf_config(family, size, window=window, chunk=chunk)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if init == "alive":

@@ -38,6 +38,12 @@ class CausalLM(nn.Module):
     norm_class: ClassVar[type[RMSNorm]]  # the final norm's class
     embed_name: ClassVar[str]  # checkpoint names of the embedding and the final norm
     final_norm_name: ClassVar[str]
+    # Checkpoint layouts ``layer_shards`` can name (the first is what we write), and prefixes a
+    # checkpoint may put before every name (a multimodal checkpoint's text part), with the
+    # prefixes of tensors such a checkpoint also holds that the text model does not read.
+    checkpoint_layouts: ClassVar[tuple[str, ...]] = ("default",)
+    checkpoint_prefixes: ClassVar[tuple[str, ...]] = ("",)
+    ignored_checkpoint_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ModelConfig, *, tp_rank=0, tp_size=1, tp_group=None, device="cpu",
                  block_size=16, kv_cache_dtype="auto", kernel="auto"):
@@ -65,9 +71,7 @@ class CausalLM(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(E, config.rms_norm_eps, **dd)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else new_param(V, E, **dd)
-        self.rotary = None if config.use_alibi else RotaryEmbedding(
-            config.head_size, config.max_position_embeddings, config.rope_theta,
-            config.rope_scaling, device=self.device)
+        self.rotary = None if config.use_alibi else self.make_rotary()
         attn0 = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn0.num_heads, attn0.num_kv_heads
         self.head_size = config.head_size
@@ -75,24 +79,42 @@ class CausalLM(nn.Module):
         self.kv_caches: list[torch.Tensor] | None = None
         self._attn_out = torch.zeros(0, self.num_heads, self.head_size, **dd)
 
+    def make_rotary(self) -> nn.Module:
+        """The step's position encoding: ``cos_sin(positions, dtype)`` feeds every layer."""
+        c = self.config
+        return RotaryEmbedding(c.head_size, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
+                               device=self.device)
+
     # -- weights ----------------------------------------------------------------------------
-    def layer_shards(self, i: int, layer: nn.Module) -> dict[str, Shard]:
+    def layer_shards(self, i: int, layer: nn.Module, layout: str = "default") -> dict[str, Shard]:
         raise NotImplementedError
 
-    def weight_shards(self) -> dict[str, Shard]:
+    def weight_shards(self, layout: str | None = None) -> dict[str, Shard]:
         """Every parameter of this rank by its HF checkpoint name, with where it sits in the full
-        tensor (a ``FusedShard`` for a tensor this rank holds in several pieces)."""
+        tensor (a ``FusedShard`` for a tensor this rank holds in several pieces), in checkpoint
+        ``layout`` (one of ``checkpoint_layouts``; the first when unset)."""
+        layout = layout or self.checkpoint_layouts[0]
         s = {self.embed_name: replicated(self.embed_tokens, "embedding")}
         for i, layer in enumerate(self.layers):
-            s.update(self.layer_shards(i, layer))
+            s.update(self.layer_shards(i, layer) if layout == "default" else self.layer_shards(i, layer, layout))
         s[self.final_norm_name] = self.norm.shard()
         if not self.config.tie_word_embeddings:
             s["lm_head.weight"] = replicated(self.lm_head)
         return s
 
     def load_weights(self, folder: str) -> None:
-        weights.load_checkpoint(self.weight_shards(), folder, tied=self.config.tie_word_embeddings,
-                                architecture=self.config.architecture)
+        """Load the first (layout, prefix) whose every name the checkpoint holds; with none, the
+        error names what the first layout lacks."""
+        names = set(weights.checkpoint_names(folder))
+        kw = dict(tied=self.config.tie_word_embeddings, architecture=self.config.architecture,
+                  ignored_prefixes=self.ignored_checkpoint_prefixes)
+        for layout in self.checkpoint_layouts:
+            shards = self.weight_shards(layout)
+            for prefix in self.checkpoint_prefixes:
+                if all(prefix + n in names for n in shards):
+                    return weights.load_checkpoint({prefix + n: s for n, s in shards.items()}, folder,
+                                                   prefix=prefix, **kw)
+        weights.load_checkpoint(self.weight_shards(), folder, **kw)  # raises, naming the missing tensors
 
     def init_random_weights(self, seed: int, std: float | None = None) -> None:
         """The model ``save_random_checkpoint(config, folder, seed)`` writes (on CPU; see

@@ -22,9 +22,10 @@ from ray_attn.model.tp import TPGroup
 
 
 # How the seeded random model draws a full tensor (``weights.random_full_tensor``): a matrix
-# scaled by 1/sqrt(fan_in), the embedding, a norm weight near 1, a norm weight near 0 for norms
-# that scale by ``1 + weight`` (Gemma), or a projection bias.
-Init = Literal["matrix", "embedding", "norm", "norm_offset", "bias"]
+# scaled by 1/sqrt(fan_in), the same stored input-major (fan_in is dim -2: Llama 4's stacked
+# expert tensors), the embedding, a norm weight near 1, a norm weight near 0 for norms that scale
+# by ``1 + weight`` (Gemma), or a projection bias.
+Init = Literal["matrix", "matrix_t", "embedding", "norm", "norm_offset", "bias"]
 
 
 @dataclass

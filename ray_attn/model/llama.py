@@ -22,14 +22,19 @@ from ray_attn.model.tp import TPGroup
 class LlamaDecoderLayer(nn.Module):
     # ParallelAttention's family options (Qwen2's q/k/v biases, Qwen3's q/k norms); none for Llama.
     attention_options: ClassVar[dict] = {}
+    attention_class: ClassVar[type[ParallelAttention]] = ParallelAttention
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, **kw):
         super().__init__()
         dd = dict(dtype=kw["dtype"], device=kw["device"])
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
-        self.self_attn = ParallelAttention(config, layer_idx, tp, **kw, **self.attention_options)
+        self.self_attn = self.attention_class(config, layer_idx, tp, **kw, **self.attention_options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, activation="silu", **dd)
+        self.mlp = self.make_mlp(config, layer_idx, tp, **dd)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int, tp: TPGroup, **dd) -> nn.Module:
+        """The layer's feed-forward block (the sparse families put their SparseMoeBlock here)."""
+        return MLP(config.hidden_size, config.intermediate_size, tp, activation="silu", **dd)
 
     def forward(self, h, cos_sin, kv_cache, attn_metadata, out):
         a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, attn_metadata, out)

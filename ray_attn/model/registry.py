@@ -12,12 +12,16 @@ from ray_attn.model import weights
 from ray_attn.model.base import CausalLM
 from ray_attn.model.gemma2 import Gemma2ForCausalLM
 from ray_attn.model.llama import LlamaForCausalLM
+from ray_attn.model.llama4 import Llama4ForCausalLM
+from ray_attn.model.mixtral import MixtralForCausalLM
 from ray_attn.model.mpt import MptForCausalLM
 from ray_attn.model.qwen2 import Qwen2ForCausalLM
 from ray_attn.model.qwen3 import Qwen3ForCausalLM
+from ray_attn.model.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[CausalLM]] = {
-    arch: cls for cls in (LlamaForCausalLM, MptForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    arch: cls for cls in (LlamaForCausalLM, MptForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                          MixtralForCausalLM, Qwen3MoeForCausalLM, Llama4ForCausalLM)
     for arch in cls.architectures}
 
 

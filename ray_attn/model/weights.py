@@ -46,7 +46,8 @@ def random_full_tensor(name: str, shape, seed: int, *, init: Init = "matrix", st
     if init == "bias":
         return t.mul_(0.5)  # half the projections' unit scale: a dropped or misplaced bias shows
     if std is None:
-        std = 1.0 if init == "embedding" and not tied else shape[-1] ** -0.5
+        fan_in = shape[-2] if init == "matrix_t" else shape[-1]
+        std = 1.0 if init == "embedding" and not tied else fan_in ** -0.5
     return t.mul_(std)
 
 
@@ -76,6 +77,11 @@ def write_random_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, 
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
+def checkpoint_names(folder: str) -> list[str]:
+    """Every tensor name a checkpoint folder holds."""
+    return list(_weight_map(folder))
+
+
 def _weight_map(folder: str) -> dict[str, str]:
     index = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index):
@@ -92,15 +98,18 @@ def _weight_map(folder: str) -> dict[str, str]:
 
 
 def load_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, *, tied: bool = False,
-                    architecture: str = "model") -> None:
+                    architecture: str = "model", prefix: str = "", ignored_prefixes: tuple[str, ...] = ()) -> None:
     """Copy each shard's slice of its checkpoint tensor in; every check runs before any copy.
-    ``architecture`` names the model in errors."""
+    ``architecture`` names the model in errors; ``prefix`` is the one ``shards``' names carry (a
+    multimodal checkpoint's ``language_model.``), ``ignored_prefixes`` those of tensors the text
+    model does not read (its vision tower)."""
     wm = _weight_map(folder)
     missing = [n for n in shards if n not in wm]
     if missing:
         raise ValueError(f"checkpoint {folder!r} lacks {len(missing)} tensor(s) the model needs: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    benign = lambda n: n.endswith(IGNORED_SUFFIXES) or (tied and n == "lm_head.weight")
+    benign = lambda n: (n.endswith(IGNORED_SUFFIXES) or (tied and n == prefix + "lm_head.weight")
+                        or (bool(ignored_prefixes) and n.startswith(ignored_prefixes)))
     extra = [n for n in wm if n not in shards and not benign(n)]
     if extra:
         raise ValueError(f"checkpoint {folder!r} has {len(extra)} tensor(s) this {architecture} does not "

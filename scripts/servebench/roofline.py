@@ -48,11 +48,28 @@ def _dtype_bytes(dtype: str) -> int:
 class ModelCosts:
     """What one rank (rank 0) computes and reads, per token and per step."""
 
-    layer_params: int  # matmul weights of every layer, this rank's share
+    layer_params: int  # matmul weights one token goes through, every layer, this rank's share
     lm_head_params: int  # vocab * hidden (replicated)
-    weight_bytes: int  # read by one decode step: layers, LM head, norms
+    weight_bytes: int  # read by a batch-1 decode step: layers (its token's experts), LM head, norms
     kv_bytes_per_token: int  # K and V of one token, every layer, this rank's heads
     attn_flops_per_pair: int  # QK^T + PV for one (query, key) pair over every layer
+    # MoE: one expert of every sparse layer (this rank's slice), the routed experts, the top k
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def experts_hit(self, batch: int) -> float:
+        """Distinct experts per sparse layer a step of ``batch`` tokens reads, expected under
+        uniform routing: E (1 - (1 - k/E)^batch); k at batch 1, all E for a large batch."""
+        if not self.num_experts:
+            return 0.0
+        E, k = self.num_experts, self.top_k
+        return E * (1.0 - (1.0 - k / E) ** max(batch, 1))
+
+    def step_weight_bytes(self, batch: int = 1) -> float:
+        """Weights a decode step of ``batch`` tokens reads: the batch-1 step's plus the experts
+        the other tokens add (the union of experts hit); a dense model reads the same at any batch."""
+        return self.weight_bytes + self.expert_bytes * (self.experts_hit(batch) - self.top_k)
 
     @classmethod
     def from_config(cls, m, tp: int = 1, kv_cache_dtype: str = "auto") -> "ModelCosts":
@@ -63,14 +80,23 @@ class ModelCosts:
         heads = m.num_attention_heads // tp
         kv_heads = max(m.num_key_value_heads // tp, 1)
         mlp = (2 if m.architecture == "MPTForCausalLM" else 3) * h * (i // tp)  # gated: gate, up, down
-        per_layer = h * (heads + 2 * kv_heads) * D + heads * D * h + mlp
+        attn = h * (heads + 2 * kv_heads) * D + heads * D * h
+        sparse = len(getattr(m, "moe_layer_ids", ()))
+        E, k, expert = 0, 0, 0
+        moe = 0
+        if sparse:  # a sparse layer: the router (replicated), k experts and the shared expert per token
+            E, k = m.num_local_experts, m.num_experts_per_tok
+            expert = 3 * h * (m.expert_intermediate_size // tp)
+            moe = h * E + k * expert + 3 * h * ((m.shared_expert_intermediate_size or 0) // tp)
+        layers = L * attn + (L - sparse) * mlp + sparse * moe
         el = _dtype_bytes(m.dtype)
         kv_el = 1 if kv_cache_dtype.startswith("fp8") else el
-        norms = (2 * L + 1) * h
-        return cls(layer_params=L * per_layer, lm_head_params=m.vocab_size * h,
-                   weight_bytes=(L * per_layer + m.vocab_size * h + norms) * el,
+        norms = (2 * L + 1) * h + (2 * D * L if m.architecture.startswith("Qwen3") else 0)  # + Qwen3's q/k norms
+        return cls(layer_params=layers, lm_head_params=m.vocab_size * h,
+                   weight_bytes=(layers + m.vocab_size * h + norms) * el,
                    kv_bytes_per_token=2 * L * kv_heads * D * kv_el,
-                   attn_flops_per_pair=4 * heads * D * L)
+                   attn_flops_per_pair=4 * heads * D * L,
+                   expert_bytes=sparse * expert * el, num_experts=E, top_k=k)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -82,8 +108,14 @@ def gemm_shapes(m, tp: int = 1, tokens: int = 8192) -> list[tuple[str, int, int,
     heads, kv_heads = m.num_attention_heads // tp, max(m.num_key_value_heads // tp, 1)
     i = m.intermediate_size // tp
     up = 1 if m.architecture == "MPTForCausalLM" else 2
-    return [("qkv_proj", tokens, h, (heads + 2 * kv_heads) * D), ("o_proj", tokens, heads * D, h),
-            ("gate_up_proj", tokens, h, up * i), ("down_proj", tokens, i, h)]
+    shapes = [("qkv_proj", tokens, h, (heads + 2 * kv_heads) * D), ("o_proj", tokens, heads * D, h)]
+    sparse = len(getattr(m, "moe_layer_ids", ()))
+    if sparse < m.num_hidden_layers:
+        shapes += [("gate_up_proj", tokens, h, up * i), ("down_proj", tokens, i, h)]
+    if sparse:  # one expert's GEMMs at its share of the rows under uniform routing
+        ie, rows = m.expert_intermediate_size // tp, max(1, tokens * m.num_experts_per_tok // m.num_local_experts)
+        shapes += [("experts.gate_up_proj", rows, h, 2 * ie), ("experts.down_proj", rows, ie, h)]
+    return shapes
 
 
 def computed_starts(prompts: list[list[int]], block_size: int) -> list[int]:
@@ -150,7 +182,7 @@ def workload_roofline(c: ModelCosts, copy_Bps: float, gemm_flops: float, prompt_
     prefill_s = pf / gemm_flops
     dec_tokens = sum(o - 1 for o in output_lens)
     steps = max(math.ceil(dec_tokens / max_batch), max(output_lens) - 1) if dec_tokens else 0
-    weight_s = steps * c.weight_bytes / copy_Bps
+    weight_s = steps * c.step_weight_bytes(min(max_batch, n)) / copy_Bps
     compute_s = dec_tokens * 2.0 * (c.layer_params + c.lm_head_params) / gemm_flops
     kv_s = sum(decode_kv_tokens(p, o) for p, o in zip(prompt_lens, output_lens)) * c.kv_bytes_per_token / copy_Bps
     decode_s = max(weight_s, compute_s) + kv_s

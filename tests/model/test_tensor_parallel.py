@@ -1,4 +1,5 @@
-"""TP=2 and TP=4 compute the same logits as TP=1: gloo process groups on loopback, one process per rank.
+"""TP=2 and TP=4 compute the same logits as TP=1: gloo process groups on loopback, one process per rank
+(dense and MoE families: an MoE rank holds a slice of every expert).
 
 Every rank must also return the full logits itself (the LM head is replicated).  Tolerance 1e-4:
 only the all-reduce's summation order differs from TP=1 (observed ~1e-6).
@@ -36,6 +37,16 @@ CASES = {
                   layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     # Qwen3: q/k norms replicated; head_dim 64 (q wider than hidden); KV heads replicated at TP=4.
     "qwen3": dict(architecture="Qwen3ForCausalLM", num_key_value_heads=2, head_dim=64),
+    # Llama 4: each rank a slice of every expert's width and of the shared expert's (router
+    # replicated); a dense layer between; chunked-local RoPE layers, a NoPE layer with temperature
+    # tuning, L2 q/k norm.
+    "llama4_moe": dict(architecture="Llama4ForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=64, moe_layers=[0, 2], no_rope_layers=[1, 1, 0], use_qk_norm=True,
+                       attn_temperature_tuning=True, floor_scale=8.0, attention_chunk_size=32,
+                       layer_types=["chunked_attention", "chunked_attention", "full_attention"]),
+    # Qwen3-MoE: softmax top-2 of 8 renormalised, a dense (mlp_only) first layer, q/k norms.
+    "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", num_local_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=64, moe_layers=[1, 2], norm_topk_prob=True),
 }
 
 

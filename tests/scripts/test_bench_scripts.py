@@ -80,3 +80,28 @@ def test_timing_helpers_on_cpu():
     assert benchlib.graph_timeit(lambda: calls.append(1)) is None  # nothing to capture on CPU
     assert calls == [] and benchlib.host_timeit(lambda: calls.append(1), burst=3, reps=2) >= 0
     assert len(calls) == 1 + 3 * 2
+
+
+def test_moe_benchmark_cpu_path(tmp_path, monkeypatch):
+    """bench_moe on the tiny stand-ins: every row measured, the experts hit counted from the step's
+    own routing (k at batch 1, more for a batch), the roofline below the measured time."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
+    import bench_moe
+
+    bench_moe.main(["--batches", "1,4", "--tokens", "1,8", "--ctx", "32", "--iters", "1"])
+    rows = json.loads((tmp_path / "bench_moe.json").read_text())["rows"]
+    kernel = [r for r in rows if r["kind"] == "kernel"]
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert [(r["model"], r["tokens"]) for r in kernel] == [(m, t) for m in ("tiny-qwen3-moe", "tiny-llama4")
+                                                           for t in (1, 8)]
+    for r in kernel:
+        assert r["grouped_us"] > 0 and r["loop_us"] > 0 and r["dense_us"] > 0 and r["roofline_us"] > 0
+        assert r["top_k"] <= r["experts_hit"] <= min(r["experts"], r["tokens"] * r["top_k"])
+    for r in decode:
+        assert r["step_ms"] > r["roofline_ms"] > 0 and r["graph_ms"] is None
+        k = {"tiny-qwen3-moe": 4, "tiny-llama4": 1}[r["model"]]
+        assert (r["experts_hit_per_layer"] == k) if r["batch"] == 1 else (r["experts_hit_per_layer"] >= k)
+    assert (tmp_path / "bench_moe.png").stat().st_size > 10_000

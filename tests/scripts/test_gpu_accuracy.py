@@ -44,7 +44,7 @@ def rows(gate, *names):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3",
-                                  "same_step_sharing"])
+                                  "same_step_sharing", "llama4", "llama4_cascade", "mixtral", "qwen3_moe"])
 def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     (row,) = rows(gate, name)
     res = gate.run(row)
@@ -52,8 +52,10 @@ def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     assert res["agreement"] >= 99.0, res  # float32 on both sides: only near-ties may differ
     if name == "cascade_multi_group":
         assert res["stats"]["multi_group_cascade_steps"] > 0
-    if name == "chunked_local":
+    if name in ("chunked_local", "llama4"):
         assert res["stats"]["local_steps"] > 0
+    if name == "llama4_cascade":
+        assert res["stats"]["cascade_steps"] > 0
     if name == "preemption":
         assert res["stats"]["preemptions"] > 0
     if name == "same_step_sharing":

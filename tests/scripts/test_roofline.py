@@ -47,6 +47,36 @@ def test_costs_match_the_rank_the_engine_builds(name, tp, kv):
     assert c.attn_flops_per_pair == 4 * model.num_heads * model.head_size * m.num_hidden_layers
 
 
+MOE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, dtype="bfloat16", num_local_experts=4, moe_intermediate_size=64)
+MOE_SHAPES = {
+    "qwen3_moe": ModelConfig(architecture="Qwen3MoeForCausalLM", moe_layers=[1, 2], **MOE),
+    "llama4": ModelConfig(architecture="Llama4ForCausalLM", moe_layers=[0, 2], **MOE),
+    "mixtral": ModelConfig(architecture="MixtralForCausalLM", **(MOE | dict(moe_intermediate_size=None))),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_SHAPES))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_costs_match_the_rank_the_engine_builds(name, tp):
+    """With every expert picked (top_k = E) a step reads and computes the whole rank; with top-1 a
+    batch-1 step reads one expert per sparse layer, a larger batch more, a large batch all of them."""
+    full = MOE_SHAPES[name].model_copy(update=dict(num_experts_per_tok=4))
+    model = build_model(full, tp_rank=0, tp_size=tp, tp_group=object(), device="meta")
+    c = rl.ModelCosts.from_config(full, tp)
+    mats = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() >= 2)
+    assert c.layer_params == mats
+    read = sum(p.numel() for p in model.parameters()) - model.embed_tokens.numel()
+    assert c.weight_bytes == read * 2 == c.step_weight_bytes(64)
+    one = rl.ModelCosts.from_config(MOE_SHAPES[name].model_copy(update=dict(num_experts_per_tok=1)), tp)
+    sparse = len(full.moe_layer_ids)
+    expert = sum(p[0].numel() for n, p in model.named_parameters() if "experts.w" in n) // sparse
+    assert c.weight_bytes - one.weight_bytes == 3 * sparse * expert * 2
+    assert one.step_weight_bytes(1) == one.weight_bytes
+    assert math.isclose(one.step_weight_bytes(10_000), c.weight_bytes)
+    assert one.weight_bytes < one.step_weight_bytes(4) < one.step_weight_bytes(64) < c.weight_bytes
+
+
 def test_gemm_shapes_are_the_layers_weights():
     m = SHAPES["llama-3-8b"]
     for tp in (1, 2):
