@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.timescale import TIME_SCALE
+from tests.timescale import TIME_SCALE, scaled
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -74,7 +74,7 @@ class _SummaryGuard:
         self.send("end")
         try:
             self.proc.stdin.close()
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=scaled(10))
         except (OSError, subprocess.TimeoutExpired):
             pass
 

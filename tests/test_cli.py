@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ray_attn.cli import main
+from tests.timescale import scaled
 
 
 @pytest.mark.parametrize("argv,line", [
@@ -78,17 +79,17 @@ def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path)
                              "--tp", "1", "--port", str(port), "--max-num-seqs", "4"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + scaled(300)
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=scaled(5)).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(1)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=scaled(120)) as c:
             [card] = c.models.list().data
             assert card.id == "tiny-qwen3" and card.model_extra["max_model_len"] == 512
             msgs = [{"role": "user", "content": "hello world"}]
@@ -106,6 +107,6 @@ def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path)
     finally:
         proc.send_signal(signal.SIGINT)  # the CLI shuts Serve and its own Ray cluster down
         try:
-            proc.wait(90)
+            proc.wait(scaled(90))
         except subprocess.TimeoutExpired:
             proc.kill()

@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+from tests.timescale import scaled
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
@@ -49,7 +50,7 @@ SCRIPT = textwrap.dedent("""
 def test_fa3_aot_scheduler_metadata(head_size, q_len, window):
     pytest.importorskip("flash_attn_interface")
     args = json.dumps([head_size, q_len, window])
-    r = subprocess.run([sys.executable, "-c", SCRIPT, args], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, args], capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
 
 

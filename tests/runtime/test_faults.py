@@ -13,6 +13,7 @@ import ray
 from ray_attn.engine import EngineDeadError, LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor, WorkerFailure
 from tests.runtime.test_engine_tp import GREEDY, config, workload
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +56,11 @@ def test_dead_rank_recovers_with_identical_tokens(ray_local, record_recovery, tp
 def test_rank_that_keeps_dying_ends_requests_with_error(ray_local):
     engine = LLMEngine(config(2))
     try:
-        engine.executor.check_health(timeout=30)  # both ranks answer
+        engine.executor.check_health(timeout=scaled(30))  # both ranks answer
         outs = run_with_kills(engine, workload(n=3), SamplingParams(max_tokens=40),
                               kill_at_steps={2, 3, 4}, how="ray.kill")
         with pytest.raises(WorkerFailure, match="rank 1 failed"):
-            engine.executor.check_health(timeout=30)  # the third kill was not recovered
+            engine.executor.check_health(timeout=scaled(30))  # the third kill was not recovered
         assert engine.stats.recoveries == 2
         assert all(o.finish_reason == "error" for o in outs)
         assert all("3 worker failures within a minute" in o.error for o in outs)

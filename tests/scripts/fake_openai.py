@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import web
+from tests.timescale import scaled
 
 
 @dataclass
@@ -100,7 +101,7 @@ class FakeOpenAI:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(start(), self._loop)
-        assert ready.wait(10), "the fake server did not start"
+        assert ready.wait(scaled(10)), "the fake server did not start"
         return self
 
     def __exit__(self, *exc) -> None:

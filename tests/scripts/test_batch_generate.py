@@ -12,6 +12,7 @@ import pytest
 from ray_attn.engine import LLMEngine
 from ray_attn.runtime import InProcessExecutor
 from tests.serve.helpers import direct_generate, engine_config, workload
+from tests.timescale import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "batch_generate.py"
@@ -35,7 +36,7 @@ def reference(bodies: list[dict]) -> list[list[int]]:
     return direct_generate(eng, bodies)
 
 
-def run(*args, timeout=120) -> subprocess.CompletedProcess:
+def run(*args, timeout=scaled(120)) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
 
@@ -95,7 +96,7 @@ def test_two_replicas_write_every_record_equal_to_generate(tmp_path, executor, t
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     bodies = write_prompts(inp, n=10, seed=23)
     proc = run("--input", inp, "--output", out, "--executor", executor, "--tp", tp, "--replicas", 2,
-               "--max-in-flight", 3, timeout=300)
+               "--max-in-flight", 3, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generate" in proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -122,7 +123,7 @@ def test_resume_keeps_finished_records_and_redoes_the_rest(tmp_path):
     head = "".join(line + "\n" for line in kept)
     out.write_text(head + '{"index": 9, "id": "r9", "token_ids": [1, ')  # the crash hit mid-line
     proc = run("--input", inp, "--output", out, "--executor", "in_process", "--replicas", 2, "--resume",
-               "--max-in-flight", 2, timeout=300)
+               "--max-in-flight", 2, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["skipped"] == len(done) and sum(summary["requests_per_replica"]) == 10 - len(done)
@@ -145,13 +146,13 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path):
            "in_process", "--resume", "--max-in-flight", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not (out.exists() and out.read_text().count("\n") >= 3):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no lines written"
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        proc.wait(scaled(30))
     finally:
         if proc.poll() is None:
             proc.kill()

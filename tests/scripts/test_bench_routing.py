@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,7 @@ def test_prefix_aware_finds_every_repeated_prefix_and_default_at_most_as_many(tm
     cmd = [sys.executable, "scripts/bench_routing.py", "--requests", str(requests), "--clients", "1",
            "--prefixes", str(prefixes), "--prefix-blocks", str(blocks), "--tail-tokens", "8",
            "--max-tokens", "2", "--num-blocks", "0", "--out", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(400))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {row["router"]: row for row in report["rows"]}

@@ -8,13 +8,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def run(*args, cwd=ROOT):
-    r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 

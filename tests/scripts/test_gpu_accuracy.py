@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import gpu_accuracy as ga  # noqa: E402
+from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ def test_a_feature_that_did_not_run_fails_the_row(gate):
 def test_cli_writes_the_result_file(tmp_path):
     out = tmp_path / "acc.json"
     r = subprocess.run([sys.executable, "scripts/gpu_accuracy.py", "--rows", "async_off", "--out", str(out),
-                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=scaled(600))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     saved = json.loads(out.read_text())
     assert [x["row"] for x in saved["rows"]] == ["async_off"] and saved["rows"][0]["passed"]

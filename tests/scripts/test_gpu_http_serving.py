@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.serve.conftest import free_port
+from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -31,7 +32,7 @@ def http_run(tmp_path_factory):
     r = subprocess.run([sys.executable, "scripts/gpu_http_serving.py", "--preset", "tiny", "--device", "cpu",
                         "--scale", "0.01", "--num-blocks", "2048", "--only", ",".join(WORKLOADS),
                         "--port", str(free_port()), "--result-dir", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, capture_output=True, text=True, timeout=scaled(600))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return out, json.loads((out / "serving_h200_http_cpu.json").read_text())
 

@@ -14,6 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -32,7 +33,7 @@ GOALS = {"offline_frac_of_roofline", "itl_c1_over_roofline", "chunked_prefill_fr
          "decode_256x1k_frac_of_mem_compute_roofline"}
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=scaled(300)):
     r = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout

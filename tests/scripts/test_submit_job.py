@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.scripts.test_batch_generate import reference, write_prompts
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -53,11 +54,11 @@ def head_node():
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + scaled(90)
         while True:
             assert proc.poll() is None, (tmp / "head.log").read_text()[-3000:]
             try:
-                if httpx.get(f"{address}/api/version", timeout=2).status_code in (200, 401, 403):
+                if httpx.get(f"{address}/api/version", timeout=scaled(2)).status_code in (200, 401, 403):
                     break
             except httpx.HTTPError:
                 pass
@@ -133,6 +134,6 @@ def test_submission_without_the_token_is_refused(head_node, tmp_path):
     env = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "missing_token")
     proc = submit(address, env, ["--input", "x.jsonl", "--output", "y.jsonl"], "--auth", "env",
-                  timeout=60)
+                  timeout=scaled(60))
     assert proc.returncode != 0
     assert "uthentication" in proc.stdout + proc.stderr

@@ -13,6 +13,7 @@ from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor
 from ray_attn.serve.loop import EngineLoop, Event, LoopDead, QueueFull, drive_blocking
 from tests.serve.helpers import direct_generate, engine_config, sampling_params, workload
+from tests.timescale import scaled
 
 
 def make_engine(**kw):
@@ -74,7 +75,7 @@ def test_submissions_from_many_threads(reference):
             t.start()
         for t in threads:
             t.join()
-        assert all(s.done.wait(60) for s in sinks)
+        assert all(s.done.wait(scaled(60)) for s in sinks)
         assert [s.tokens for s in sinks] == want
         assert all(s.events[0].kind == "accepted" and s.events[-1].finish_reason == "length" for s in sinks)
     finally:
@@ -90,11 +91,11 @@ def test_admission_is_bounded_and_frees_capacity():
         with pytest.raises(QueueFull, match="limit 3"):
             loop.submit([1, 2, 3], SamplingParams(max_tokens=4), Collect())
         assert loop.stats()["requests_rejected_full"] == 1
-        assert all(s.done.wait(60) for s in sinks)
+        assert all(s.done.wait(scaled(60)) for s in sinks)
         assert all(len(s.tokens) == 40 for s in sinks)
         late = Collect()
         loop.submit([4, 5], SamplingParams(max_tokens=3), late)  # room again
-        assert late.done.wait(30) and len(late.tokens) == 3
+        assert late.done.wait(scaled(30)) and len(late.tokens) == 3
     finally:
         loop.stop()
 
@@ -105,18 +106,18 @@ def test_abort_frees_blocks_and_leaves_others_alone(reference):
     try:
         victim = Collect()
         rid = loop.submit(list(range(1, 60)), SamplingParams(max_tokens=200), victim)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while len(victim.tokens) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         others = [Collect() for _ in bodies]
         for b, s in zip(bodies, others):
             loop.submit(b["prompt_token_ids"], sampling_params(b), s)
         loop.abort(rid)
-        assert victim.done.wait(30)
+        assert victim.done.wait(scaled(30))
         assert victim.events[-1].finish_reason == "abort"
-        assert all(s.done.wait(60) for s in others)
+        assert all(s.done.wait(scaled(60)) for s in others)
         assert [s.tokens for s in others] == want
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while loop.stats()["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.02)
         st = loop.stats()
@@ -132,7 +133,7 @@ def test_engine_rejection_reaches_only_that_request():
         bad, good = Collect(), Collect()
         loop.submit([1, 2, 10**6], SamplingParams(max_tokens=2), bad)  # outside the vocabulary
         loop.submit([1, 2, 3], SamplingParams(max_tokens=2), good)
-        assert bad.done.wait(10) and good.done.wait(30)
+        assert bad.done.wait(scaled(10)) and good.done.wait(scaled(30))
         assert bad.events[0].kind == "rejected" and "1000000" in bad.events[0].error
         assert len(good.tokens) == 2
         assert loop.stats()["in_flight"] == 0
@@ -156,9 +157,9 @@ def test_failed_step_ends_requests_with_error_and_marks_loop_dead():
         eng.executor.step = flaky
         s = Collect()
         loop.submit([1, 2, 3], SamplingParams(max_tokens=10), s)
-        assert s.done.wait(30)
+        assert s.done.wait(scaled(30))
         assert s.events[-1].finish_reason == "error" and "rank 1 died" in s.events[-1].error
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while loop.alive and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not loop.alive and not loop.stats()["engine_alive"]
@@ -183,7 +184,7 @@ def test_unexpected_add_error_fails_that_request_only():
         bad, good = Collect(), Collect()
         loop.submit([9, 9, 9], SamplingParams(max_tokens=2), bad)
         loop.submit([1, 2, 3], SamplingParams(max_tokens=2), good)
-        assert bad.done.wait(10) and good.done.wait(30)
+        assert bad.done.wait(scaled(10)) and good.done.wait(scaled(30))
         assert bad.events[0].kind == "failed" and "KeyError" in bad.events[0].error
         assert len(good.tokens) == 2 and loop.alive
     finally:
@@ -198,7 +199,7 @@ def test_a_long_step_is_visible_to_the_health_check():
         gate = threading.Event()
 
         def slow(step):
-            gate.wait(10)
+            gate.wait(scaled(10))
             return real_step(step)
 
         eng.executor.step = slow
@@ -207,7 +208,7 @@ def test_a_long_step_is_visible_to_the_health_check():
         time.sleep(0.5)
         assert loop.current_step_s() >= 0.3  # what check_health compares with step_timeout_s
         gate.set()
-        assert s.done.wait(10)
+        assert s.done.wait(scaled(10))
         assert loop.current_step_s() == 0.0
     finally:
         loop.stop()

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.serve.conftest import free_port
+from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.replicas.yaml"
@@ -95,7 +96,7 @@ def test_prefix_sharing_requests_land_on_one_replica_and_hit_its_cache(app_url, 
     url, args = app_url
     block = args["engine"]["cache"]["block_size"]
     prefix = tokens(rng, 4 * block)
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=scaled(60)) as c:
         first = c.post("/v1/generate", json={"prompt_token_ids": prefix + tokens(rng, 3), "max_tokens": 2})
         assert first.status_code == 200, first.text
         holder = replica_of(first)
@@ -116,7 +117,7 @@ def test_prefix_sharing_requests_land_on_one_replica_and_hit_its_cache(app_url, 
 
 def test_unrelated_prompts_use_both_replicas(app_url, rng):
     url, _ = app_url
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=scaled(60)) as c:
         placed = set()
         for _ in range(16):  # all 16 fresh prefixes on one replica: chance 2**-15
             r = c.post("/v1/generate", json={"prompt_token_ids": tokens(rng, 40), "max_tokens": 1})
@@ -131,11 +132,11 @@ def test_imbalanced_load_spreads(app_url, rng):
     url, args = app_url
     threshold = args["prefix_router"]["imbalanced_threshold"]
     prefix = tokens(rng, 48)
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=scaled(60)) as c:
         holder = replica_of(c.post("/v1/generate", json={"prompt_token_ids": prefix, "max_tokens": 1}))
 
     async def burst():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+        async with httpx.AsyncClient(base_url=url, timeout=scaled(120)) as ac:
             return await asyncio.gather(*[
                 ac.post("/v1/generate", json={"prompt_token_ids": prefix + tokens(rng, 4), "max_tokens": 32})
                 for _ in range(24)])
@@ -151,7 +152,7 @@ def test_imbalanced_load_spreads(app_url, rng):
 
 def test_client_disconnect_through_the_front_aborts_on_the_replica(app_url, rng):
     url, _ = app_url
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=scaled(60)) as c:
         before = replica_stats(c, lambda s: all(x["in_flight"] == 0 for x in s.values()))
         with c.stream("POST", "/v1/generate", json={"prompt_token_ids": tokens(rng, 30),
                                                     "max_tokens": 200, "stream": True}) as r:
@@ -178,14 +179,14 @@ def test_client_disconnect_through_the_front_aborts_on_the_replica(app_url, rng)
 def test_errors_through_the_front_name_the_field(app_url, body, status, field):
     url, _ = app_url
     r = httpx.post(url + "/v1/generate", content=body, headers={"content-type": "application/json"},
-                   timeout=60)
+                   timeout=scaled(60))
     assert r.status_code == status, r.text
     assert r.json()["field"] == field and r.json()["detail"].startswith(f"{field}: ")
 
 
 def test_health_through_the_front(app_url):
     url, _ = app_url
-    r = httpx.get(url + "/health", timeout=30)
+    r = httpx.get(url + "/health", timeout=scaled(30))
     assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
@@ -214,7 +215,7 @@ def test_autoscaled_replicas_each_reserve_their_own_placement_group(app_url):
             for i in range(3):
                 assert avail.get(f"CPU_group_{i}_{pg['placement_group_id']}", 0.0) == 0.0
         placed = set()
-        with httpx.Client(base_url=url, timeout=60) as c:
+        with httpx.Client(base_url=url, timeout=scaled(60)) as c:
             for i in range(16):  # default router, idle replicas: both answer (2**-15 chance not)
                 r = c.post("/v1/generate", json={"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 1})
                 assert r.status_code == 200, r.text

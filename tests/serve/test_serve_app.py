@@ -118,9 +118,9 @@ def test_sampling_filters_on_the_native_api(served, direct_engine):
     """top_k=1 at temperature 1 leaves only the argmax: the greedy tokens, through /v1/generate."""
     body = workload(1, VOCAB, seed=21, max_tokens=8)[0]
     want = direct_generate(direct_engine, [body])[0]
-    r = httpx.post(served.url + "/v1/generate", json=dict(body, temperature=1.0, seed=3, top_k=1), timeout=60)
+    r = httpx.post(served.url + "/v1/generate", json=dict(body, temperature=1.0, seed=3, top_k=1), timeout=scaled(60))
     assert r.status_code == 200 and r.json()["token_ids"] == want
-    r = httpx.post(served.url + "/v1/generate", json=dict(body, max_tokens=8, min_tokens=8, stop=want[:1]), timeout=60)
+    r = httpx.post(served.url + "/v1/generate", json=dict(body, max_tokens=8, min_tokens=8, stop=want[:1]), timeout=scaled(60))
     assert r.status_code == 200 and len(r.json()["token_ids"]) == 8  # the stop id is masked until min_tokens
 
 
