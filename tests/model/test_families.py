@@ -32,19 +32,21 @@ transformers = pytest.importorskip("transformers")
 NO_COLLECTIVES = object()  # tp_size > 1 without collectives: loading never all-reduces
 
 
-def reinit(hf, seed: int, norm_offset: bool) -> None:
-    """Seeded weights with non-trivial scales; ``norm_offset``: the norms scale by 1 + weight."""
+def reinit(hf, seed: int, norm_offset: bool = False) -> None:
+    """Seeded weights with non-trivial scales; ``norm_offset``: the norms scale by 1 + weight.
+    Llama 4 stores its fused experts input-major ([E, in, out]): their fan_in is dim -2."""
     g = torch.Generator().manual_seed(seed)
+    input_major = "llama4" in hf.config.model_type
     with torch.no_grad():
         for _, p in hf.named_parameters():  # tied weights appear once
             t = torch.randn(p.shape, generator=g)
             if p.dim() == 1:
                 p.copy_(t * 0.05 + (0.0 if norm_offset else 1.0))
             else:
-                p.copy_(t * p.shape[-1] ** -0.5)
+                p.copy_(t * p.shape[-2 if input_major and p.dim() == 3 else -1] ** -0.5)
 
 
-def hf_checkpoint(hf_cls, hf_config, folder, seed, norm_offset=False):
+def hf_checkpoint(hf_cls, hf_config, folder, seed=1, norm_offset=False):
     hf = hf_cls(hf_config).eval()
     reinit(hf, seed, norm_offset)
     hf.save_pretrained(str(folder))

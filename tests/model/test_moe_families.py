@@ -22,6 +22,7 @@ from ray_attn.config import ModelConfig
 from ray_attn.model import build_model, save_random_checkpoint
 from ray_attn.model.moe import SparseMoeBlock
 from tests.model.steps import BLOCK_SIZE, run_schedule
+from tests.model.test_families import hf_checkpoint as hf_model
 from tests.model.test_hf_parity import assert_close, hf_logits
 
 transformers = pytest.importorskip("transformers")
@@ -37,27 +38,6 @@ COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention
 def tokens(vocab: int, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).numpy() for n in LENGTHS]
-
-
-def reinit(hf, seed: int) -> None:
-    """1/sqrt(fan_in) matrices (Llama 4 stores its experts input-major: fan_in is dim -2), norms near 1."""
-    g = torch.Generator().manual_seed(seed)
-    llama4 = "llama4" in hf.config.model_type
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            t = torch.randn(p.shape, generator=g)
-            if p.dim() == 1:
-                p.copy_(t * 0.05 + 1.0)
-            else:
-                fan_in = p.shape[-2] if llama4 and p.dim() == 3 else p.shape[-1]
-                p.copy_(t * fan_in ** -0.5)
-
-
-def hf_model(hf_cls, cfg, folder, seed=1):
-    hf = hf_cls(cfg).eval()
-    reinit(hf, seed)
-    hf.save_pretrained(str(folder))
-    return hf
 
 
 def ours(folder, **kw):
