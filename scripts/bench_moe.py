@@ -149,6 +149,7 @@ def kernel_rows(name: str, m: ModelConfig, tokens: list[int], rates: dict, dev, 
 
 
 def plot(rows: list[dict], path) -> None:
+    """The kernel panels per model and the decode steps against their rooflines."""
     panels = []
     for name in dict.fromkeys(r["model"] for r in rows if r["kind"] == "kernel"):
         ks = [r for r in rows if r["kind"] == "kernel" and r["model"] == name]
@@ -165,7 +166,8 @@ def plot(rows: list[dict], path) -> None:
             series[f"{name} step"] = ([r["batch"] for r in d], [(r["graph_ms"] or r["step_ms"]) * 1e3 for r in d])
             series[f"{name} roofline"] = ([r["batch"] for r in d], [r["roofline_ms"] * 1e3 for r in d])
         panels.append(("decode step", series))
-    bl.plot_panels(path, panels, "tokens (batch)", "microseconds")
+    # Log y: the per-expert loop is up to 50x the grouped kernel, which would flatten the rest.
+    bl.plot_panels(path, panels, "tokens (batch)", "microseconds", logy=True)
 
 
 def main(argv=None) -> int:

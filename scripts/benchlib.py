@@ -215,7 +215,7 @@ def plot(path_png, series: dict, xlabel: str, ylabel: str, title: str, logx=True
 
 
 def plot_panels(path_png, panels: list, xlabel: str, ylabel: str, logx=True, hline=None,
-                hline_label=None):
+                hline_label=None, logy=False):
     """Side-by-side plots sharing the y axis; ``panels`` is [(title, {label: (xs, ys)})]."""
     from plotting import pyplot  # scripts/ is on sys.path wherever a script plots
 
@@ -230,6 +230,8 @@ def plot_panels(path_png, panels: list, xlabel: str, ylabel: str, logx=True, hli
             ax.axhline(hline, color="grey", ls="--", label=hline_label)
         if logx:
             ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
