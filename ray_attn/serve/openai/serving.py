@@ -158,9 +158,11 @@ class ChoiceSet:
         lps = getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)
         stopped = False
         for t, lp in zip(ev.token_ids, lps):
-            offset = len(c.text)
+            offset = 0  # without a tokenizer there is no text
             if c.detok is not None:
                 stopped = c.detok.add([t])
+                if c.detok.offsets is not None:
+                    offset = c.detok.offsets[-1]
             c.token_ids.append(t)
             new_ids.append(t)
             if lp is not None:
@@ -277,7 +279,7 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
                 from ray_attn.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(server.tokenizer, ids, stops, req.include_stop_str_in_output,
-                                               req.skip_special_tokens)
+                                               req.skip_special_tokens, track_offsets=num_logprobs is not None)
             params = sampling_params(req, mt, num_logprobs, choice_seed(req.seed, j))
             choices.append(Choice(len(choices), p, ids, params, detok))
     return ChoiceSet(server.loop, choices, cfg.retry_after_s, server.eos_token_ids)
