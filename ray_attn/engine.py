@@ -142,6 +142,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:  # an index past the logits' row on rank 0 would fail the whole step
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if total > limit:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                              f"exceeds the model's {limit}-token context")

@@ -42,7 +42,8 @@ from ray_attn.serve.metrics import RayMetricsHooks
 from ray_attn.serve.openai.chat import create_chat_completion
 from ray_attn.serve.openai.completions import create_completion
 from ray_attn.serve.openai.models import list_models
-from ray_attn.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from ray_attn.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from ray_attn.serve.openai.responses import ModelList
 from ray_attn.serve.scaling import scaling_options
 from ray_attn.serve.schemas import (
     GenerateRequest,

@@ -27,8 +27,11 @@ def render_prompt(server, req: ChatCompletionRequest) -> list[int]:
     msgs = []
     for m in req.messages:
         d = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            d["name"] = m.name
+        # what templates read besides role and content (vLLM passes the same); the rest of a
+        # message (refusal, audio) only names what an earlier answer held
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                d[key] = getattr(m, key)
         msgs.append(d)
     try:
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt)
@@ -40,7 +43,8 @@ def render_prompt(server, req: ChatCompletionRequest) -> list[int]:
 
 
 async def create_chat_completion(server, request: Request):
-    req = parse(ChatCompletionRequest, await read_body(request, server.cfg.max_body_bytes))
+    req = parse(ChatCompletionRequest, await read_body(request, server.cfg.max_body_bytes),
+                server.cfg.strict_request_fields)
     check_model(server, req.model)
     ids = render_prompt(server, req)
     check_prompt(server, ids, "messages")
