@@ -284,3 +284,22 @@ def test_logit_bias_outside_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match=r"logit_bias: token id 384 is outside the vocabulary"):
         eng.add_request([1, 2], SamplingParams(logit_bias={384: 1.0}))
     assert not eng.has_unfinished_requests()
+
+
+def test_num_cached_tokens_is_the_prompts_prefix_cache_hit():
+    """The engine reports per request how many prompt tokens came from the prefix cache (the
+    OpenAI usage's cached_tokens): none the first time, the full blocks of the prompt after."""
+    cfg = config()
+    eng = engine(cfg)
+    bs = cfg.cache.block_size
+    prompt = workload()[0]
+    assert len(prompt) > bs
+    first = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
+    again = eng.generate([prompt + [5]], SamplingParams(max_tokens=3))[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == len(prompt) // bs * bs > 0
+    streamed = []
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        streamed += [o.num_cached_tokens for o in eng.step() if o.request_id == rid]
+    assert streamed and set(streamed) == {again.num_cached_tokens}

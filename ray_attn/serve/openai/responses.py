@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 # -------------------------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens served from the prefix cache (each prompt "
-                                           "counted once, by its first choice).")
+                                           "counted once: the fewest hits among its n samples).")
 
 
 class UsageInfo(BaseModel):

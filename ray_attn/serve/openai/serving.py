@@ -77,6 +77,7 @@ class Choice:
     stop_reason: object = None
     error: Optional[str] = None
     accepted: bool = False
+    num_cached_tokens: int = 0  # its prompt tokens that were prefix-cache hits
 
     @property
     def done(self) -> bool:
@@ -155,6 +156,7 @@ class ChoiceSet:
             yield self._advance(c, ev)
 
     def _advance(self, c: Choice, ev: Event) -> Delta:
+        c.num_cached_tokens = getattr(ev, "num_cached_tokens", 0)
         new_ids: list[int] = []
         new_lps: list = []
         lps = getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)
@@ -209,9 +211,15 @@ class ChoiceSet:
 
     def usage(self) -> dict:
         prompts = {c.prompt_index: len(c.prompt_ids) for c in self.choices}
+        # A prompt counts once, like prompt_tokens: its hits are those of its least lucky sample
+        # (the n samples of a prompt admitted together hit the blocks the first one computes).
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            cached[c.prompt_index] = min(cached.get(c.prompt_index, c.num_cached_tokens), c.num_cached_tokens)
         done = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
-                "total_tokens": sum(prompts.values()) + done}
+                "total_tokens": sum(prompts.values()) + done,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 # ---------------------------------------------------------------------- what both endpoints check
