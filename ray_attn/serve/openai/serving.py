@@ -233,7 +233,10 @@ def parse(model, body: bytes, strict: bool = False):
     try:
         req = model.model_validate_json(body)
     except ValidationError as e:
-        raise HTTPError(400, validation_errors(e, model)) from None
+        errs = validation_errors(e, model)
+        if strict:  # the unknown top-level keys too, as a forbidding model would list them
+            errs = _unknown_keys(body, model) + errs
+        raise HTTPError(400, errs) from None
     unknown = unknown_fields(req)
     if unknown and strict:
         raise HTTPError(400, [(f, f"{f}: unknown field (allowed: {', '.join(m.model_fields)})")
@@ -244,6 +247,17 @@ def parse(model, body: bytes, strict: bool = False):
                                                              if len(unknown) > 8 else "")
         log.warning("The following fields were present in the request but ignored: %s", names)
     return req
+
+
+def _unknown_keys(body: bytes, model, limit: int = 16) -> list[tuple[str, str]]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(obj, dict):
+        return []
+    names = [k for k in obj if k not in model.model_fields][:limit]
+    return [(k, f"{k}: unknown field (allowed: {', '.join(model.model_fields)})") for k in names]
 
 
 def check_model(server, name: Optional[str]) -> None:
