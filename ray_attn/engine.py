@@ -142,6 +142,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:  # an index past the logits' row on rank 0 would fail the whole step
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if total > limit:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                              f"exceeds the model's {limit}-token context")
@@ -198,8 +201,19 @@ class LLMEngine:
                 self.stats.preemptions += 1
                 admit = 0  # else the victim would be re-admitted into the same step
                 continue
+            if out.num_admitted:
+                self._note_cached_tokens(out)
             scheduler.admit(out.num_admitted)
             return plan
+
+    def _note_cached_tokens(self, out) -> None:
+        """Each admitted request's prefix-cache hit (vLLM's ``num_cached_tokens``): what the
+        planner had computed for it before this step's tokens.  Set on the first admission only,
+        so a preempted request keeps the hit its client was first served with."""
+        k = out.num_admitted
+        for r, n in zip(out.reqs[-k:], out.num_new_tokens[-k:]):
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = self.planner.num_computed_tokens(r.request_id) - n
 
     def step(self) -> list[RequestOutput]:
         """Plan and run one step; returns what the requests gained.
@@ -308,7 +322,8 @@ class LLMEngine:
                 outputs.append(self.output(req.request_id, new_token_ids=[tok], new_logprobs=new_lp))
             else:
                 outputs.append(RequestOutput(req.request_id, [], [], [tok], False, new_logprobs=new_lp,
-                                             logprobs=None if new_lp is None else []))
+                                             logprobs=None if new_lp is None else [],
+                                             num_cached_tokens=req.num_cached_tokens or 0))
         s = self.stats
         s.steps += 1
         s.tokens_computed += done.num_tokens
@@ -377,7 +392,8 @@ class LLMEngine:
         return RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
                              new_token_ids or [], r.finished, r.finish_reason, r.error,
                              new_logprobs=(new_logprobs or []) if asked else None,
-                             logprobs=list(r.logprobs) if asked else None)
+                             logprobs=list(r.logprobs) if asked else None,
+                             num_cached_tokens=r.num_cached_tokens or 0)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (servers call this once the client has its result)."""

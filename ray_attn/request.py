@@ -34,6 +34,8 @@ class Request:
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
+    # Prompt tokens taken from the prefix cache on its first admission; None until admitted.
+    num_cached_tokens: int | None = None
     arrival: float = field(default_factory=time.monotonic)
     # One TokenLogprobs per output token read back, when params.logprobs is set.
     logprobs: list[TokenLogprobs] | None = None
@@ -128,3 +130,4 @@ class RequestOutput:
     error: str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits (vLLM's name)

@@ -46,6 +46,12 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
             mask_ids += sorted(ids)
     if mask_rows:
         si.min_tokens_rows, si.min_tokens_ids = np.array(mask_rows, np.int32), np.array(mask_ids, np.int32)
+    biased = [i for i in rows if reqs[i].params.logit_bias]
+    if biased:
+        pairs = [(i, t, b) for i in biased for t, b in reqs[i].params.logit_bias]
+        si.logit_bias_rows = np.array([i for i, _, _ in pairs], np.int32)
+        si.logit_bias_ids = np.array([t for _, t, _ in pairs], np.int32)
+        si.logit_bias_values = np.array([b for _, _, b in pairs], np.float32)
     wants = [i for i in rows if reqs[i].params.logprobs is not None]
     if wants:
         si.logprobs = np.full(B, -1, np.int32)

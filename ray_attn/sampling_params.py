@@ -18,6 +18,8 @@ from functools import cached_property
 
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller temperatures are raised to it
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries: each is one (row, id) add on rank 0
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias in [-100, 100]
 INT32_MAX = 2 ** 31 - 1
 
 
@@ -37,8 +39,9 @@ def _float(name: str, v) -> float:
 class SamplingParams:
     """What to generate and how to draw it (vLLM's names and semantics).
 
-    Logits are processed in vLLM's order: ``min_tokens`` masking and the penalties (repetition,
-    frequency, presence) on the raw logits, then the temperature, then min_p, top_k and top_p;
+    Logits are processed in vLLM's order: ``min_tokens`` masking, ``logit_bias`` and the penalties
+    (repetition, frequency, presence) on the raw logits, then the temperature, then min_p, top_k
+    and top_p;
     then the draw (argmax when ``temperature`` is 0).  ``logprobs`` are of the *raw* logits (vLLM's
     default ``raw_logprobs``)."""
 
@@ -55,6 +58,9 @@ class SamplingParams:
     min_tokens: int = 0  # stop ids and EOS are masked until this many tokens are out
     ignore_eos: bool = False  # else ModelConfig.eos_token_ids end generation ('stop')
     logprobs: int | None = None  # None: none; k in [0, 20]: the sampled token's + the top k
+    # (token id, bias) pairs added to the raw logits (OpenAI's logit_bias); a dict is accepted.
+    # The engine checks the ids against the vocabulary.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         def put(name, value):
@@ -104,6 +110,7 @@ class SamplingParams:
             put("logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        put("logit_bias", _logit_bias(self.logit_bias))
         if self.top_k == -1:
             put("top_k", 0)
         if self.temperature == 0:  # cannot move the argmax: a greedy row never filters
@@ -125,4 +132,27 @@ class SamplingParams:
     @cached_property
     def plain(self) -> bool:
         """Needs nothing beyond temperature and seed on the ranks (the common case)."""
-        return not (self.filters or self.penalized or self.min_tokens or self.logprobs is not None)
+        return not (self.filters or self.penalized or self.min_tokens or self.logprobs is not None
+                    or self.logit_bias)
+
+
+def _logit_bias(v) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted, unique (id, bias) pairs, each id an int32 and each bias in range."""
+    items = v.items() if isinstance(v, dict) else v
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise ValueError(f"logit_bias must map token ids to biases, got {v!r}")
+    out: dict[int, float] = {}
+    for pair in items:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got the entry {pair!r}")
+        t, b = _int("logit_bias", pair[0]), _float("logit_bias", pair[1])
+        if not 0 <= t <= INT32_MAX:
+            raise ValueError(f"logit_bias: token id {t} is not >= 0")
+        if not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias: bias {b} of token {t} is outside [-100, 100]")
+        if t in out:
+            raise ValueError(f"logit_bias: token id {t} appears twice")
+        out[t] = b
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: {len(out)} entries exceeds the limit of {MAX_LOGIT_BIAS}")
+    return tuple(sorted(out.items()))

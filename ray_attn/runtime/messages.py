@@ -79,6 +79,10 @@ class SamplingInputs:
     min_tokens_rows: np.ndarray | None = None  # int32 [M]
     min_tokens_ids: np.ndarray | None = None  # int32 [M]
     logprobs: np.ndarray | None = None  # int32 [B]; -1 = none, else how many top logprobs
+    # (row, token id, bias) triples added to the raw logits: every logit_bias entry of the rows.
+    logit_bias_rows: np.ndarray | None = None  # int32 [E]
+    logit_bias_ids: np.ndarray | None = None  # int32 [E]
+    logit_bias_values: np.ndarray | None = None  # float32 [E]
 
 
 @dataclass

@@ -7,7 +7,7 @@ instead of one generator per request (which cost ~60 us each on a GPU: 8 ms a st
 sampled requests).
 
 Before the draw, the logits go through vLLM's pipeline (``logits_processors``): min_tokens
-masking and penalties on the raw logits, the temperature, then min-p, top-k and top-p.  Each
+masking, logit_bias and penalties on the raw logits, the temperature, then min-p, top-k and top-p.  Each
 stage runs once for the whole batch over just the rows that use it, which ``SamplingTensors.stage``
 picks out on the host; a batch that uses none is the argmax alone, as before.  Logprobs are of the
 raw logits (vLLM's default).
@@ -123,6 +123,9 @@ class SamplingTensors:
     history_prev_rows: torch.Tensor | None = None  # long [K]
     min_tokens_rows: torch.Tensor | None = None  # long [M]
     min_tokens_ids: torch.Tensor | None = None  # long [M]
+    logit_bias_rows: torch.Tensor | None = None  # long [E]
+    logit_bias_ids: torch.Tensor | None = None  # long [E]
+    logit_bias_values: torch.Tensor | None = None  # float32 [E]
     logprob_rows: np.ndarray | None = None  # int32 [L] on the host
     logprob_rows_dev: torch.Tensor | None = None  # long [L]
     max_num_logprobs: int = 0
@@ -158,6 +161,10 @@ class SamplingTensors:
             if inputs.min_tokens_rows is not None and len(inputs.min_tokens_rows):
                 i["min_tokens_rows"] = ints.add(inputs.min_tokens_rows)
                 i["min_tokens_ids"] = ints.add(inputs.min_tokens_ids)
+            if inputs.logit_bias_rows is not None and len(inputs.logit_bias_rows):
+                i["logit_bias_rows"] = ints.add(inputs.logit_bias_rows)
+                i["logit_bias_ids"] = ints.add(inputs.logit_bias_ids)
+                f["logit_bias_values"] = floats.add(inputs.logit_bias_values)
             if inputs.logprobs is not None:
                 rows = np.nonzero(inputs.logprobs >= 0)[0].astype(np.int32)
                 if rows.size:
@@ -168,7 +175,8 @@ class SamplingTensors:
         # every index as long (what indexing wants); the float views are [n] or [n, 1]
         di, df, dl = ints.send(device, put, torch.long), floats.send(device, put), longs.send(device, put)
         out = {name: di[k] for name, k in i.items()}
-        out.update({name: df[k] if name == "sort_p" else df[k][:, None] for name, k in f.items()})
+        flat = ("sort_p", "logit_bias_values")  # per entry, not per row
+        out.update({name: df[k] if name in flat else df[k][:, None] for name, k in f.items()})
         if dl:
             out["seeds"] = dl[0]
         return cls(**out, **extra)
@@ -195,15 +203,19 @@ def _stage_filters(inputs: SamplingInputs, hot: np.ndarray, ints: _Pack, floats:
 
 def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
                          last_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits [B, V] after min_tokens masking and the penalties: what greedy rows take the
-    argmax of.  ``logits`` itself when no row uses either, else a new tensor (the raw logits
+    """The logits [B, V] after min_tokens masking, logit_bias and the penalties (vLLM's order):
+    what greedy rows take the argmax of.  ``logits`` itself when no row uses either, else a new tensor (the raw logits
     stay as they are, for logprobs and ``return_logits``).  ``last_tokens`` are the previous
     step's tokens, which fill the histories' placeholders under async scheduling."""
-    if st.min_tokens_rows is None and st.penalty_rows is None:
+    if st.min_tokens_rows is None and st.penalty_rows is None and st.logit_bias_rows is None:
         return logits
     logits = logits.float().clone()
     if st.min_tokens_rows is not None:
         logits[st.min_tokens_rows, st.min_tokens_ids] = float("-inf")
+    if st.logit_bias_rows is not None:
+        # one scatter-add over every (row, id) of the batch; the pairs are unique (a row's ids
+        # are), and a masked -inf stays -inf
+        logits.index_put_((st.logit_bias_rows, st.logit_bias_ids), st.logit_bias_values, accumulate=True)
     if st.penalty_rows is not None:
         history = st.history
         if st.history_prev_index is not None:

@@ -4,7 +4,7 @@ A request counts from the moment it enters the app until its response is fully s
 included), so a client still sending its body -- or stalling half-way through it -- counts.  One
 more than ``max_connections`` is answered 503 at once, one more than ``max_requests_per_client``
 from the same address 429 at once, both with ``Retry-After`` and the error body of every route.
-``/health`` and ``/stats`` are never counted: a load balancer must see a busy replica as busy, not
+``/health``, ``/stats`` and ``/metrics`` are never counted: a load balancer must see a busy replica as busy, not
 as down.
 
 It is an ASGI middleware rather than a check in each handler because a streamed response outlives
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from ray_attn.serve.http import HTTPError
 
-EXEMPT_PATHS = frozenset({"/health", "/stats"})
+EXEMPT_PATHS = frozenset({"/health", "/stats", "/metrics"})
 
 
 class Admission:

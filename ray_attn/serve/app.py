@@ -10,51 +10,46 @@ HTTP API (FastAPI ingress):
   POST /v1/completions        OpenAI completions (``ray_attn/serve/openai/completions.py``)
   POST /v1/chat/completions   OpenAI chat, through the tokenizer's chat template (``openai/chat.py``)
   GET  /v1/models             the served model's name, context length and vocabulary
+  POST /tokenize, /detokenize vLLM's: a prompt or messages to the ids the engine would get, and back
+  GET  /metrics       this replica's metrics as Prometheus text (``ray_attn/serve/prometheus.py``)
   POST /v1/generate   JSON body (GenerateRequest); ``"stream": true`` answers with server-sent events
   GET  /health        200 when the engine loop runs and every worker answers its ping, else 503
   GET  /stats         KV blocks, prefix-cache hit rate, cascade rate, steps/s, tokens/s, queue depth
 
 Request bodies are read with a byte cap and a deadline and parsed as JSON by pydantic (strict,
-unknown fields forbidden); nothing a client sends is ever unpickled or evaluated.  Every route but
-/health and /stats is bounded in open requests, per replica and per client (``ray_attn/serve/admission.py``),
+unknown fields forbidden on /v1/generate; logged and ignored on the OpenAI routes unless
+``strict_request_fields``); nothing a client sends is ever unpickled or evaluated.  Every route but
+/health, /stats and /metrics is bounded in open requests, per replica and per client (``ray_attn/serve/admission.py``),
 and every error of every route, FastAPI's own included, has the body of ``ray_attn/serve/http.py``.
 """
 
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
 from ray_attn.serve.admission import Admission, AdmissionMiddleware
-from ray_attn.serve.http import (HTTPError, error_responses, install_error_handlers, not_taken, read_body,
-                                 request_failed)
+from ray_attn.serve.generate import generate
+from ray_attn.serve.http import HTTPError, error_responses, install_error_handlers
 from ray_attn.serve.ingress import REPLICA_HEADER, RoutedHTTPRequest, build_routed_app, run_asgi
-from ray_attn.serve.loop import AsyncioSink, EngineLoop, LoopDead, QueueFull
+from ray_attn.serve.loop import EngineLoop
 from ray_attn.serve.metrics import RayMetricsHooks
 from ray_attn.serve.openai.chat import create_chat_completion
 from ray_attn.serve.openai.completions import create_completion
 from ray_attn.serve.openai.models import list_models
-from ray_attn.serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from ray_attn.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from ray_attn.serve.openai.responses import ModelList
+from ray_attn.serve.openai.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                            TokenizeCompletionRequest, TokenizeResponse, detokenize, tokenize)
+from ray_attn.serve.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from ray_attn.serve.scaling import scaling_options
-from ray_attn.serve.schemas import (
-    GenerateRequest,
-    GenerateResponse,
-    HealthResponse,
-    ServeAppConfig,
-    StatsResponse,
-    StreamEvent,
-    Usage,
-    limit_errors,
-    validation_errors,
-)
+from ray_attn.serve.schemas import GenerateRequest, GenerateResponse, HealthResponse, ServeAppConfig, StatsResponse
 
 log = logging.getLogger("ray.serve")
 
@@ -222,9 +217,27 @@ class LLMServer:
                     max_tokens_limit=self.cfg.max_tokens_limit, **self.admission.stats())
         return StatsResponse.model_validate({k: snap[k] for k in StatsResponse.model_fields}).model_dump()
 
+    @fastapi_app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics(self):
+        return PlainTextResponse(self.metrics.registry.render(), media_type=PROMETHEUS_TYPE)
+
     @fastapi_app.get("/v1/models", response_model=ModelList)
     async def models(self):
         return list_models(self)
+
+    @fastapi_app.post(
+        "/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 404, 413),
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "anyOf": [TokenizeCompletionRequest.model_json_schema(), TokenizeChatRequest.model_json_schema()]}}}}})
+    async def tokenize(self, request: Request):
+        return await self._openai(tokenize, request)
+
+    @fastapi_app.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 404, 413),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": DetokenizeRequest.model_json_schema()}}}})
+    async def detokenize(self, request: Request):
+        return await self._openai(detokenize, request)
 
     @fastapi_app.post(
         "/v1/completions", responses=error_responses(400, 404, 413, 503),
@@ -253,107 +266,10 @@ class LLMServer:
             "application/json": {"schema": GenerateRequest.model_json_schema()}}}})
     async def generate(self, request: Request):
         try:
-            return await self._generate(request)
+            return await generate(self, request)
         except HTTPError as e:
             self.metrics.on_rejected(e.status)
             return e.response()
-
-    async def _generate(self, request: Request):
-        body = await read_body(request, self.cfg.max_body_bytes)
-        try:
-            req = GenerateRequest.model_validate_json(body)
-        except ValidationError as e:
-            errs = validation_errors(e)
-            status = 400 if errs and errs[0][1].startswith("body: malformed JSON") else 422
-            raise HTTPError(status, errs) from None
-        prompt = self._prompt_ids(req)
-        errs = limit_errors(req, prompt, vocab_size=self.vocab_size,
-                            max_model_len=self.cfg.engine.model.max_position_embeddings,
-                            max_prompt_tokens=self.cfg.max_prompt_tokens,
-                            max_tokens_limit=self.cfg.max_tokens_limit,
-                            max_stop_token_ids=self.cfg.max_stop_token_ids)
-        if errs:
-            raise HTTPError(422, errs)
-        try:
-            params = req.sampling_params()
-        except ValueError as e:
-            raise HTTPError(422, [(str(e).split(" ", 1)[0], str(e))]) from None
-        sink = AsyncioSink()
-        retry = {"Retry-After": str(self.cfg.retry_after_s)}
-        try:
-            rid = self.loop.submit(prompt, params, sink)
-        except (QueueFull, LoopDead) as e:
-            raise not_taken(e, retry) from None
-        try:
-            first = await sink.get()
-        except asyncio.CancelledError:
-            self.loop.abort(rid)
-            raise
-        if first.kind == "rejected":
-            field = "max_tokens" if "max_tokens" in (first.error or "") else "prompt_token_ids"
-            raise HTTPError(422, [(field, f"{field}: {first.error}")])
-        if first.kind != "accepted":
-            raise request_failed(first.error, retry)
-        if req.stream:
-            return StreamingResponse(self._sse(rid, sink), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        tokens: list[int] = []
-        last = None
-        try:
-            while last is None or not last.finished:
-                last = await sink.get()
-                tokens += last.token_ids
-        finally:
-            if last is None or not last.finished:
-                self.loop.abort(rid)  # the client went away: free its blocks now
-        if last.finish_reason == "error":
-            # The engine or a rank failed under this request (on this replica once Serve has
-            # replaced it, or on another one, a retry may succeed).
-            raise request_failed(last.error, retry)
-        resp = GenerateResponse(
-            id=rid, token_ids=tokens, text=self._decode(tokens), finish_reason=last.finish_reason or "error",
-            error=last.error, usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(tokens)))
-        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": rid})
-
-    async def _sse(self, rid: str, sink: AsyncioSink):
-        index, finished, tokens, text_sent = 0, False, [], ""
-        try:
-            while not finished:
-                ev = await sink.get()
-                new, last = list(ev.token_ids), ev
-                while not last.finished and not sink.queue.empty():  # coalesce what is ready
-                    last = sink.queue.get_nowait()
-                    new += last.token_ids
-                finished = last.finished
-                text = None
-                if self.tokenizer is not None:
-                    tokens += new
-                    full = self._decode(tokens)
-                    text = full[len(text_sent):] if full.startswith(text_sent) else full
-                    text_sent = full
-                event = StreamEvent(id=rid, index=index, token_ids=new, text=text, finished=finished,
-                                    finish_reason=last.finish_reason if finished else None,
-                                    error=last.error)
-                index += len(new)
-                yield f"data: {json.dumps(event.model_dump())}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:
-                self.loop.abort(rid)
-
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if req.prompt_token_ids is not None:
-            return req.prompt_token_ids
-        if self.tokenizer is None:
-            raise HTTPError(422, [("prompt", "prompt: text prompts need a tokenizer folder on the "
-                                             "server (app config 'tokenizer'); send prompt_token_ids")])
-        return list(self.tokenizer.encode(req.prompt))
-
-    def _decode(self, tokens: list[int]) -> Optional[str]:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
 
 # ---------------------------------------------------------------------------------------- builder
 def resolve_use_gpu(cfg: ServeAppConfig) -> bool:

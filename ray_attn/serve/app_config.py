@@ -96,6 +96,10 @@ class ServeAppConfig(BaseModel):
     max_prompt_tokens: int = Field(1024, gt=0, description="Longest prompt accepted, in tokens.")
     max_tokens_limit: int = Field(256, gt=0, description="Largest `max_tokens` a request may ask for.")
     max_stop_token_ids: int = Field(16, ge=0, description="Most entries in a request's `stop` list.")
+    strict_request_fields: bool = Field(
+        False, description="Answer 400 naming the field to an OpenAI request with a field no schema "
+                           "defines. Default: log it and ignore it, as vLLM does (clients send "
+                           "fields of newer API versions and of other servers).")
     max_queue_depth: int = Field(
         64, ge=0, description="Requests that may wait beyond the engine's running batch "
                               "(engine.max_num_seqs). Past max_num_seqs + max_queue_depth requests "

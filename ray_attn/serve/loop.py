@@ -42,6 +42,7 @@ class Event:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     logprobs: Optional[list] = None  # TokenLogprobs per token_ids entry, when the request asked
+    num_cached_tokens: int = 0  # its prompt tokens that were prefix-cache hits
 
 
 class Sink(Protocol):
@@ -216,7 +217,8 @@ class EngineLoop:
             if sink is None:
                 continue
             sink.push(Event("tokens", list(o.new_token_ids), o.finished, o.finish_reason,
-                            getattr(o, "error", None), getattr(o, "new_logprobs", None)))
+                            getattr(o, "error", None), getattr(o, "new_logprobs", None),
+                            getattr(o, "num_cached_tokens", 0)))
             if o.finished:
                 self._done(o.request_id, o.finish_reason, None, notify=False)
         # Requests the engine ended without an output this step (an abort, an error it raised

@@ -1,10 +1,12 @@
 """The Serve app's Prometheus metrics: the engine loop's hooks (``ray_attn.serve.loop.LoopHooks``) fed into
-``ray.util.metrics``, which every Ray node's metrics agent exports.  Kept apart from the HTTP
-handlers in ``ray_attn/serve/app.py``: the loop calls them, the routes never do."""
+``ray.util.metrics``, which every Ray node's metrics agent exports, and into this replica's own
+copy, which ``GET /metrics`` renders on the API port (``ray_attn/serve/prometheus.py``).  Kept
+apart from the HTTP handlers in ``ray_attn/serve/app.py``: the loop calls them, the routes never do."""
 
 import time
 
 from ray_attn.serve.loop import LoopHooks
+from ray_attn.serve.prometheus import Registry
 
 STEP_LATENCY_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
@@ -13,37 +15,36 @@ class RayMetricsHooks(LoopHooks):
     """Prometheus metrics through ``ray.util.metrics`` (exported by every Ray node's metrics agent)."""
 
     def __init__(self, replica: str, min_gauge_interval_s: float = 0.25):
-        from ray.util import metrics
-
+        self.registry = metrics = Registry()
         tags = ("replica",)
-        self.step_latency = metrics.Histogram(
+        self.step_latency = metrics.histogram(
             "ray_attn_step_latency_s", description="Latency of one engine step (all layers, all ranks).",
             boundaries=STEP_LATENCY_BOUNDARIES_S, tag_keys=tags)
-        self.tokens = metrics.Counter("ray_attn_tokens_generated",
+        self.tokens = metrics.counter("ray_attn_tokens_generated",
                                       description="Tokens generated.", tag_keys=tags)
-        self.tokens_per_s = metrics.Gauge("ray_attn_tokens_per_s",
+        self.tokens_per_s = metrics.gauge("ray_attn_tokens_per_s",
                                           description="Tokens generated per second (recent window).",
                                           tag_keys=tags)
-        self.kv_usage = metrics.Gauge("ray_attn_kv_cache_usage",
+        self.kv_usage = metrics.gauge("ray_attn_kv_cache_usage",
                                       description="Share of KV blocks in use (0..1).", tag_keys=tags)
-        self.kv_used = metrics.Gauge("ray_attn_kv_blocks_used", description="KV blocks in use.",
+        self.kv_used = metrics.gauge("ray_attn_kv_blocks_used", description="KV blocks in use.",
                                      tag_keys=tags)
-        self.queue_depth = metrics.Gauge("ray_attn_queue_depth",
+        self.queue_depth = metrics.gauge("ray_attn_queue_depth",
                                          description="Requests accepted but not yet running.",
                                          tag_keys=tags)
-        self.running = metrics.Gauge("ray_attn_running_requests",
+        self.running = metrics.gauge("ray_attn_running_requests",
                                      description="Requests in the running batch.", tag_keys=tags)
-        self.finished = metrics.Counter("ray_attn_requests_finished",
+        self.finished = metrics.counter("ray_attn_requests_finished",
                                         description="Finished requests, by finish reason.",
                                         tag_keys=tags + ("finish_reason",))
-        self.rejected = metrics.Counter("ray_attn_requests_rejected",
+        self.rejected = metrics.counter("ray_attn_requests_rejected",
                                         description="Requests refused, by HTTP status.",
                                         tag_keys=tags + ("status",))
         # Per replica, so that a router's effect shows: hits / queries is that replica's hit rate.
-        self.prefix_hits = metrics.Counter("ray_attn_prefix_cache_hits",
+        self.prefix_hits = metrics.counter("ray_attn_prefix_cache_hits",
                                            description="Prompt tokens served from the prefix cache.",
                                            tag_keys=tags)
-        self.prefix_queries = metrics.Counter("ray_attn_prefix_cache_queries",
+        self.prefix_queries = metrics.counter("ray_attn_prefix_cache_queries",
                                               description="Prompt tokens looked up in the prefix cache.",
                                               tag_keys=tags)
         for m in (self.step_latency, self.tokens, self.tokens_per_s, self.kv_usage, self.kv_used,

@@ -14,13 +14,15 @@ EPS = 2e-5  # a decision this close to its threshold may go either way in float3
 
 
 def raw_process(logits, prompt, output, p, eos=()) -> np.ndarray:
-    """min_tokens masking, then repetition, frequency and presence penalties (vLLM's
-    ``apply_penalties``: repetition on prompt + output tokens, the others on output tokens)."""
+    """min_tokens masking, logit_bias (added), then repetition, frequency and presence penalties
+    (vLLM's ``apply_penalties``: repetition on prompt + output tokens, the others on output tokens)."""
     x = np.array(logits, np.float64)
     V = len(x)
     if len(output) < p.min_tokens:
         stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
         x[sorted(stop)] = -np.inf
+    for t, b in getattr(p, "logit_bias", ()):
+        x[t] += b
     counts = np.bincount(np.asarray(output, np.int64), minlength=V).astype(np.float64)
     seen = (counts > 0) | (np.bincount(np.asarray(prompt, np.int64), minlength=V) > 0)
     rep = np.where(seen, p.repetition_penalty, 1.0)

@@ -260,3 +260,46 @@ def test_on_gpu_async_with_graphs_follows_reference_and_sync(graphs):
     for a, s in zip(outs, sync):
         if s.logprobs is not None:
             assert np.allclose([t.logprob for t in a.logprobs], [t.logprob for t in s.logprobs], atol=1e-5)
+
+
+@pytest.mark.parametrize("asyn", [False, True])
+def test_logit_bias_forces_and_bans_through_the_engine(asyn):
+    """logit_bias travels with the params to the rank: +100 at temperature 0 emits that token every
+    step, -100 on the unbiased greedy token never emits it, and an unbiased request batched with
+    them is the plain greedy output."""
+    prompts = workload()[:3]
+    plain = engine(config()).generate(prompts, [SamplingParams(max_tokens=8)] * 3)
+    banned = sorted(set(plain[1].output_token_ids))
+    params = [SamplingParams(max_tokens=8, logit_bias={42: 100.0}),
+              SamplingParams(max_tokens=8, logit_bias={t: -100.0 for t in banned}),
+              SamplingParams(max_tokens=8)]
+    outs = engine(config(), asyn).generate(prompts, params)
+    assert outs[0].output_token_ids == [42] * 8
+    assert not set(outs[1].output_token_ids) & set(banned)
+    assert outs[2].output_token_ids == plain[2].output_token_ids
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    eng = engine(config())
+    with pytest.raises(ValueError, match=r"logit_bias: token id 384 is outside the vocabulary"):
+        eng.add_request([1, 2], SamplingParams(logit_bias={384: 1.0}))
+    assert not eng.has_unfinished_requests()
+
+
+def test_num_cached_tokens_is_the_prompts_prefix_cache_hit():
+    """The engine reports per request how many prompt tokens came from the prefix cache (the
+    OpenAI usage's cached_tokens): none the first time, the full blocks of the prompt after."""
+    cfg = config()
+    eng = engine(cfg)
+    bs = cfg.cache.block_size
+    prompt = workload()[0]
+    assert len(prompt) > bs
+    first = eng.generate([prompt], SamplingParams(max_tokens=3))[0]
+    again = eng.generate([prompt + [5]], SamplingParams(max_tokens=3))[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == len(prompt) // bs * bs > 0
+    streamed = []
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        streamed += [o.num_cached_tokens for o in eng.step() if o.request_id == rid]
+    assert streamed and set(streamed) == {again.num_cached_tokens}

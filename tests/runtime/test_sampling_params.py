@@ -44,6 +44,12 @@ EOS = (11,)
     (dict(ignore_eos=1), r"ignore_eos must be a bool, got 1"),
     (dict(logprobs=21), r"logprobs must be None or in \[0, 20\], got 21"),
     (dict(logprobs=-1), r"logprobs must be None or in \[0, 20\], got -1"),
+    (dict(logit_bias={3: 100.5}), r"logit_bias: bias 100.5 of token 3 is outside \[-100, 100\]"),
+    (dict(logit_bias={-1: 1.0}), r"logit_bias: token id -1 is not >= 0"),
+    (dict(logit_bias={1: float("nan")}), r"logit_bias must be a finite number"),
+    (dict(logit_bias=[(1, 1.0), (1, 2.0)]), r"logit_bias: token id 1 appears twice"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), r"logit_bias: 301 entries exceeds the limit of 300"),
+    (dict(logit_bias="ab"), r"logit_bias must map token ids to biases"),
 ])
 def test_params_refuse_bad_values_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -73,8 +79,11 @@ CASES = {
     "top_k_beyond_vocab": dict(temperature=1.0, top_k=1000),  # clamped to the vocabulary
     "top_k_beyond_vocab_top_p": dict(temperature=1.0, top_k=1000, top_p=0.7),
     "min_p": dict(temperature=1.0, min_p=0.1),
+    "logit_bias": dict(logit_bias={3: 4.0, 9: -100.0, 17: 2.5, 200: -1.5}),
+    "logit_bias_hot": dict(temperature=0.9, top_k=20, logit_bias={3: 6.0, 5: 100.0, 40: -3.0}),
     "everything": dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.05, presence_penalty=0.5,
-                       frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=4, stop_token_ids=(5,)),
+                       frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=4, stop_token_ids=(5,),
+                       logit_bias={5: 3.0, 7: -2.0, 12: 1.0}),
 }
 OTHER = dict(temperature=0.6, top_k=3, repetition_penalty=1.2)  # a different row in the same batch
 
@@ -266,3 +275,22 @@ def test_pipeline_on_gpu_matches_float64_reference(case):
     for i, r in enumerate(reqs):
         if r.params.seed is not None:
             assert gpu[i] == cpu[i], f"row {i}: a seeded draw moved between devices"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_forces_and_bans_tokens(temperature):
+    """+100 makes a token the argmax (and, hot, all but certain); -100 bans the current argmax;
+    rows without a bias in the same batch keep their raw logits."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((4, V)) * 2).astype(np.float32)
+    top = logits.argmax(axis=1)
+    kw = dict(temperature=temperature, seed=7)
+    reqs = [Request("a", [1, 2], 2, SamplingParams(**kw, logit_bias={40: 100.0})),
+            Request("b", [1, 2], 2, SamplingParams(**kw, logit_bias={int(top[1]): -100.0})),
+            Request("c", [1, 2], 2, SamplingParams(temperature=0.0)),
+            Request("d", [1, 2], 2, SamplingParams(**kw, logit_bias={int(top[3]): -100.0, 41: 100.0}))]
+    st, processed, _, tokens, _ = run_pipeline(reqs, [True] * 4, logits, "cpu", torch.zeros(8, dtype=torch.int32))
+    assert st.logit_bias_rows.tolist() == [0, 1, 3, 3]  # only the rows that use it, one op
+    assert tokens[0] == 40 and tokens[1] != top[1] and tokens[2] == top[2] and tokens[3] == 41
+    np.testing.assert_array_equal(processed[2], logits[2])
+    assert processed[1, top[1]] == pytest.approx(logits[1, top[1]] - 100, abs=1e-4)

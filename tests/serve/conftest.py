@@ -88,7 +88,8 @@ def served(ray_session, tmp_path_factory):
     args = dict(LIMITS, **MAIN_BOUNDS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir),
                 served_model_name=MODEL_ID, replica_num_cpus=0.5, health_check_period_s=1.0,
                 health_check_timeout_s=scaled(10.0), health_ping_timeout_s=scaled(5.0))
-    plain = dict(LIMITS, **FRONT, executor="in_process", replica_num_cpus=0.5,
+    # /plain is strict about request fields (strict_request_fields), / is not (the default)
+    plain = dict(LIMITS, **FRONT, executor="in_process", replica_num_cpus=0.5, strict_request_fields=True,
                  health_check_timeout_s=scaled(10.0),
                  engine=engine_config(tp=1, max_num_seqs=MAX_NUM_SEQS, eos=True).model_dump(mode="json"))
     port = free_port()

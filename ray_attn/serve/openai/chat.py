@@ -20,27 +20,38 @@ from ray_attn.serve.openai.serving import (
 
 
 def render_prompt(server, req: ChatCompletionRequest) -> list[int]:
+    return render_messages(server, req.messages, req.add_generation_prompt)
+
+
+def render_messages(server, messages, add_generation_prompt: bool, add_special_tokens: bool = False,
+                    continue_final_message: bool = False) -> list[int]:
+    """The ids of ``messages`` through the tokenizer's chat template (also ``/tokenize``'s)."""
     tok = server.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise HTTPError(400, [("messages", "messages: chat needs a tokenizer with a chat template on "
                                            "the server (app config 'tokenizer'); use /v1/completions")])
     msgs = []
-    for m in req.messages:
+    for m in messages:
         d = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            d["name"] = m.name
+        # what templates read besides role and content (vLLM passes the same); the rest of a
+        # message (refusal, audio) only names what an earlier answer held
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                d[key] = getattr(m, key)
         msgs.append(d)
+    kw = {"continue_final_message": True} if continue_final_message else {}
     try:
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
     except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
         raise HTTPError(400, [("messages", f"messages: the chat template refused them: {e}")]) from None
     # The template writes the special tokens itself (BOS, role markers): adding them again would
     # give the model a prompt it was never trained on.
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 async def create_chat_completion(server, request: Request):
-    req = parse(ChatCompletionRequest, await read_body(request, server.cfg.max_body_bytes))
+    req = parse(ChatCompletionRequest, await read_body(request, server.cfg.max_body_bytes),
+                server.cfg.strict_request_fields)
     check_model(server, req.model)
     ids = render_prompt(server, req)
     check_prompt(server, ids, "messages")

@@ -30,7 +30,8 @@ def _tokenize(server, prompt, index: int, many: bool) -> tuple[list[int], str]:
 
 
 async def create_completion(server, request: Request):
-    req = parse(CompletionRequest, await read_body(request, server.cfg.max_body_bytes))
+    req = parse(CompletionRequest, await read_body(request, server.cfg.max_body_bytes),
+                server.cfg.strict_request_fields)
     check_model(server, req.model)
     raw = req.prompts()
     prompts, max_tokens = [], []

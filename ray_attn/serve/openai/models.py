@@ -1,6 +1,6 @@
 """``GET /v1/models``: the one model a replica serves, under the name requests must use."""
 
-from ray_attn.serve.openai.protocol import ModelCard, ModelList
+from ray_attn.serve.openai.responses import ModelCard, ModelList
 
 
 def list_models(server) -> dict:

@@ -1,31 +1,54 @@
-"""The OpenAI request and response bodies the Serve app speaks (``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``), with vLLM's extra sampling fields.
+"""The OpenAI request bodies the Serve app speaks (``/v1/completions``, ``/v1/chat/completions``),
+with vLLM's extra sampling fields; the responses are in ``responses.py``.
 
-Requests forbid unknown fields -- OpenAI answers "Unrecognized request argument" too -- so a typo
-is a 400 naming the field rather than a silently ignored setting.  Fields OpenAI defines that we
-do not implement (``logit_bias``, ``suffix``, ``echo``, tools) are accepted only at their
-do-nothing value and refused by name otherwise.
+Every field of OpenAI's own request schemas is declared here: honoured, or accepted and ignored
+where ignoring it cannot change the answer (``store``, ``metadata``, ``service_tier``,
+``prediction``...: what vLLM does too), or refused by name at a value we cannot honour (tools,
+audio output, ``echo``, ``suffix``).  The SDKs and agent frameworks send these fields unasked, so
+refusing them as unknown would break ordinary clients.
+
+A field nobody defines is kept aside (``extra="allow"``) for ``serving.parse``: logged and
+ignored, as vLLM does, or a 400 naming it when the app sets ``strict_request_fields``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI's own limit on top_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries; each is one (row, id) on the device
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias in [-100, 100]
 
 
 class _Request(BaseModel):
     # strict: "2" is not an int and 1 is not a bool (JSON ints still fill float fields)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def unknown_fields(obj: Any, path: str = "") -> list[tuple[str, type]]:
+    """The fields of ``obj`` (and of the request models inside it) that no model declares, as
+    (path, the model that lacks it): ``stream_options.foo``, ``messages[1].bar``."""
+    out: list[tuple[str, type]] = []
+    if isinstance(obj, BaseModel):
+        out += [(f"{path}.{k}" if path else k, type(obj)) for k in (obj.model_extra or {})]
+        for name in type(obj).model_fields:
+            out += unknown_fields(getattr(obj, name), f"{path}.{name}" if path else name)
+    elif isinstance(obj, list):
+        for i, x in enumerate(obj):
+            if isinstance(x, BaseModel):
+                out += unknown_fields(x, f"{path}[{i}]")
+    return out
 
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with `usage` (and no choices) "
                                                    "before [DONE].")
     continuous_usage_stats: bool = Field(False, description="vLLM: `usage` on every chunk.")
+    include_obfuscation: Optional[bool] = Field(None, description="Accepted and ignored (OpenAI pads "
+                                                                  "chunks against side channels).")
 
 
 class SamplingFields(_Request):
@@ -48,7 +71,9 @@ class SamplingFields(_Request):
     stream: bool = Field(False, description="Answer with server-sent events ending in `data: [DONE]`.")
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
     user: Optional[str] = Field(None, max_length=256, description="Accepted and ignored.")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Not supported: must be empty.")
+    logit_bias: Optional[dict[str, float]] = Field(None, description=(
+        f"Token id (as a string) -> bias in [-100, 100] added to its logit before sampling; at most "
+        f"{MAX_LOGIT_BIAS} entries. -100 bans a token, +100 all but forces it."))
     # vLLM's extra sampling parameters (the openai client sends them through `extra_body`)
     top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: all.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
@@ -61,16 +86,31 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     return_token_ids: bool = Field(False, description="Also return each choice's `token_ids` (and the "
                                                       "`prompt_token_ids`); always on without a tokenizer.")
+    prompt_logprobs: Optional[int] = Field(None, description="vLLM: logprobs of the prompt tokens. Not "
+                                                             "supported yet: must be null.")
 
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported yet by this server")
         if self.logit_bias:
-            raise ValueError("logit_bias: not supported by this server")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: {len(self.logit_bias)} entries exceeds the limit of "
+                                 f"{MAX_LOGIT_BIAS}")
+            for k, v in self.logit_bias.items():
+                if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                    raise ValueError(f"logit_bias: key {k[:32]!r} is not a token id")
+                if not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:  # NaN fails this too
+                    raise ValueError(f"logit_bias: bias {v} of token {k} is outside [-100, 100]")
         if self.top_k == -1:
             self.top_k = 0
         return self
+
+    def logit_bias_items(self) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs, sorted by id (ids checked against the vocabulary by the server)."""
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -116,10 +156,16 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks.")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
+        description="Who speaks ('function': OpenAI's deprecated tool role).")
     content: Union[str, list[TextPart], None] = Field(None, description="Text, or a list of text parts.")
     name: Optional[str] = Field(None, max_length=256, description="Speaker name, passed to the template.")
-    tool_call_id: Optional[str] = Field(None, description="For role 'tool'.")
+    tool_call_id: Optional[str] = Field(None, description="For role 'tool'; passed to the template.")
+    tool_calls: Optional[list[dict]] = Field(None, description="An earlier assistant turn's tool calls; "
+                                                               "passed to the template.")
+    function_call: Optional[dict] = Field(None, description="Deprecated form of tool_calls; ignored.")
+    refusal: Optional[str] = Field(None, description="An earlier assistant refusal; ignored.")
+    audio: Optional[dict] = Field(None, description="An earlier audio answer's id; ignored.")
 
     def text(self) -> str:
         c = self.content
@@ -127,7 +173,8 @@ class ChatMessage(_Request):
 
 
 class ResponseFormat(_Request):
-    type: Literal["text"] = Field(description="Only plain text is supported.")
+    type: Literal["text"] = Field(description="Only plain text is supported (no json_object or "
+                                              "json_schema: output is not constrained).")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -144,13 +191,38 @@ class ChatCompletionRequest(SamplingFields):
                                         description="With logprobs: also the top k tokens at each position.")
     response_format: Optional[ResponseFormat] = Field(None, description="Only {'type': 'text'}.")
     tools: Optional[list[dict]] = Field(None, description="Not supported: must be empty.")
-    tool_choice: Optional[Literal["none"]] = Field(None, description="Only 'none'.")
+    tool_choice: Union[Literal["none", "auto"], dict, None] = Field(
+        None, description="'none', or 'auto' (without tools the same thing); never forced.")
+    functions: Optional[list[dict]] = Field(None, description="Deprecated tools: must be empty.")
+    function_call: Union[Literal["none", "auto"], dict, None] = Field(None, description="Deprecated "
+                                                                                        "tool_choice.")
+    parallel_tool_calls: Optional[bool] = Field(None, description="Accepted and ignored (no tools).")
+    modalities: Optional[list[Literal["text", "audio"]]] = Field(None, description="Only ['text'].")
+    audio: Optional[dict] = Field(None, description="Audio output settings; ignored (text only).")
+    prediction: Optional[dict] = Field(None, description="Predicted output, a latency hint; ignored "
+                                                         "(the answer is the same without it).")
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+        None, description="Accepted and ignored (the model has no reasoning budget).")
+    verbosity: Optional[Literal["low", "medium", "high"]] = Field(None, description="Accepted and ignored.")
+    web_search_options: Optional[dict] = Field(None, description="Accepted and ignored (no web search).")
+    store: Optional[bool] = Field(None, description="Accepted and ignored: nothing is stored.")
+    metadata: Optional[dict[str, str]] = Field(None, description="Accepted and ignored (for store).")
+    service_tier: Optional[str] = Field(None, max_length=64, description="Accepted and ignored: one tier.")
+    prompt_cache_key: Optional[str] = Field(None, description="Accepted and ignored: prefix caching is "
+                                                              "automatic.")
+    safety_identifier: Optional[str] = Field(None, max_length=256, description="Accepted and ignored.")
     add_generation_prompt: bool = Field(True, description="Template adds the assistant turn's opening.")
 
     @model_validator(mode="after")
     def _check(self):
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server")
+        if self.tools or self.functions:
+            name = "tools" if self.tools else "functions"
+            raise ValueError(f"{name}: tool calling is not supported by this server")
+        for name in ("tool_choice", "function_call"):
+            if isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name}: forcing a tool call is not supported by this server")
+        if self.modalities and "audio" in self.modalities:
+            raise ValueError("modalities: only text output is supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -163,89 +235,3 @@ class ChatCompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# -------------------------------------------------------------------------------------- responses
-class UsageInfo(BaseModel):
-    prompt_tokens: int = Field(description="Prompt tokens (each prompt counted once, whatever n is).")
-    completion_tokens: int = Field(description="Tokens generated over all choices.")
-    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list, description="Each sampled token's text.")
-    token_logprobs: list[float] = Field(default_factory=list, description="Its log-probability.")
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list, description="The top tokens' texts "
-                                                                                   "and log-probabilities.")
-    text_offset: list[int] = Field(default_factory=list, description="Where each token's text starts.")
-
-
-class CompletionChoice(BaseModel):
-    index: int = Field(description="prompt index x n + sample index.")
-    text: str = Field(description="The generated text (empty without a tokenizer: see token_ids).")
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = Field(None, description="'stop', 'length' or 'abort'.")
-    stop_reason: Union[int, str, None] = Field(None, description="The stop string or token id that ended it.")
-    token_ids: Optional[list[int]] = Field(None, description="The generated ids (return_token_ids).")
-    prompt_token_ids: Optional[list[int]] = Field(None, description="The prompt's ids (return_token_ids).")
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: Optional[list[ChatLogprob]] = None
-
-
-class ChatDelta(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatDelta
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-    token_ids: Optional[list[int]] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class ModelCard(BaseModel):
-    id: str = Field(description="The name requests put in `model`.")
-    object: Literal["model"] = "model"
-    created: int = Field(description="When the replica started (Unix seconds).")
-    owned_by: str = "ray_attn"
-    root: Optional[str] = Field(None, description="The checkpoint folder, if any.")
-    max_model_len: int = Field(description="Longest prompt + completion the model accepts.")
-    vocab_size: int = Field(description="Token ids are below this.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from ray_attn.serve.http import HTTPError, not_taken, request_failed
 from ray_attn.serve.loop import Event, LoopDead, QueueFull
-from ray_attn.serve.openai.protocol import SamplingFields
+from ray_attn.serve.openai.protocol import SamplingFields, unknown_fields
 from ray_attn.serve.schemas import out_of_vocab, prompt_errors, validation_errors
 
 _MASK64 = (1 << 64) - 1
+log = logging.getLogger("ray.serve")
 
 
 def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
@@ -45,7 +47,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, seed=seed,
             stop_token_ids=tuple(req.stop_token_ids or ()), min_tokens=req.min_tokens,
-            ignore_eos=req.ignore_eos, logprobs=num_logprobs)
+            ignore_eos=req.ignore_eos, logprobs=num_logprobs, logit_bias=req.logit_bias_items())
     except ValueError as e:
         msg = str(e)
         raise HTTPError(400, [(msg.split(" ", 1)[0], msg)]) from None
@@ -75,6 +77,7 @@ class Choice:
     stop_reason: object = None
     error: Optional[str] = None
     accepted: bool = False
+    num_cached_tokens: int = 0  # its prompt tokens that were prefix-cache hits
 
     @property
     def done(self) -> bool:
@@ -153,14 +156,17 @@ class ChoiceSet:
             yield self._advance(c, ev)
 
     def _advance(self, c: Choice, ev: Event) -> Delta:
+        c.num_cached_tokens = getattr(ev, "num_cached_tokens", 0)
         new_ids: list[int] = []
         new_lps: list = []
         lps = getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)
         stopped = False
         for t, lp in zip(ev.token_ids, lps):
-            offset = len(c.text)
+            offset = 0  # without a tokenizer there is no text
             if c.detok is not None:
                 stopped = c.detok.add([t])
+                if c.detok.offsets is not None:
+                    offset = c.detok.offsets[-1]
             c.token_ids.append(t)
             new_ids.append(t)
             if lp is not None:
@@ -205,20 +211,53 @@ class ChoiceSet:
 
     def usage(self) -> dict:
         prompts = {c.prompt_index: len(c.prompt_ids) for c in self.choices}
+        # A prompt counts once, like prompt_tokens: its hits are those of its least lucky sample
+        # (the n samples of a prompt admitted together hit the blocks the first one computes).
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            cached[c.prompt_index] = min(cached.get(c.prompt_index, c.num_cached_tokens), c.num_cached_tokens)
         done = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
-                "total_tokens": sum(prompts.values()) + done}
+                "total_tokens": sum(prompts.values()) + done,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 # ---------------------------------------------------------------------- what both endpoints check
-def parse(model, body: bytes):
-    """The body as ``model``; every problem a 400 naming its field (OpenAI answers 400 here)."""
+def parse(model, body: bytes, strict: bool = False):
+    """The body as ``model``; every problem a 400 naming its field (OpenAI answers 400 here).
+    A field no model declares is logged and ignored (vLLM's behaviour: clients send fields of
+    newer API versions and of other servers), or with ``strict`` (``strict_request_fields``) a
+    400 naming it."""
     from pydantic import ValidationError
 
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
-        raise HTTPError(400, validation_errors(e, model)) from None
+        errs = validation_errors(e, model)
+        if strict:  # the unknown top-level keys too, as a forbidding model would list them
+            errs = _unknown_keys(body, model) + errs
+        raise HTTPError(400, errs) from None
+    unknown = unknown_fields(req)
+    if unknown and strict:
+        raise HTTPError(400, [(f, f"{f}: unknown field (allowed: {', '.join(m.model_fields)})")
+                              for f, m in unknown[:8]])
+    if unknown:
+        # bounded: a body may hold thousands of made-up names
+        names = ", ".join(f[:64] for f, _ in unknown[:8]) + (f" and {len(unknown) - 8} more"
+                                                             if len(unknown) > 8 else "")
+        log.warning("The following fields were present in the request but ignored: %s", names)
+    return req
+
+
+def _unknown_keys(body: bytes, model, limit: int = 16) -> list[tuple[str, str]]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(obj, dict):
+        return []
+    names = [k for k in obj if k not in model.model_fields][:limit]
+    return [(k, f"{k}: unknown field (allowed: {', '.join(model.model_fields)})") for k in names]
 
 
 def check_model(server, name: Optional[str]) -> None:
@@ -261,8 +300,10 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
             raise HTTPError(400, [(name, f"{name}: {len(values)} entries exceeds the limit of "
                                          f"{cfg.max_stop_token_ids} (max_stop_token_ids)")])
     bad = out_of_vocab(stop_ids, "stop_token_ids", server.vocab_size)
+    bad += [("logit_bias", f"logit_bias: token id {t} is outside the vocabulary [0, {server.vocab_size})")
+            for t, _ in req.logit_bias_items() if t >= server.vocab_size][:1]
     if bad:
-        raise HTTPError(400, bad)
+        raise HTTPError(400, bad[:1])
     if stops and server.tokenizer is None:
         raise HTTPError(400, [("stop", "stop: stop strings need a tokenizer on the server (app config "
                                        "'tokenizer'); use stop_token_ids")])
@@ -277,7 +318,7 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
                 from ray_attn.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(server.tokenizer, ids, stops, req.include_stop_str_in_output,
-                                               req.skip_special_tokens)
+                                               req.skip_special_tokens, track_offsets=num_logprobs is not None)
             params = sampling_params(req, mt, num_logprobs, choice_seed(req.seed, j))
             choices.append(Choice(len(choices), p, ids, params, detok))
     return ChoiceSet(server.loop, choices, cfg.retry_after_s, server.eos_token_ids)
