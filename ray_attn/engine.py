@@ -111,7 +111,8 @@ class LLMEngine:
             self.async_scheduling = str(infos[0].get("device", "")).startswith("cuda")
         self._submitted: _Submitted | None = None  # async: the step whose tokens are still out
         self._eos = frozenset(config.model.eos_token_ids)
-        self._failures: list[float] = []
+        self._failures: list[float] = []  # on the clock that stops during recoveries
+        self._recovering_s = 0.0  # seconds spent in recover(), kept off that clock
         self.dead: str | None = None
 
     # The scheduler's queues, read by servers (ray_attn/serve/loop.py) and tests.
@@ -334,8 +335,14 @@ class LLMEngine:
 
     def _on_worker_failure(self, failure: WorkerFailure) -> list[RequestOutput]:
         """Restart the ranks and recompute every running request from its token history; after
-        MAX_FAILURES_PER_MINUTE failures, end the requests with the error instead."""
-        now = time.monotonic()
+        MAX_FAILURES_PER_MINUTE failures within a minute of running, end the requests with the
+        error instead.
+
+        The minute is counted without the recoveries themselves: a recovery (spawning ranks,
+        loading the model) takes 5 s on an idle machine and minutes on a loaded one, and a rank
+        that dies right after each restart must count as dying three times in a row however
+        slowly the restarts go."""
+        now = time.monotonic() - self._recovering_s
         self._failures = [t for t in self._failures if now - t < 60] + [now]
         # The tokens still out died with the ranks; the requests go on from what came back.
         for req in itertools.chain(self.running, self.waiting):
@@ -353,7 +360,11 @@ class LLMEngine:
                 self._finish(req, "error", msg)
                 outs.append(self.output(req.request_id))
             return outs
-        self.stats.last_recovery_s = self.executor.recover()
+        t0 = time.monotonic()
+        try:
+            self.stats.last_recovery_s = self.executor.recover()
+        finally:
+            self._recovering_s += time.monotonic() - t0
         self.stats.recoveries += 1
         return []
 

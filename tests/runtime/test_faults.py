@@ -104,3 +104,58 @@ def test_recovered_requests_keep_their_order_ahead_of_the_queue():
     while engine.has_unfinished_requests():
         engine.step()
     assert [engine.output(i).output_token_ids for i in ids] == [o.output_token_ids for o in reference]
+
+
+class FlakyExecutor(InProcessExecutor):
+    """An in-process executor whose rank "dies" on chosen step calls; a recovery takes
+    ``recovery_s`` on the engine's clock (a fake one: nothing sleeps)."""
+
+    def __init__(self, cfg, fail_on: set[int], clock: list[float], recovery_s: float):
+        super().__init__(cfg)
+        self.fail_on, self.clock, self.recovery_s, self.calls = fail_on, clock, recovery_s, 0
+
+    def step(self, step):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise WorkerFailure(0, RuntimeError("rank 0 died"))
+        return super().step(step)
+
+    def recover(self) -> float:
+        self.clock[0] += self.recovery_s
+        return self.recovery_s
+
+
+@pytest.mark.parametrize("recovery_s", [1.0, 45.0, 600.0])
+def test_failure_window_does_not_count_the_recoveries(monkeypatch, recovery_s):
+    """Three deaths in three consecutive steps end the requests, however long each restart
+    takes (on a loaded machine a recovery took 2 minutes, so three deaths never fell within one
+    wall-clock minute and a rank that died at every restart was restarted forever)."""
+    import ray_attn.engine as engine_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(engine_mod.time, "monotonic", lambda: clock[0])
+    cfg = config()
+    engine = LLMEngine(cfg, FlakyExecutor(cfg, {3, 4, 5}, clock, recovery_s))
+    ids = [engine.add_request(p, GREEDY) for p in workload(n=2)]
+    while engine.has_unfinished_requests():
+        clock[0] += 0.01  # a step's own time
+        engine.step()
+    outs = [engine.output(i) for i in ids]
+    assert engine.stats.recoveries == 2
+    assert all(o.finish_reason == "error" and "3 worker failures" in o.error for o in outs)
+
+
+def test_failures_spread_over_more_than_a_minute_of_running_recover(monkeypatch):
+    """Deaths a minute of running apart are transient: each is recovered."""
+    import ray_attn.engine as engine_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(engine_mod.time, "monotonic", lambda: clock[0])
+    cfg = config()
+    engine = LLMEngine(cfg, FlakyExecutor(cfg, {3, 5, 7}, clock, recovery_s=1.0))
+    ids = [engine.add_request(p, GREEDY) for p in workload(n=2)]
+    while engine.has_unfinished_requests():
+        clock[0] += 40.0  # slow steps: 80 s of running between deaths
+        engine.step()
+    assert engine.stats.recoveries == 3
+    assert all(engine.output(i).finish_reason == "length" for i in ids)
