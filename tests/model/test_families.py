@@ -177,20 +177,28 @@ def test_our_random_checkpoints_load_in_hf(arch, tmp_path):
     assert_close(got, hf_logits(hf, tokens))
 
 
+def round_trip_slices(config, folder):
+    """A sharded random checkpoint loaded at every rank of TP 1, 2 and 4, each rank's parameters
+    equal to what init_random_weights gives it; yields (tp, rank, loaded model)."""
+    save_random_checkpoint(config, str(folder), seed=5, num_shards=2)
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            kw = dict(tp_rank=rank, tp_size=tp, tp_group=NO_COLLECTIVES if tp > 1 else None)
+            loaded, fresh = build_model(config, **kw), build_model(config, **kw)
+            loaded.load_weights(str(folder))
+            fresh.init_random_weights(5)
+            for (name, a), (_, b) in zip(loaded.named_parameters(), fresh.named_parameters()):
+                assert torch.equal(a, b), f"tp={tp} rank={rank} {name}"
+            yield tp, rank, loaded
+
+
 # -- loading at every TP slice ------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["MptForCausalLM", "Gemma2ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_checkpoint_round_trip_at_every_tp_slice(arch, tmp_path):
     config = ModelConfig(architecture=arch, vocab_size=64, hidden_size=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=64)
-    save_random_checkpoint(config, str(tmp_path), seed=5, num_shards=2)
-    for tp in (1, 2, 4):
-        for rank in range(tp):
-            kw = dict(tp_rank=rank, tp_size=tp, tp_group=NO_COLLECTIVES if tp > 1 else None)
-            loaded, fresh = build_model(config, **kw), build_model(config, **kw)
-            loaded.load_weights(str(tmp_path))
-            fresh.init_random_weights(5)
-            for (name, a), (_, b) in zip(loaded.named_parameters(), fresh.named_parameters()):
-                assert torch.equal(a, b), f"tp={tp} rank={rank} {name}"
+    for _ in round_trip_slices(config, tmp_path):
+        pass
 
 
 def test_mpt_wqkv_is_cut_by_heads(tmp_path):

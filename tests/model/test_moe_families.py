@@ -22,11 +22,10 @@ from ray_attn.config import ModelConfig
 from ray_attn.model import build_model, save_random_checkpoint
 from ray_attn.model.moe import SparseMoeBlock
 from tests.model.steps import BLOCK_SIZE, run_schedule
-from tests.model.test_families import hf_checkpoint as hf_model
+from tests.model.test_families import hf_checkpoint as hf_model, round_trip_slices
 from tests.model.test_hf_parity import assert_close, hf_logits
 
 transformers = pytest.importorskip("transformers")
-NO_COLLECTIVES = object()  # tp_size > 1 without collectives: loading never all-reduces
 
 # Two sequences of 100 and 78 tokens: chunked prefill over chunk boundaries, then decode.
 SCHEDULE = [[40, 60], [40, 15], [17, 0], [1, 1], [1, 1], [1, 1]]
@@ -194,14 +193,6 @@ def test_expert_slices_at_every_tp_size(arch, tmp_path):
     """Each rank loads its slice of every expert's width (and of the shared expert's) from the
     checkpoint, the same numbers init_random_weights gives it."""
     config = moe_config(arch)
-    save_random_checkpoint(config, str(tmp_path), seed=5, num_shards=2)
-    for tp in (1, 2, 4):
-        for rank in range(tp):
-            kw = dict(tp_rank=rank, tp_size=tp, tp_group=NO_COLLECTIVES if tp > 1 else None)
-            loaded, fresh = build_model(config, **kw), build_model(config, **kw)
-            loaded.load_weights(str(tmp_path))
-            fresh.init_random_weights(5)
-            for (name, a), (_, b) in zip(loaded.named_parameters(), fresh.named_parameters()):
-                assert torch.equal(a, b), f"tp={tp} rank={rank} {name}"
-            w13 = next(m for m in loaded.modules() if isinstance(m, SparseMoeBlock)).experts.w13
-            assert w13.shape[1] == 2 * 64 // tp if arch != "MixtralForCausalLM" else 2 * 128 // tp
+    for tp, _, loaded in round_trip_slices(config, tmp_path):
+        w13 = next(m for m in loaded.modules() if isinstance(m, SparseMoeBlock)).experts.w13
+        assert w13.shape[1] == 2 * 64 // tp if arch != "MixtralForCausalLM" else 2 * 128 // tp
