@@ -106,7 +106,7 @@ def test_recovered_requests_keep_their_order_ahead_of_the_queue():
     assert [engine.output(i).output_token_ids for i in ids] == [o.output_token_ids for o in reference]
 
 
-class FlakyExecutor(InProcessExecutor):
+class SlowRecoveryExecutor(InProcessExecutor):
     """An in-process executor whose rank "dies" on chosen step calls; a recovery takes
     ``recovery_s`` on the engine's clock (a fake one: nothing sleeps)."""
 
@@ -135,7 +135,7 @@ def test_failure_window_does_not_count_the_recoveries(monkeypatch, recovery_s):
     clock = [1000.0]
     monkeypatch.setattr(engine_mod.time, "monotonic", lambda: clock[0])
     cfg = config()
-    engine = LLMEngine(cfg, FlakyExecutor(cfg, {3, 4, 5}, clock, recovery_s))
+    engine = LLMEngine(cfg, SlowRecoveryExecutor(cfg, {3, 4, 5}, clock, recovery_s))
     ids = [engine.add_request(p, GREEDY) for p in workload(n=2)]
     while engine.has_unfinished_requests():
         clock[0] += 0.01  # a step's own time
@@ -152,7 +152,7 @@ def test_failures_spread_over_more_than_a_minute_of_running_recover(monkeypatch)
     clock = [1000.0]
     monkeypatch.setattr(engine_mod.time, "monotonic", lambda: clock[0])
     cfg = config()
-    engine = LLMEngine(cfg, FlakyExecutor(cfg, {3, 5, 7}, clock, recovery_s=1.0))
+    engine = LLMEngine(cfg, SlowRecoveryExecutor(cfg, {3, 5, 7}, clock, recovery_s=1.0))
     ids = [engine.add_request(p, GREEDY) for p in workload(n=2)]
     while engine.has_unfinished_requests():
         clock[0] += 40.0  # slow steps: 80 s of running between deaths
