@@ -165,16 +165,19 @@ def test_our_random_checkpoints_load_in_hf(arch, tmp_path):
              layer_types=["full_attention", "sliding_attention"], eos_token_ids=[3, 7])
     config = ModelConfig(architecture=arch, vocab_size=128, hidden_size=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=True, **extra)
-    save_random_checkpoint(config, str(tmp_path), seed=3)
-    read = ModelConfig.from_pretrained(str(tmp_path))
+    assert_random_checkpoint_loads_in_hf(config, tmp_path, random_tokens(config.vocab_size), SCHEDULE)
+
+
+def assert_random_checkpoint_loads_in_hf(config, folder, tokens, schedule, chunk=None):
+    """Our seeded random checkpoint reads back as ``config`` and HF, loading it, gives our logits."""
+    save_random_checkpoint(config, str(folder), seed=3)
+    read = ModelConfig.from_pretrained(str(folder))
     assert read == config, {k: (v, getattr(config, k)) for k, v in read if v != getattr(config, k)}
-    hf = getattr(transformers, arch).from_pretrained(str(tmp_path), attn_implementation="eager",
-                                                     dtype=torch.float32).eval()
+    hf = getattr(transformers, config.architecture).from_pretrained(
+        str(folder), attn_implementation="eager", dtype=torch.float32).eval()
     model = build_model(config, block_size=BLOCK_SIZE, kernel="torch")
     model.init_random_weights(3)
-    tokens = random_tokens(config.vocab_size)
-    got = run_schedule(model, tokens, SCHEDULE)
-    assert_close(got, hf_logits(hf, tokens))
+    assert_close(run_schedule(model, tokens, schedule, chunk=chunk), hf_logits(hf, tokens))
 
 
 def round_trip_slices(config, folder):

@@ -19,10 +19,11 @@ import torch
 from safetensors.torch import save_file
 
 from ray_attn.config import ModelConfig
-from ray_attn.model import build_model, save_random_checkpoint
+from ray_attn.model import build_model
 from ray_attn.model.moe import SparseMoeBlock
 from tests.model.steps import BLOCK_SIZE, run_schedule
-from tests.model.test_families import hf_checkpoint as hf_model, round_trip_slices
+from tests.model.test_families import (assert_random_checkpoint_loads_in_hf, hf_checkpoint as hf_model,
+                                       round_trip_slices)
 from tests.model.test_hf_parity import assert_close, hf_logits
 
 transformers = pytest.importorskip("transformers")
@@ -176,16 +177,8 @@ def moe_config(arch, **kw):
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
 def test_our_random_moe_checkpoints_load_in_hf(arch, tmp_path):
     config = moe_config(arch)
-    save_random_checkpoint(config, str(tmp_path), seed=3)
-    read = ModelConfig.from_pretrained(str(tmp_path))
-    assert read == config, {k: (v, getattr(config, k)) for k, v in read if v != getattr(config, k)}
-    hf = getattr(transformers, arch).from_pretrained(str(tmp_path), attn_implementation="eager",
-                                                     dtype=torch.float32).eval()
-    model = build_model(config, block_size=BLOCK_SIZE, kernel="torch")
-    model.init_random_weights(3)
-    toks = tokens(config.vocab_size)
-    got = run_schedule(model, toks, SCHEDULE, chunk=config.attention_chunk_size)
-    assert_close(got, hf_logits(hf, toks))
+    assert_random_checkpoint_loads_in_hf(config, tmp_path, tokens(config.vocab_size), SCHEDULE,
+                                         chunk=config.attention_chunk_size)
 
 
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
