@@ -30,7 +30,12 @@ from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts impo
 from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams, TokenLogprobs  # noqa: F401
 from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.messages import StepInput
-from ray_attn.sampling_inputs import build_sampling_inputs, token_logprobs
+from ray_attn.sampling_inputs import (
+    apply_prompt_logprobs,
+    build_sampling_inputs,
+    prompt_logprobs_inputs,
+    token_logprobs,
+)
 from ray_attn.scheduler import Scheduler
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
@@ -56,6 +61,9 @@ class _Submitted:
     num_tokens: int
     local: bool
     cascade_groups: int  # prefix groups of a cascade step; 0 when it did not cascade
+    # (request, first prompt position, count) per row that computes prompt logprobs, in the
+    # order of the step's PromptLogprobsInputs
+    prompt_spans: list = None
 
 
 @dataclass
@@ -283,6 +291,7 @@ class LLMEngine:
             # before this step's placeholders are appended (see build_sampling_inputs)
             sampling=build_sampling_inputs(reqs, samples, sample_index, self._eos,
                                            self.config.model.vocab_size))
+        step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):
             if smp:
@@ -292,7 +301,7 @@ class LLMEngine:
         a = plan.attn
         return _Submitted(step_in.step_id, reqs, samples, a.num_actual_tokens,
                           a.local_attn_metadata is not None,
-                          plan.num_cascade_groups if a.use_cascade else 0), step_in
+                          plan.num_cascade_groups if a.use_cascade else 0, spans), step_in
 
     def _apply(self, done: _Submitted, out) -> list[RequestOutput]:
         """Write a step's sampled tokens over their placeholders and finish what is done."""
@@ -300,6 +309,8 @@ class LLMEngine:
             got = None if out is None else out.step_id
             raise RuntimeError(f"expected the output of step {done.step_id}, got {got}")
         outputs, eos = [], self._eos
+        if done.prompt_spans:  # first: a prompt's last chunk also samples its first token
+            apply_prompt_logprobs(done.prompt_spans, out.prompt_logprobs)
         lp = out.logprobs
         lp_index = {} if lp is None else dict(zip(lp.rows.tolist(), range(len(lp.rows))))
         for row, (req, tok, sampled) in enumerate(zip(done.reqs, out.token_ids.tolist(), done.samples)):
@@ -322,9 +333,11 @@ class LLMEngine:
             if req.finished:
                 outputs.append(self.output(req.request_id, new_token_ids=[tok], new_logprobs=new_lp))
             else:
+                first = req.prompt_logprobs is not None and req.num_output_tokens == 1
                 outputs.append(RequestOutput(req.request_id, [], [], [tok], False, new_logprobs=new_lp,
                                              logprobs=None if new_lp is None else [],
-                                             num_cached_tokens=req.num_cached_tokens or 0))
+                                             num_cached_tokens=req.num_cached_tokens or 0,
+                                             prompt_logprobs=list(req.prompt_logprobs) if first else None))
         s = self.stats
         s.steps += 1
         s.tokens_computed += done.num_tokens
@@ -404,7 +417,8 @@ class LLMEngine:
                              new_token_ids or [], r.finished, r.finish_reason, r.error,
                              new_logprobs=(new_logprobs or []) if asked else None,
                              logprobs=list(r.logprobs) if asked else None,
-                             num_cached_tokens=r.num_cached_tokens or 0)
+                             num_cached_tokens=r.num_cached_tokens or 0,
+                             prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (servers call this once the client has its result)."""

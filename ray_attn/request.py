@@ -39,6 +39,11 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     # One TokenLogprobs per output token read back, when params.logprobs is set.
     logprobs: list[TokenLogprobs] | None = None
+    # With params.prompt_logprobs: one per prompt token read back, the first None (nothing
+    # predicts it); and the prompt positions up to which steps were submitted for them (steps
+    # run ahead of their answers under async scheduling).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_submitted: int = 1
     # The same object goes to the planner every step, with the same growing token list: that is
     # what its fast path recognises, and no step copies a request's tokens.
     sched: ScheduledRequest = field(init=False)
@@ -49,9 +54,12 @@ class Request:
     _np_len: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self):
-        self.sched = ScheduledRequest(self.request_id, self.token_ids, None)
+        wants_prompt = self.params.prompt_logprobs is not None
+        self.sched = ScheduledRequest(self.request_id, self.token_ids, None, skip_prefix_cache=wants_prompt)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if wants_prompt:
+            self.prompt_logprobs = [None]
         self._np_tokens = np.empty(0, np.int32)
 
     def token_array(self) -> np.ndarray:
@@ -91,9 +99,12 @@ class Request:
         return self.pending > 0 and len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens
 
     def drop_pending(self) -> None:
+        """Forget what the steps still out would have answered (the ranks died with them)."""
         if self.pending:
             del self.token_ids[-self.pending:]
             self.pending = 0
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs_submitted = len(self.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -131,3 +142,6 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits (vLLM's name)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None, on the
+    # request's first output with a token (and every ``output(id)``); else None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ray_attn.request import PLACEHOLDER, Request, TokenLogprobs
-from ray_attn.runtime.messages import LogprobsArrays, SamplingInputs
+from ray_attn.runtime.messages import LogprobsArrays, PromptLogprobsInputs, SamplingInputs
 
 
 def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], sample_index: np.ndarray,
@@ -102,3 +102,50 @@ def token_logprobs(lp: LogprobsArrays, j: int, k: int) -> TokenLogprobs:
     ids, lps = lp.logprob_token_ids[j], lp.logprobs[j]
     return TokenLogprobs(int(ids[0]), float(lps[0]), int(lp.selected_token_ranks[j]),
                          list(zip(ids[1:1 + k].tolist(), lps[1:1 + k].tolist())))
+
+
+def prompt_logprobs_inputs(plan, reqs: Sequence[Request]) -> tuple[PromptLogprobsInputs | None, list]:
+    """The prompt positions this step computes logits for (``PromptLogprobsInputs``, None when no
+    row asked) and the (request, first position, count) spans they answer, in order.
+
+    A row computing tokens [c, c + q) has the logits that predict tokens c + 1 .. c + q; those
+    still in its prompt, and not already submitted by an earlier step, are its targets.  A
+    request that asks takes no prefix-cache hits, so its first chunk starts at 0 and the targets
+    run on without a gap; a recompute after preemption skips those already submitted."""
+    if all(r.prompt_logprobs is None for r in reqs):
+        return None, []
+    qsl, computed = plan.attn.query_start_loc, plan.num_computed_tokens
+    indices, targets, spans, k = [], [], [], 0
+    for row, r in enumerate(reqs):
+        if r.prompt_logprobs is None:
+            continue
+        c, q = int(computed[row]), int(qsl[row + 1] - qsl[row])
+        lo, hi = max(c + 1, r.prompt_logprobs_submitted), min(c + q, r.num_prompt_tokens - 1)
+        if lo > hi:
+            continue
+        if lo > r.prompt_logprobs_submitted:
+            raise RuntimeError(f"request {r.request_id}: prompt logprobs from position "
+                               f"{r.prompt_logprobs_submitted} were never computed (its step starts "
+                               f"at {c}: a prefix-cache hit it should not have taken)")
+        start = int(qsl[row]) + lo - 1 - c
+        indices.append(np.arange(start, start + hi - lo + 1, dtype=np.int32))
+        targets.append(np.asarray(r.token_ids[lo:hi + 1], np.int32))
+        spans.append((r, lo, hi - lo + 1))
+        r.prompt_logprobs_submitted = hi + 1
+        k = max(k, r.params.prompt_logprobs)
+    if not spans:
+        return None, []
+    return PromptLogprobsInputs(np.concatenate(indices), np.concatenate(targets), k), spans
+
+
+def apply_prompt_logprobs(spans: list, lp: LogprobsArrays | None) -> None:
+    """Append each span's prompt logprobs to its request, where it is still the next span the
+    request expects (a request that finished, or whose ranks died meanwhile, is skipped)."""
+    if lp is None:
+        raise RuntimeError("a step that computed prompt logprobs answered without them")
+    off = 0
+    for r, lo, n in spans:
+        if not r.finished and r.prompt_logprobs is not None and len(r.prompt_logprobs) == lo:
+            k = r.params.prompt_logprobs
+            r.prompt_logprobs.extend(token_logprobs(lp, j, k) for j in range(off, off + n))
+        off += n

@@ -58,6 +58,10 @@ class SamplingParams:
     min_tokens: int = 0  # stop ids and EOS are masked until this many tokens are out
     ignore_eos: bool = False  # else ModelConfig.eos_token_ids end generation ('stop')
     logprobs: int | None = None  # None: none; k in [0, 20]: the sampled token's + the top k
+    # None: none; k in [0, 20]: each prompt token's logprob given the tokens before it, and the
+    # top k there (vLLM's prompt_logprobs; the first token has none).  A request that asks
+    # computes its whole prompt: it takes no prefix-cache hits, though others hit its blocks.
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs added to the raw logits (OpenAI's logit_bias); a dict is accepted.
     # The engine checks the ids against the vocabulary.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -110,6 +114,11 @@ class SamplingParams:
             put("logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs))
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], "
+                                 f"got {self.prompt_logprobs}")
         put("logit_bias", _logit_bias(self.logit_bias))
         if self.top_k == -1:
             put("top_k", 0)

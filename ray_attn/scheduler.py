@@ -82,7 +82,7 @@ class Scheduler:
                 if index is None:
                     index = planner.step_prefix_index([r.request_id for r in reqs],
                                                       [r.token_ids for r in reqs], num_new)
-                match = index.match(tokens)
+                match = index.match(tokens, read=not req.sched.skip_prefix_cache)
                 hit = match.num_tokens
             n = min(len(tokens) - hit, budget)
             if index is not None:

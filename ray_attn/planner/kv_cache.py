@@ -154,7 +154,7 @@ class KVCacheManager:
             if index is None:
                 hit, last_hash = [], ROOT_HASH
             else:
-                m = index.match(toks[i], nn)
+                m = index.match(toks[i], nn, read=not getattr(scheduled[i], "skip_prefix_cache", False))
                 index.add_new(i, m, int(lens[i]) - m.num_tokens if nn is None else nn)
                 hit, last_hash = m.blocks, m.last_hash
                 b.step_hits += [(i, *src) for src in m.step_hits]

@@ -58,6 +58,9 @@ class ScheduledRequest:
     req_id: Hashable
     token_ids: Sequence[int] | np.ndarray
     num_new_tokens: int | None = None
+    # Take no prefix-cache hits when admitted (vLLM's skip_reading_prefix_cache): a request that
+    # needs every prompt position's logits.  Its own blocks are still cached for the others.
+    skip_prefix_cache: bool = False
 
 
 @dataclass

@@ -84,10 +84,12 @@ class StepPrefixIndex:
         for key, row, col in zip(h.tolist(), rows.tolist(), cols.tolist()):
             filled.setdefault(key, (row, col))
 
-    def match(self, token_ids, num_new_tokens: int | None = None) -> PrefixMatch:
+    def match(self, token_ids, num_new_tokens: int | None = None, read: bool = True) -> PrefixMatch:
         """The longest run of ``token_ids``'s leading full blocks that the pool holds or an earlier
         row computes, capped as ``KVCacheManager.max_hit_blocks`` caps a prefix-cache hit (the last
-        token is always computed; an explicit ``num_new_tokens`` must fit)."""
+        token is always computed; an explicit ``num_new_tokens`` must fit).  With ``read`` False
+        the hit is empty (``ScheduledRequest.skip_prefix_cache``), but the hashes are still what
+        ``add_new`` indexes for the rows after it."""
         bs = self.block_size
         n = len(token_ids)
         full = n // bs
@@ -98,7 +100,7 @@ class StepPrefixIndex:
         if full and tok.min() < 0:  # an unknown token (async scheduling): hash only what precedes it
             full = int(np.flatnonzero((tok < 0).any(axis=1))[0])
         hashes = prompt_hashes(tok[:full].reshape(-1), full, bs)
-        limit = min(self.kv.max_hit_blocks(n, num_new_tokens), full)
+        limit = min(self.kv.max_hit_blocks(n, num_new_tokens), full) if read else 0
         keys = hashes[:limit].tolist()
         filled = self._filled
         blocks, step_hits = [], []

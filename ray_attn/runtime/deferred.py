@@ -58,6 +58,9 @@ class DeferredOutput:
     logits: np.ndarray | None
     num_tokens: int = 0
     layout: tuple | None = None  # pack_output's, when the copy holds logprobs too
+    # (rows, then host copies of ids, logprobs and ranks), started before ``event``; rare (a
+    # prefill chunk that asked for prompt logprobs), so it has a copy of its own
+    prompt_logprobs: tuple | None = None
 
     def collect(self) -> StepOutput:
         """Wait for the copy and answer.  The tokens are copied out of the pinned buffer: it is
@@ -67,7 +70,12 @@ class DeferredOutput:
         host = self.host_tokens
         packed = host if isinstance(host, np.ndarray) else host.numpy().copy()
         tokens, logprobs = unpack_output(packed, self.num_tokens, self.layout)
-        return StepOutput(token_ids=tokens, step_id=self.step_id, logits=self.logits, logprobs=logprobs)
+        plp = None
+        if self.prompt_logprobs is not None:
+            rows, *host = self.prompt_logprobs
+            plp = LogprobsArrays(rows, *(t.numpy() for t in host))
+        return StepOutput(token_ids=tokens, step_id=self.step_id, logits=self.logits, logprobs=logprobs,
+                          prompt_logprobs=plp)
 
 
 class TokenStaging:
@@ -79,12 +87,17 @@ class TokenStaging:
         self._flip = 0
 
     def defer(self, tokens: torch.Tensor, step_id: int, logits: np.ndarray | None,
-              logprobs=None) -> DeferredOutput:
+              logprobs=None, prompt_logprobs=None) -> DeferredOutput:
         """Start the copy of ``tokens`` (on the device) and the rows' ``LogprobsTensors`` (or
-        None) to the host, without waiting for it."""
+        None) to the host, without waiting for it; ``prompt_logprobs`` (``LogprobsTensors``)
+        travel in a copy of their own, into pinned memory allocated for it."""
         packed, layout = pack_output(tokens, logprobs)
+        plp = None
+        if prompt_logprobs is not None:
+            rows, *dev = prompt_logprobs
+            plp = (rows, *(t.to("cpu", non_blocking=self.cuda) for t in dev))
         if not self.cuda:
-            return DeferredOutput(None, packed.numpy().copy(), step_id, logits, len(tokens), layout)
+            return DeferredOutput(None, packed.numpy().copy(), step_id, logits, len(tokens), layout, plp)
         self._flip ^= 1
         host = self._host[self._flip]
         if host is None or host.numel() < len(packed):
@@ -94,4 +107,4 @@ class TokenStaging:
         view.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return DeferredOutput(event, view, step_id, logits, len(tokens), layout)
+        return DeferredOutput(event, view, step_id, logits, len(tokens), layout, plp)

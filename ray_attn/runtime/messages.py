@@ -98,6 +98,18 @@ class LogprobsArrays:
 
 
 @dataclass
+class PromptLogprobsInputs:
+    """The prompt positions whose logprobs a step computes (``SamplingParams.prompt_logprobs``):
+    hidden-state row ``indices[i]`` of the step predicts token ``targets[i]``, the prompt token
+    after it.  Rank 0 turns them into logits a slice at a time, so a long prefill chunk never holds
+    [chunk, vocab] logits at once."""
+
+    indices: np.ndarray  # int32 [M] rows of the step's hidden states (token positions)
+    targets: np.ndarray  # int32 [M] the prompt token each row predicts
+    num_logprobs: int = 0  # the top k returned beside each target (the step's largest k)
+
+
+@dataclass
 class StepInput:
     """One step for every rank: ``ray.put`` once, read by all.
 
@@ -120,6 +132,7 @@ class StepInput:
     prev_token_index: np.ndarray | None = None  # int32 [K] input positions to fill on the device
     prev_token_rows: np.ndarray | None = None  # int32 [K] rows of the previous step's tokens
     sampling: SamplingInputs | None = None  # top-k/p, min-p, penalties, min_tokens, logprobs
+    prompt_logprobs: PromptLogprobsInputs | None = None  # when a row asked for them
 
     @classmethod
     def flush(cls, step_id: int) -> "StepInput":
@@ -137,3 +150,5 @@ class StepOutput:
     step_id: int = 0
     timings: dict = field(default_factory=dict)
     logprobs: LogprobsArrays | None = None  # when some row asked
+    # One row per PromptLogprobsInputs entry, in its order (column 0: the target token).
+    prompt_logprobs: LogprobsArrays | None = None

@@ -272,6 +272,21 @@ def sample_on_device(logits: torch.Tensor, st: SamplingTensors, generator: torch
     return tokens, lp
 
 
+PROMPT_LOGITS_ROWS = 1024  # prompt rows turned into logits at once: [1024, 128k] fp32 is 0.5 GiB
+
+
+def prompt_logprobs_on_device(compute_logits, hidden: torch.Tensor, indices: torch.Tensor,
+                              targets: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """Each prompt row's raw logprob of the token after it, its rank and the top ``num_logprobs``
+    (``compute_logprobs`` per row), ``PROMPT_LOGITS_ROWS`` rows at a time: a 4k-token chunk would
+    otherwise hold its whole [4k, vocab] logits twice over (logits, then their log-softmax)."""
+    parts = [compute_logprobs(compute_logits(hidden, indices[s:s + PROMPT_LOGITS_ROWS]),
+                              targets[s:s + PROMPT_LOGITS_ROWS], num_logprobs)
+             for s in range(0, len(indices), PROMPT_LOGITS_ROWS)]
+    ids, lps, ranks = (torch.cat(x) for x in zip(*parts))
+    return LogprobsTensors(np.arange(len(indices), dtype=np.int32), ids, lps, ranks)
+
+
 def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
            sample_index: np.ndarray, generator: torch.Generator | None = None,
            inputs: SamplingInputs | None = None, last_tokens: torch.Tensor | None = None) -> np.ndarray:

@@ -27,7 +27,7 @@ from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.deferred import DeferredOutput, TokenStaging, pack_output, unpack_output
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.profiling import time_by_kernel_kind
-from ray_attn.runtime.sampling import SamplingTensors, sample_on_device
+from ray_attn.runtime.sampling import SamplingTensors, prompt_logprobs_on_device, sample_on_device
 
 CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
 
@@ -196,6 +196,7 @@ class AttentionWorker:
         self._check(step)
         self.buffers.begin()  # ended by _forward, once the last input is on its way
         logits_indices, sampling = self._stage_sampling_inputs(step)
+        prompt_rows = self._stage_prompt_logprobs(step)
         with torch.inference_mode():
             hidden = self._forward(step)
             self.steps += 1
@@ -205,7 +206,11 @@ class AttentionWorker:
             self.last_tokens = tokens
             if self.rank != 0:
                 return None
-            return self._answer(step, tokens, logits, logprobs)
+            prompt_lp = None
+            if prompt_rows is not None:
+                prompt_lp = prompt_logprobs_on_device(self.model.compute_logits, hidden, *prompt_rows,
+                                                      step.prompt_logprobs.num_logprobs)
+            return self._answer(step, tokens, logits, logprobs, prompt_lp)
 
     def _check(self, step: StepInput) -> None:
         """Refuse a step that would lose an answer or read outside the cache, before any of it
@@ -215,6 +220,16 @@ class AttentionWorker:
                                f"of deferred step {self.deferred.step_id} was never collected")
         m = step.plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        p = step.prompt_logprobs
+        if p is not None and len(p.indices):  # an index past the step would fail on the device
+            if len(p.indices) != len(p.targets):
+                raise ValueError(f"prompt_logprobs: {len(p.indices)} indices but {len(p.targets)} targets")
+            if p.indices.min() < 0 or p.indices.max() >= m.num_actual_tokens:
+                raise ValueError(f"prompt_logprobs.indices must lie in [0, {m.num_actual_tokens}) "
+                                 "(the step's tokens)")
+            vocab = self.config.model.vocab_size
+            if p.targets.min() < 0 or p.targets.max() >= vocab:
+                raise ValueError(f"prompt_logprobs.targets must lie in [0, {vocab})")
         m.host_checked = True  # carried to the device copy: its layers need not read values back
 
     def _stage_sampling_inputs(self, step: StepInput) -> tuple[torch.Tensor, SamplingTensors | None]:
@@ -225,6 +240,14 @@ class AttentionWorker:
         st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put,
                                    step.sampling) if self.rank == 0 else None
         return idx, st
+
+    def _stage_prompt_logprobs(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rank 0's prompt rows and their target tokens (``PromptLogprobsInputs``), or None."""
+        p = step.prompt_logprobs
+        if self.rank != 0 or p is None or not len(p.indices):
+            return None
+        put = self.buffers.put
+        return put("prompt_lp_indices", p.indices).long(), put("prompt_lp_targets", p.targets).long()
 
     def _forward(self, step: StepInput) -> torch.Tensor:
         """The step's hidden states: a captured decode graph replayed when one fits the step,
@@ -277,16 +300,17 @@ class AttentionWorker:
         return tokens
 
     def _answer(self, step: StepInput, tokens: torch.Tensor, logits: torch.Tensor,
-                logprobs) -> StepOutput | None:
+                logprobs, prompt_logprobs=None) -> StepOutput | None:
         """Rank 0's answer: this step's output, or, for a deferred step, the previous deferred
         step's, waited for only now that this step is queued behind it."""
         logits_np = logits.float().cpu().numpy() if step.return_logits else None
         if not step.defer:
             packed, layout = pack_output(tokens, logprobs)  # one copy to the host
             token_ids, lp = unpack_output(packed.cpu().numpy(), len(tokens), layout)
-            return StepOutput(token_ids=token_ids, step_id=step.step_id, logits=logits_np, logprobs=lp)
+            return StepOutput(token_ids=token_ids, step_id=step.step_id, logits=logits_np, logprobs=lp,
+                              prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs.to_numpy())
         previous = self._collect_deferred()
-        self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np, logprobs)
+        self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np, logprobs, prompt_logprobs)
         return previous
 
     def _collect_deferred(self) -> StepOutput | None:
