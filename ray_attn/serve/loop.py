@@ -43,6 +43,7 @@ class Event:
     error: Optional[str] = None
     logprobs: Optional[list] = None  # TokenLogprobs per token_ids entry, when the request asked
     num_cached_tokens: int = 0  # its prompt tokens that were prefix-cache hits
+    prompt_logprobs: Optional[list] = None  # on the first token's event, when the request asked
 
 
 class Sink(Protocol):
@@ -218,7 +219,7 @@ class EngineLoop:
                 continue
             sink.push(Event("tokens", list(o.new_token_ids), o.finished, o.finish_reason,
                             getattr(o, "error", None), getattr(o, "new_logprobs", None),
-                            getattr(o, "num_cached_tokens", 0)))
+                            getattr(o, "num_cached_tokens", 0), getattr(o, "prompt_logprobs", None)))
             if o.finished:
                 self._done(o.request_id, o.finish_reason, None, notify=False)
         # Requests the engine ended without an output this step (an abort, an error it raised

@@ -36,6 +36,7 @@ def reference(tmp_path_factory):
         with torch.no_grad():
             return torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()
 
+    logprobs.folder = str(folder)  # random weights drawn on a GPU differ: it loads these
     return logprobs
 
 
@@ -121,3 +122,23 @@ def test_the_first_token_output_carries_them_once():
 def test_prompt_logprobs_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-4), ("bfloat16", 0.15)])
+@pytest.mark.parametrize("asyn", [False, True])
+def test_prompt_logprobs_on_the_gpu(reference, dtype, tol, asyn):
+    """On CUDA, where async scheduling answers a step one step late and its prompt logprobs
+    travel in a pinned copy of their own.  bfloat16's tolerance is its rounding over 3 layers
+    (a target one position off would miss by ~1-3 nats)."""
+    cfg = config(dtype=dtype)
+    cfg = cfg.model_copy(update={"async_scheduling": asyn, "checkpoint": reference.folder,
+                                 "parallel": cfg.parallel.model_copy(update={"device": "cuda"})})
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    prompts = workload()
+    outs = eng.generate(prompts, SamplingParams(max_tokens=4, prompt_logprobs=2))
+    for p, o in zip(prompts, outs):
+        want = reference(p)
+        got = np.array([e.logprob for e in o.prompt_logprobs[1:]])
+        np.testing.assert_allclose(got, want[np.arange(len(p) - 1), p[1:]], atol=tol)
+        assert [e.token_id for e in o.prompt_logprobs[1:]] == p[1:]

@@ -64,3 +64,31 @@ def teacher_forced_logits(engine: dict, tokens: list[int]) -> np.ndarray:
     with torch.inference_mode():
         h = model(torch.tensor(tokens), torch.arange(n), meta)
         return model.compute_logits(h, torch.arange(n)).double().numpy()
+
+
+_HF_FLOAT64: dict = {}
+
+
+def float64_logprobs(engine: dict, tokens: list[int]) -> np.ndarray:
+    """float64 [len(tokens), vocab]: log-softmax of the logits at every position of ``tokens``,
+    teacher-forced through HF transformers running the served weights (our seeded random
+    checkpoint) in float64 -- independent of our model code, kernels and TP."""
+    import json
+    import tempfile
+
+    import torch
+    import transformers
+
+    from ray_attn.model.registry import save_random_checkpoint
+
+    cfg = EngineConfig.model_validate(engine)
+    key = json.dumps(cfg.model.model_dump(mode="json"), sort_keys=True)
+    hf = _HF_FLOAT64.get(key)
+    if hf is None:
+        with tempfile.TemporaryDirectory() as folder:
+            save_random_checkpoint(cfg.model, folder, seed=cfg.model.seed)
+            hf = getattr(transformers, cfg.model.architecture).from_pretrained(
+                folder, attn_implementation="eager", dtype=torch.float64).eval()
+        _HF_FLOAT64[key] = hf
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([list(tokens)])).logits[0], -1).numpy()

@@ -170,7 +170,7 @@ def test_sampling_filters_reach_the_device(client):
     (dict(extra_body={"logit_bias": {"512": 1}}), "logit_bias"),
     (dict(extra_body={"logit_bias": {"5": 100.5}}), "logit_bias"),
     (dict(extra_body={"logit_bias": {str(i): 1 for i in range(301)}}), "logit_bias"),
-    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
     (dict(extra_body={"top_k": "5"}), "top_k"),
     (dict(prompt=[1, 2, 10**6]), "prompt[2]"),
 ])

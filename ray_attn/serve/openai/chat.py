@@ -14,6 +14,7 @@ from ray_attn.serve.openai.serving import (
     check_prompt,
     finish,
     parse,
+    prompt_logprobs_json,
     resolve_max_tokens,
     stream_response,
 )
@@ -57,7 +58,7 @@ async def create_chat_completion(server, request: Request):
     check_prompt(server, ids, "messages")
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(server, req.requested_max_tokens(), len(ids), field)
-    choices = build_choices(server, req, [ids], [max_tokens], req.num_logprobs())
+    choices = build_choices(server, req, [ids], [max_tokens], req.num_logprobs(), req.prompt_logprobs)
     await choices.submit()
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
@@ -83,6 +84,8 @@ async def create_chat_completion(server, request: Request):
             d["token_ids"] = c.token_ids
         out.append(d)
     body = dict(head, object="chat.completion", choices=out, usage=choices.usage())
+    if req.prompt_logprobs is not None:  # vLLM's place for them: one prompt, beside the choices
+        body["prompt_logprobs"] = prompt_logprobs_json(choices.choices[0])
     return JSONResponse(body, headers={"X-Request-Id": rid})
 
 

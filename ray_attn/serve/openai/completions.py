@@ -1,7 +1,9 @@
 """``POST /v1/completions``: OpenAI's legacy completions, text or token ids in, text out."""
 
+import dataclasses
 import time
 import uuid
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -14,6 +16,8 @@ from ray_attn.serve.openai.serving import (
     check_prompt,
     finish,
     parse,
+    prompt_entries,
+    prompt_logprobs_json,
     resolve_max_tokens,
     stream_response,
 )
@@ -40,22 +44,72 @@ async def create_completion(server, request: Request):
         check_prompt(server, ids, field)
         prompts.append(ids)
         max_tokens.append(resolve_max_tokens(server, req.max_tokens, len(ids), "max_tokens"))
-    choices = build_choices(server, req, prompts, max_tokens, req.logprobs)
+    # echo with logprobs returns the prompt's logprobs too, with the same top k (vLLM's rule)
+    prompt_k = req.prompt_logprobs
+    if prompt_k is None and req.echo and req.logprobs is not None:
+        prompt_k = req.logprobs
+    choices = build_choices(server, req, prompts, max_tokens, req.logprobs, prompt_k)
     await choices.submit()
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}
     with_ids = req.return_token_ids or server.tokenizer is None
+    echo = _Echo(server, req, raw)
     if req.stream:
+        opened: set[int] = set()
+
         def chunk(d):
             c = d.choice
-            ch = {"index": c.index, "text": d.text, "logprobs": _logprobs(d.logprobs) if c.params.logprobs is not None
+            text, entries = d.text, d.logprobs
+            if req.echo and c.index not in opened:  # the prompt opens each choice's first chunk
+                opened.add(c.index)
+                text, entries = echo.text(c) + text, echo.entries(c, entries)
+            ch = {"index": c.index, "text": text, "logprobs": _logprobs(entries) if req.logprobs is not None
                   else None, "finish_reason": c.finish_reason if d.finished else None,
                   "stop_reason": c.stop_reason if d.finished else None}
             return dict(ch, token_ids=d.token_ids) if with_ids else ch
 
         return stream_response(choices, req, head, chunk, rid)
-    body = dict(head, choices=[_choice(c, with_ids) for c in await finish(choices)], usage=choices.usage())
+    body = dict(head, choices=[_choice(c, with_ids, echo) for c in await finish(choices)], usage=choices.usage())
     return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+class _Echo:
+    """The prompt in front of each choice when ``echo`` is set: the prompt as sent when it was
+    text, else its tokens decoded; with logprobs, its tokens' entries before the completion's,
+    whose offsets move past the prompt's text."""
+
+    def __init__(self, server, req, raw_prompts):
+        self.server, self.req, self.raw = server, req, raw_prompts
+        self._decoded: dict[int, tuple[str, list[int]]] = {}  # prompt index -> (text, offsets)
+
+    def _decode(self, c) -> tuple[str, Optional[list[int]]]:
+        """The prompt's tokens decoded as output is (``IncrementalDetokenizer``), with each
+        token's offset in that text; ("", None) without a tokenizer."""
+        tok = self.server.tokenizer
+        if tok is None:
+            return "", None
+        if c.prompt_index not in self._decoded:
+            from ray_attn.detokenizer import IncrementalDetokenizer
+
+            d = IncrementalDetokenizer(tok, (), skip_special_tokens=self.req.skip_special_tokens,
+                                       track_offsets=True)
+            d.add(c.prompt_ids)
+            d.finish()
+            self._decoded[c.prompt_index] = d.text, d.offsets
+        return self._decoded[c.prompt_index]
+
+    def text(self, c) -> str:
+        if not self.req.echo:
+            return ""
+        p = self.raw[c.prompt_index]
+        return p if isinstance(p, str) else self._decode(c)[0]
+
+    def entries(self, c, completion: list) -> list:
+        if not self.req.echo:
+            return completion
+        shift = len(self.text(c))
+        return (prompt_entries(c, self._decode(c)[1])
+                + [dataclasses.replace(e, offset=e.offset + shift) for e in completion])
 
 
 def _logprobs(entries) -> dict:
@@ -63,17 +117,23 @@ def _logprobs(entries) -> dict:
     for e in entries:
         out["tokens"].append(e.token)
         out["token_logprobs"].append(e.logprob)
-        # vLLM's completions shape: the top k, plus the sampled token when it is not among them
-        top = dict(e.top)
-        top.setdefault(e.token, e.logprob)
-        out["top_logprobs"].append(top)
+        if e.top is None:  # an echoed prompt's first token
+            out["top_logprobs"].append(None)
+        else:
+            # vLLM's completions shape: the top k, plus the sampled token when it is not among them
+            top = dict(e.top)
+            top.setdefault(e.token, e.logprob)
+            out["top_logprobs"].append(top)
         out["text_offset"].append(e.offset)
     return out
 
 
-def _choice(c, with_ids: bool) -> dict:
-    d = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-         "logprobs": _logprobs(c.logprobs) if c.params.logprobs is not None else None}
+def _choice(c, with_ids: bool, echo: _Echo) -> dict:
+    d = {"index": c.index, "text": echo.text(c) + c.text, "finish_reason": c.finish_reason,
+         "stop_reason": c.stop_reason,
+         "logprobs": _logprobs(echo.entries(c, c.logprobs)) if c.params.logprobs is not None else None}
+    if echo.req.prompt_logprobs is not None:
+        d["prompt_logprobs"] = prompt_logprobs_json(c)
     if with_ids:
         d.update(token_ids=c.token_ids, prompt_token_ids=c.prompt_ids)
     return d

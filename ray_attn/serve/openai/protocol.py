@@ -4,7 +4,7 @@ with vLLM's extra sampling fields; the responses are in ``responses.py``.
 Every field of OpenAI's own request schemas is declared here: honoured, or accepted and ignored
 where ignoring it cannot change the answer (``store``, ``metadata``, ``service_tier``,
 ``prediction``...: what vLLM does too), or refused by name at a value we cannot honour (tools,
-audio output, ``echo``, ``suffix``).  The SDKs and agent frameworks send these fields unasked, so
+audio output, ``suffix``).  The SDKs and agent frameworks send these fields unasked, so
 refusing them as unknown would break ordinary clients.
 
 A field nobody defines is kept aside (``extra="allow"``) for ``serving.parse``: logged and
@@ -86,15 +86,17 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     return_token_ids: bool = Field(False, description="Also return each choice's `token_ids` (and the "
                                                       "`prompt_token_ids`); always on without a tokenizer.")
-    prompt_logprobs: Optional[int] = Field(None, description="vLLM: logprobs of the prompt tokens. Not "
-                                                             "supported yet: must be null.")
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "vLLM: each prompt token's log-probability given the tokens before it, with the top "
+        "`prompt_logprobs` there (the first token has none). Not with stream=true."))
 
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported yet by this server")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true (as in vLLM); use echo "
+                             "with logprobs on /v1/completions")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias: {len(self.logit_bias)} entries exceeds the limit of "
@@ -121,18 +123,21 @@ class CompletionRequest(SamplingFields):
 
     prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
         description="Text, token ids, or a list of either (one completion set per prompt).")
-    max_tokens: Optional[int] = Field(16, ge=1, description="Tokens per completion at most (default 16).")
+    max_tokens: Optional[int] = Field(16, ge=0, description="Tokens per completion at most (default 16); "
+                                                            "0 only with echo: the prompt alone.")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "Return the log-probability of each sampled token and of the top `logprobs` tokens "
-        "(log-softmax of the raw model logits)."))
-    echo: bool = Field(False, description="Not supported: must be false.")
+        "(log-softmax of the raw model logits); with echo, of each prompt token too."))
+    echo: bool = Field(False, description="Return the prompt before the completion (and, with logprobs, "
+                                          "the prompt tokens' logprobs, the first null): lm-eval's "
+                                          "loglikelihood requests.")
     best_of: Optional[int] = Field(None, ge=1, description="Only best_of == n is supported.")
     suffix: Optional[str] = Field(None, description="Not supported: must be null.")
 
     @model_validator(mode="after")
     def _check(self):
-        if self.echo:
-            raise ValueError("echo: not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo=true")
         if self.suffix:
             raise ValueError("suffix: not supported by this server")
         if self.best_of is not None and self.best_of != self.n:

@@ -36,7 +36,8 @@ def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional[int], seed: Optional[int]):
+def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional[int], seed: Optional[int],
+                    prompt_logprobs: Optional[int] = None):
     """The engine's SamplingParams for one choice; a value it refuses is a 400 naming the field."""
     from ray_attn.request import SamplingParams
 
@@ -47,20 +48,25 @@ def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, seed=seed,
             stop_token_ids=tuple(req.stop_token_ids or ()), min_tokens=req.min_tokens,
-            ignore_eos=req.ignore_eos, logprobs=num_logprobs, logit_bias=req.logit_bias_items())
+            ignore_eos=req.ignore_eos, logprobs=num_logprobs, logit_bias=req.logit_bias_items(),
+            prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         msg = str(e)
         raise HTTPError(400, [(msg.split(" ", 1)[0], msg)]) from None
 
 
+MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
+
+
 @dataclass
 class LogprobEntry:
-    """A sampled token's logprobs with the token texts resolved (``token_id:N`` without a tokenizer)."""
+    """A token's logprobs with the token texts resolved (``token_id:N`` without a tokenizer).
+    An echoed prompt's first token has none: ``logprob`` and ``top`` are None."""
 
     token: str
-    logprob: float
+    logprob: Optional[float]
     offset: int  # where the token's text starts in the choice's text
-    top: list[tuple[str, float]]
+    top: Optional[list[tuple[str, float]]]
 
 
 @dataclass
@@ -78,6 +84,10 @@ class Choice:
     error: Optional[str] = None
     accepted: bool = False
     num_cached_tokens: int = 0  # its prompt tokens that were prefix-cache hits
+    prompt_logprobs: Optional[list] = None  # TokenLogprobs per prompt token (the first None), when asked
+    # max_tokens=0 with echo: the engine samples one token (it computes the prompt's logprobs
+    # in the step that samples), which is thrown away here
+    hidden_output: bool = False
 
     @property
     def done(self) -> bool:
@@ -157,6 +167,13 @@ class ChoiceSet:
 
     def _advance(self, c: Choice, ev: Event) -> Delta:
         c.num_cached_tokens = getattr(ev, "num_cached_tokens", 0)
+        if getattr(ev, "prompt_logprobs", None) is not None:
+            c.prompt_logprobs = ev.prompt_logprobs
+        if c.hidden_output:
+            if ev.finished:
+                c.finish_reason, c.error = ("length" if ev.finish_reason in ("length", "stop")
+                                            else ev.finish_reason or "error"), ev.error
+            return Delta(c, "", [], [], c.done)
         new_ids: list[int] = []
         new_lps: list = []
         lps = getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)
@@ -170,8 +187,7 @@ class ChoiceSet:
             c.token_ids.append(t)
             new_ids.append(t)
             if lp is not None:
-                entry = LogprobEntry(self.token_text(c, t), lp.logprob, offset,
-                                     [(self.token_text(c, i), v) for i, v in lp.top])
+                entry = logprob_entry(c, lp, offset)
                 c.logprobs.append(entry)
                 new_lps.append(entry)
             if stopped:
@@ -220,6 +236,50 @@ class ChoiceSet:
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
                 "total_tokens": sum(prompts.values()) + done,
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def logprob_entry(c: Choice, lp, offset: int) -> LogprobEntry:
+    """A ``TokenLogprobs`` with its texts, floored at ``MIN_LOGPROB``."""
+    text = ChoiceSet.token_text
+    return LogprobEntry(text(c, lp.token_id), max(lp.logprob, MIN_LOGPROB), offset,
+                        [(text(c, i), max(v, MIN_LOGPROB)) for i, v in lp.top])
+
+
+def prompt_entries(c: Choice, offsets: Optional[list[int]] = None) -> list[LogprobEntry]:
+    """The prompt's tokens as logprob entries (completions' ``echo``), the first without
+    logprobs; at ``offsets`` in the echoed text, or else each at the sum of the token texts
+    before it (vLLM's count; without a tokenizer there is no text to point into)."""
+    out, offset = [], 0
+    lps = c.prompt_logprobs or [None] * len(c.prompt_ids)
+    for i, (t, lp) in enumerate(zip(c.prompt_ids, lps)):
+        at = offset if offsets is None else offsets[i]
+        e = (LogprobEntry(ChoiceSet.token_text(c, t), None, at, None) if lp is None
+             else logprob_entry(c, lp, at))
+        out.append(e)
+        offset += len(e.token)
+    return out
+
+
+def prompt_logprobs_json(c: Choice) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token and the top k there."""
+    if c.prompt_logprobs is None:
+        return None
+    text = ChoiceSet.token_text
+
+    def one(i, v, rank):
+        return {"logprob": max(v, MIN_LOGPROB), "rank": rank, "decoded_token": text(c, i)}
+
+    out = []
+    for lp in c.prompt_logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(lp.token_id): one(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (i, v) in enumerate(lp.top, 1):
+            d.setdefault(str(i), one(i, v, rank))
+        out.append(d)
+    return out
 
 
 # ---------------------------------------------------------------------- what both endpoints check
@@ -291,8 +351,9 @@ def resolve_max_tokens(server, asked: Optional[int], prompt_len: int, field: str
 
 
 def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                  num_logprobs: Optional[int]) -> ChoiceSet:
-    """prompts x n choices, index = prompt index x n + sample index (OpenAI's order)."""
+                  num_logprobs: Optional[int], prompt_logprobs: Optional[int] = None) -> ChoiceSet:
+    """prompts x n choices, index = prompt index x n + sample index (OpenAI's order).  A
+    ``max_tokens`` of 0 (echo) samples one token that no answer shows."""
     cfg = server.cfg
     stops, stop_ids = req.stop_strings(), req.stop_token_ids or []
     for name, values in (("stop", stops), ("stop_token_ids", stop_ids)):
@@ -319,8 +380,8 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
 
                 detok = IncrementalDetokenizer(server.tokenizer, ids, stops, req.include_stop_str_in_output,
                                                req.skip_special_tokens, track_offsets=num_logprobs is not None)
-            params = sampling_params(req, mt, num_logprobs, choice_seed(req.seed, j))
-            choices.append(Choice(len(choices), p, ids, params, detok))
+            params = sampling_params(req, max(mt, 1), num_logprobs, choice_seed(req.seed, j), prompt_logprobs)
+            choices.append(Choice(len(choices), p, ids, params, detok, hidden_output=mt == 0))
     return ChoiceSet(server.loop, choices, cfg.retry_after_s, server.eos_token_ids)
 
 
