@@ -122,6 +122,9 @@ class LLMEngine:
         self._failures: list[float] = []  # on the clock that stops during recoveries
         self._recovering_s = 0.0  # seconds spent in recover(), kept off that clock
         self.dead: str | None = None
+        # ray_attn.structured_output.GrammarCompiler for the served tokenizer, set by whoever
+        # has one (a server, a script): requests with structured_outputs need it.
+        self.grammar_compiler = None
 
     # The scheduler's queues, read by servers (ray_attn/serve/loop.py) and tests.
     @property
@@ -165,7 +168,13 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, prompt, len(prompt), params)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured_outputs: this engine has no grammar compiler (it needs the "
+                                 "tokenizer: set LLMEngine.grammar_compiler)")
+            grammar = self.grammar_compiler.matcher(self.grammar_compiler.compile(params.structured_outputs))
+        req = Request(request_id, prompt, len(prompt), params, grammar=grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -323,9 +332,13 @@ class LLMEngine:
             if req.logprobs is not None:
                 new_lp = [token_logprobs(lp, lp_index[row], p.logprobs)]
                 req.logprobs.append(new_lp[0])
+            if req.grammar is not None and not req.grammar.accept(tok):
+                self._finish(req, "error", f"token {tok} does not continue the request's grammar")
             # vLLM's check_stop: a stop token counts once min_tokens are out (the rank masks
             # them until then; the rule holds here whatever a rank drew)
-            if (tok in p.stop_token_ids or (tok in eos and not p.ignore_eos)) \
+            elif req.grammar is not None and req.grammar.terminated:
+                self._finish(req, "stop")
+            elif (tok in p.stop_token_ids or (tok in eos and not p.ignore_eos)) \
                     and req.num_output_tokens > p.min_tokens:
                 self._finish(req, "stop")
             elif req.num_output_tokens >= p.max_tokens:

@@ -44,6 +44,9 @@ class Request:
     # run ahead of their answers under async scheduling).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_submitted: int = 1
+    # With params.structured_outputs: its GrammarState (ray_attn.structured_output), advanced
+    # by each token read back.
+    grammar: object | None = None
     # The same object goes to the planner every step, with the same growing token list: that is
     # what its fast path recognises, and no step copies a request's tokens.
     sched: ScheduledRequest = field(init=False)

@@ -52,6 +52,12 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
         si.logit_bias_rows = np.array([i for i, _, _ in pairs], np.int32)
         si.logit_bias_ids = np.array([t for _, t, _ in pairs], np.int32)
         si.logit_bias_values = np.array([b for _, _, b in pairs], np.float32)
+    constrained = [i for i in rows if reqs[i].grammar is not None]
+    if constrained:
+        from ray_attn.structured_output import fill_bitmask
+
+        si.grammar_rows = np.array(constrained, np.int32)
+        si.grammar_bitmask = fill_bitmask([reqs[i].grammar for i in constrained])
     wants = [i for i in rows if reqs[i].params.logprobs is not None]
     if wants:
         si.logprobs = np.full(B, -1, np.int32)

@@ -62,6 +62,9 @@ class SamplingParams:
     # top k there (vLLM's prompt_logprobs; the first token has none).  A request that asks
     # computes its whole prompt: it takes no prefix-cache hits, though others hit its blocks.
     prompt_logprobs: int | None = None
+    # What the output must match (ray_attn.structured_output.StructuredOutputsParams); the
+    # engine compiles it with its grammar compiler (LLMEngine.grammar_compiler).
+    structured_outputs: object | None = None
     # (token id, bias) pairs added to the raw logits (OpenAI's logit_bias); a dict is accepted.
     # The engine checks the ids against the vocabulary.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -120,6 +123,12 @@ class SamplingParams:
                 raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], "
                                  f"got {self.prompt_logprobs}")
         put("logit_bias", _logit_bias(self.logit_bias))
+        if self.structured_outputs is not None:
+            from ray_attn.structured_output import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             put("top_k", 0)
         if self.temperature == 0:  # cannot move the argmax: a greedy row never filters
@@ -142,7 +151,7 @@ class SamplingParams:
     def plain(self) -> bool:
         """Needs nothing beyond temperature and seed on the ranks (the common case)."""
         return not (self.filters or self.penalized or self.min_tokens or self.logprobs is not None
-                    or self.logit_bias)
+                    or self.logit_bias or self.structured_outputs is not None)
 
 
 def _logit_bias(v) -> tuple[tuple[int, float], ...]:

@@ -85,3 +85,13 @@ def compute_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor,
         top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
         ids, lps = torch.cat([tok, top_ids], dim=1), torch.cat([tok_lp, top_lp], dim=1)
     return ids.to(torch.int32), lps, ranks
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [G, V] with every id whose bit is clear in ``bitmask`` (int32 [G, ceil(V/32)],
+    bit ``id % 32`` of word ``id // 32``: xgrammar's layout) set to -inf.  Plain tensor ops, so
+    the same code runs on CPU and on a GPU, over just the constrained rows."""
+    G, V = logits.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.to(torch.int32)[:, :, None] >> shifts) & 1).bool().reshape(G, -1)[:, :V]
+    return logits.masked_fill(~allowed, float("-inf"))

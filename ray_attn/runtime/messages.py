@@ -83,6 +83,9 @@ class SamplingInputs:
     logit_bias_rows: np.ndarray | None = None  # int32 [E]
     logit_bias_ids: np.ndarray | None = None  # int32 [E]
     logit_bias_values: np.ndarray | None = None  # float32 [E]
+    # Rows with a grammar and their allowed next tokens: bit id % 32 of word id // 32.
+    grammar_rows: np.ndarray | None = None  # int32 [G]
+    grammar_bitmask: np.ndarray | None = None  # int32 [G, ceil(vocab / 32)]
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from ray_attn.runtime.logits_processors import (
     apply_min_p,
+    apply_token_bitmask,
     apply_penalties,
     apply_top_k_only,
     apply_top_k_top_p,
@@ -126,6 +127,8 @@ class SamplingTensors:
     logit_bias_rows: torch.Tensor | None = None  # long [E]
     logit_bias_ids: torch.Tensor | None = None  # long [E]
     logit_bias_values: torch.Tensor | None = None  # float32 [E]
+    grammar_rows: torch.Tensor | None = None  # long [G]
+    grammar_bitmask: torch.Tensor | None = None  # int32 [G, words]
     logprob_rows: np.ndarray | None = None  # int32 [L] on the host
     logprob_rows_dev: torch.Tensor | None = None  # long [L]
     max_num_logprobs: int = 0
@@ -165,6 +168,12 @@ class SamplingTensors:
                 i["logit_bias_rows"] = ints.add(inputs.logit_bias_rows)
                 i["logit_bias_ids"] = ints.add(inputs.logit_bias_ids)
                 f["logit_bias_values"] = floats.add(inputs.logit_bias_values)
+            if inputs.grammar_rows is not None and len(inputs.grammar_rows):
+                i["grammar_rows"] = ints.add(inputs.grammar_rows)
+                # int32 words, in a copy of their own (the shared int part becomes long)
+                bm = inputs.grammar_bitmask
+                extra["grammar_bitmask"] = (put("grammar_bitmask", bm) if put is not None
+                                            else torch.from_numpy(np.ascontiguousarray(bm)).to(device))
             if inputs.logprobs is not None:
                 rows = np.nonzero(inputs.logprobs >= 0)[0].astype(np.int32)
                 if rows.size:
@@ -207,9 +216,12 @@ def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
     what greedy rows take the argmax of.  ``logits`` itself when no row uses either, else a new tensor (the raw logits
     stay as they are, for logprobs and ``return_logits``).  ``last_tokens`` are the previous
     step's tokens, which fill the histories' placeholders under async scheduling."""
-    if st.min_tokens_rows is None and st.penalty_rows is None and st.logit_bias_rows is None:
+    if (st.min_tokens_rows is None and st.penalty_rows is None and st.logit_bias_rows is None
+            and st.grammar_rows is None):
         return logits
     logits = logits.float().clone()
+    if st.grammar_rows is not None:
+        logits[st.grammar_rows] = apply_token_bitmask(logits[st.grammar_rows], st.grammar_bitmask)
     if st.min_tokens_rows is not None:
         logits[st.min_tokens_rows, st.min_tokens_ids] = float("-inf")
     if st.logit_bias_rows is not None:

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from ray_attn.serve.http import HTTPError, read_body
 from ray_attn.serve.openai.protocol import ChatCompletionRequest
+from ray_attn.serve.openai.structured import compile_structured, structured_spec
 from ray_attn.serve.openai.serving import (
     build_choices,
     check_model,
@@ -58,7 +59,9 @@ async def create_chat_completion(server, request: Request):
     check_prompt(server, ids, "messages")
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(server, req.requested_max_tokens(), len(ids), field)
-    choices = build_choices(server, req, [ids], [max_tokens], req.num_logprobs(), req.prompt_logprobs)
+    spec, field = structured_spec(req)
+    await compile_structured(server, spec, field)
+    choices = build_choices(server, req, [ids], [max_tokens], req.num_logprobs(), req.prompt_logprobs, spec)
     await choices.submit()
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}

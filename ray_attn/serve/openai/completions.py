@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from ray_attn.serve.http import HTTPError, read_body
 from ray_attn.serve.openai.protocol import CompletionRequest
+from ray_attn.serve.openai.structured import compile_structured, structured_spec
 from ray_attn.serve.openai.serving import (
     build_choices,
     check_model,
@@ -48,7 +49,9 @@ async def create_completion(server, request: Request):
     prompt_k = req.prompt_logprobs
     if prompt_k is None and req.echo and req.logprobs is not None:
         prompt_k = req.logprobs
-    choices = build_choices(server, req, prompts, max_tokens, req.logprobs, prompt_k)
+    spec, field = structured_spec(req)
+    await compile_structured(server, spec, field)
+    choices = build_choices(server, req, prompts, max_tokens, req.logprobs, prompt_k, spec)
     await choices.submit()
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}

@@ -51,6 +51,29 @@ class StreamOptions(_Request):
                                                                   "chunks against side channels).")
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field("response", max_length=64, description="The schema's name (OpenAI's).")
+    description: Optional[str] = Field(None, description="Accepted and ignored.")
+    schema_: Union[dict, bool, None] = Field(None, alias="schema", description="The JSON schema the output matches.")
+    strict: Optional[bool] = Field(None, description="Accepted: the output always matches the schema.")
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text: unconstrained; json_object: any JSON object; json_schema: the schema given.")
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="With type json_schema.")
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: Union[dict, bool, str, None] = Field(None, alias="json", description="A JSON schema.")
+    json_object: Optional[bool] = Field(None, description="Any JSON object.")
+    regex: Optional[str] = Field(None, max_length=4096, description="A regular expression the whole output matches.")
+    choice: Optional[list[str]] = Field(None, max_length=256, description="The output is one of these strings.")
+    grammar: Optional[str] = Field(None, max_length=65536, description="An EBNF grammar (xgrammar's GBNF).")
+
+
 class SamplingFields(_Request):
     """What both endpoints share: OpenAI's sampling fields, then vLLM's extras."""
 
@@ -86,6 +109,13 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     return_token_ids: bool = Field(False, description="Also return each choice's `token_ids` (and the "
                                                       "`prompt_token_ids`); always on without a tokenizer.")
+    response_format: Optional[ResponseFormat] = Field(None, description="json_object or json_schema "
+                                                      "constrain the output (structured outputs).")
+    structured_outputs: Optional[StructuredOutputsField] = Field(None, description="vLLM's structured outputs.")
+    guided_json: Union[dict, bool, str, None] = Field(None, description="vLLM's older name of structured_outputs.json.")
+    guided_regex: Optional[str] = Field(None, max_length=4096, description="vLLM's older structured_outputs.regex.")
+    guided_choice: Optional[list[str]] = Field(None, max_length=256, description="vLLM's older structured_outputs.choice.")
+    guided_grammar: Optional[str] = Field(None, max_length=65536, description="vLLM's older structured_outputs.grammar.")
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "vLLM: each prompt token's log-probability given the tokens before it, with the top "
         "`prompt_logprobs` there (the first token has none). Not with stream=true."))
@@ -177,10 +207,6 @@ class ChatMessage(_Request):
         return c if isinstance(c, str) else "".join(p.text for p in c or [])
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"] = Field(description="Only plain text is supported (no json_object or "
-                                              "json_schema: output is not constrained).")
-
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
@@ -194,7 +220,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="Return log-probabilities of the sampled tokens.")
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="With logprobs: also the top k tokens at each position.")
-    response_format: Optional[ResponseFormat] = Field(None, description="Only {'type': 'text'}.")
     tools: Optional[list[dict]] = Field(None, description="Not supported: must be empty.")
     tool_choice: Union[Literal["none", "auto"], dict, None] = Field(
         None, description="'none', or 'auto' (without tools the same thing); never forced.")

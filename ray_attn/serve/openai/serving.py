@@ -37,7 +37,7 @@ def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional[int], seed: Optional[int],
-                    prompt_logprobs: Optional[int] = None):
+                    prompt_logprobs: Optional[int] = None, structured=None):
     """The engine's SamplingParams for one choice; a value it refuses is a 400 naming the field."""
     from ray_attn.request import SamplingParams
 
@@ -49,7 +49,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, num_logprobs: Optional
             repetition_penalty=req.repetition_penalty, seed=seed,
             stop_token_ids=tuple(req.stop_token_ids or ()), min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos, logprobs=num_logprobs, logit_bias=req.logit_bias_items(),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured)
     except ValueError as e:
         msg = str(e)
         raise HTTPError(400, [(msg.split(" ", 1)[0], msg)]) from None
@@ -351,7 +351,8 @@ def resolve_max_tokens(server, asked: Optional[int], prompt_len: int, field: str
 
 
 def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-                  num_logprobs: Optional[int], prompt_logprobs: Optional[int] = None) -> ChoiceSet:
+                  num_logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
+                  structured=None) -> ChoiceSet:
     """prompts x n choices, index = prompt index x n + sample index (OpenAI's order).  A
     ``max_tokens`` of 0 (echo) samples one token that no answer shows."""
     cfg = server.cfg
@@ -380,7 +381,8 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
 
                 detok = IncrementalDetokenizer(server.tokenizer, ids, stops, req.include_stop_str_in_output,
                                                req.skip_special_tokens, track_offsets=num_logprobs is not None)
-            params = sampling_params(req, max(mt, 1), num_logprobs, choice_seed(req.seed, j), prompt_logprobs)
+            params = sampling_params(req, max(mt, 1), num_logprobs, choice_seed(req.seed, j), prompt_logprobs,
+                                     structured)
             choices.append(Choice(len(choices), p, ids, params, detok, hidden_output=mt == 0))
     return ChoiceSet(server.loop, choices, cfg.retry_after_s, server.eos_token_ids)
 

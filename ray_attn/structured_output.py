@@ -1,0 +1,149 @@
+"""Structured outputs: the tokens a request may draw next, from a grammar (vLLM's
+``StructuredOutputsParams``: a JSON schema, any JSON object, a regex, a choice of strings, or an
+EBNF grammar), through xgrammar -- what vLLM, SGLang and TensorRT-LLM use.
+
+The pieces sit where the rest of the engine puts them:
+
+- **Compiling** a grammar against the tokenizer's vocabulary is the slow part (milliseconds to
+  seconds for a large schema), so a server does it on a thread of its own before the request
+  reaches the engine (``GrammarCompiler.compile`` caches by spec), and a spec it cannot compile is
+  a ``ValueError`` naming it.
+- **The driver** keeps one ``GrammarMatcher`` per constrained request, advanced by each token the
+  request gets back, and fills the step's bitmask rows from them (``fill_bitmask``): one bit per
+  vocabulary id, int32 words, only for the rows that have a grammar.
+- **Rank 0** unpacks those rows on the device and sets the disallowed logits to -inf before the
+  penalties and the draw (``runtime/logits_processors.apply_token_bitmask``).
+
+Under async scheduling step N+1 is planned before step N's tokens are back, so a constrained row's
+mask for N+1 is not known yet.  Such a row sits out step N+1 (the scheduler skips a constrained
+request with a token in flight) and runs again in N+2 with its mask; every other row keeps
+running every step, and none of them waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+BITS = 32  # vocabulary ids per bitmask word (xgrammar's int32 layout)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's names); exactly one field is set."""
+
+    json: Optional[str] = None  # a JSON schema, as text
+    json_object: bool = False  # any JSON object
+    regex: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
+    grammar: Optional[str] = None  # EBNF (GBNF), xgrammar's dialect
+
+    def __post_init__(self):
+        set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, json_object, regex, choice, grammar "
+                             f"must be given, got {set_ or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+    def key(self) -> tuple:
+        return (self.kind, self.json, self.regex, self.choice, self.grammar)
+
+
+def _choice_regex(choices: tuple[str, ...]) -> str:
+    import re
+
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+class GrammarCompiler:
+    """Compiled grammars for one tokenizer, cached by spec (thread-safe: servers compile on a
+    worker thread while the engine thread builds matchers)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=None, cache_size: int = 256):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        self.vocab_size = vocab_size
+        self._cache: dict[tuple, object] = {}
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputsParams, field: str = "structured_outputs"):
+        """The spec's compiled grammar; a ``ValueError`` starting with ``field`` when it cannot be."""
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        c = self._compiler
+        try:
+            if spec.json is not None:
+                schema = json.loads(spec.json)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("a JSON schema is an object")
+                compiled = c.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
+            elif spec.json_object:
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif spec.regex is not None:
+                compiled = c.compile_regex(spec.regex)
+            elif spec.choice is not None:
+                compiled = c.compile_regex(_choice_regex(spec.choice))
+            else:
+                compiled = c.compile_grammar(spec.grammar)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/its own
+            raise ValueError(f"{field}: cannot compile the {spec.kind} ({str(e).splitlines()[0][:300]})") from None
+        with self._lock:
+            if len(self._cache) >= self._cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = compiled
+        return compiled
+
+    def matcher(self, compiled) -> "GrammarState":
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+class GrammarState:
+    """One request's place in its grammar, on the driver."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import torch
+        import xgrammar as xgr
+
+        self.matcher = matcher
+        self.words = (vocab_size + BITS - 1) // BITS
+        self._row = xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, words], CPU
+        self._torch = torch
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(int(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, out: np.ndarray) -> None:
+        """This request's allowed next tokens into ``out`` (int32 [words])."""
+        self.matcher.fill_next_token_bitmask(self._row, 0)
+        out[:] = self._row[0].numpy()[: self.words]
+
+
+def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
+    """int32 [len(states), words]: the rows' allowed next tokens, bit ``id % 32`` of word ``id // 32``."""
+    out = np.empty((len(states), states[0].words), np.int32)
+    for i, s in enumerate(states):
+        s.fill(out[i])
+    return out
