@@ -7,7 +7,10 @@ from pathlib import Path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (the trainer puts them first)
 EOS_ID = 2
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# Tools go in a system turn of their own, as Hermes/Qwen templates put them.
+CHATML = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+          "<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -24,6 +24,10 @@ from ray_attn.runtime.worker import AttentionWorker
 
 log = logging.getLogger(__name__)
 PG_TIMEOUT_S = 120
+# Ranks that do not start, join the group or load within this long raise instead of leaving the
+# driver in an unbounded ray.get: spawning an actor takes seconds on an idle machine and
+# minutes on a loaded one, so the bound is generous.
+STARTUP_TIMEOUT_S = 900
 
 
 class WorkerFailure(RuntimeError):
@@ -97,11 +101,15 @@ class AttentionCluster:
                                    f"within {PG_TIMEOUT_S}s; cluster has {ray.cluster_resources()}") from None
         self.pg = placement_group
         self._remote_cls = ray.remote(self.worker_cls)
-        self.workers = [self._spawn(r) for r in range(self.tp)]
-        self._form_group()
-        self.infos = ray.get([w.load_model.remote() for w in self.workers])
-        self.num_blocks = min(i["num_blocks"] for i in self.infos)
         self._compiled = None
+        self.workers = [self._spawn(r) for r in range(self.tp)]
+        try:
+            self._form_group()
+            self.infos = self._load()
+        except BaseException:
+            self.shutdown()  # no ranks or bundles left behind by a cluster that never came up
+            raise
+        self.num_blocks = min(i["num_blocks"] for i in self.infos)
         self.num_puts = 0
         self.restarts = 0
         self.last_recovery_s = None
@@ -118,8 +126,18 @@ class AttentionCluster:
         return self._remote_cls.options(**opts).remote(self.config.model_dump(), rank)
 
     def _form_group(self) -> None:
-        host, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+        host, port = self._startup(self.workers[0].address.remote(), "start")
+        self._startup([w.init_distributed.remote(host, port) for w in self.workers], "join the TP group")
+
+    def _load(self) -> list[dict]:
+        return self._startup([w.load_model.remote() for w in self.workers], "load the model")
+
+    def _startup(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=STARTUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the {self.tp} rank(s) did not {what} within {STARTUP_TIMEOUT_S}s; "
+                               f"cluster resources: {ray.available_resources()}") from None
 
     # -- steps --------------------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput:
@@ -169,7 +187,7 @@ class AttentionCluster:
             ray.kill(w, no_restart=True)
         self.workers = [self._spawn(r) for r in range(self.tp)]
         self._form_group()
-        self.infos = ray.get([w.load_model.remote() for w in self.workers])
+        self.infos = self._load()
         if was_compiled:
             self.compile()
         self.restarts += 1

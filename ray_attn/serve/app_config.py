@@ -96,6 +96,10 @@ class ServeAppConfig(BaseModel):
     max_prompt_tokens: int = Field(1024, gt=0, description="Longest prompt accepted, in tokens.")
     max_tokens_limit: int = Field(256, gt=0, description="Largest `max_tokens` a request may ask for.")
     max_stop_token_ids: int = Field(16, ge=0, description="Most entries in a request's `stop` list.")
+    tool_call_parser: Optional[Literal["hermes", "llama3_json", "mistral"]] = Field(
+        None, description="How tool calls are read out of the model's text with tool_choice auto "
+                          "(vLLM's --tool-call-parser): hermes (Hermes, Qwen), llama3_json, mistral. "
+                          "Unset: auto is refused; required and named calls still work.")
     strict_request_fields: bool = Field(
         False, description="Answer 400 naming the field to an OpenAI request with a field no schema "
                            "defines. Default: log it and ignore it, as vLLM does (clients send "

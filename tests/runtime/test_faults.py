@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -159,3 +160,29 @@ def test_failures_spread_over_more_than_a_minute_of_running_recover(monkeypatch)
         engine.step()
     assert engine.stats.recoveries == 3
     assert all(engine.output(i).finish_reason == "length" for i in ids)
+
+
+class _NeverJoins:
+    """A rank whose group join never returns (a peer that never came up, a port nobody serves)."""
+
+    def init_distributed(self, host, port):
+        import time
+
+        time.sleep(3600)
+
+
+def test_a_rank_that_never_joins_raises_instead_of_hanging(ray_local, monkeypatch):
+    from ray_attn.runtime import cluster
+    from ray_attn.runtime.worker import AttentionWorker
+
+    monkeypatch.setattr(cluster, "STARTUP_TIMEOUT_S", scaled(10))
+    monkeypatch.setattr(cluster.AttentionCluster, "worker_cls",
+                        type("NeverJoinsWorker", (_NeverJoins, AttentionWorker), {}))
+    before = ray.available_resources().get("CPU", 0)
+    with pytest.raises(RuntimeError, match="did not join the TP group"):
+        cluster.AttentionCluster(config(tp=2))
+    # its ranks and bundles are given back (the tests after it need them)
+    deadline = time.monotonic() + scaled(30)
+    while ray.available_resources().get("CPU", 0) < before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= before

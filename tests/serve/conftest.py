@@ -24,7 +24,8 @@ from tests.tokenizer_fixture import build_tokenizer
 REPO = Path(__file__).resolve().parents[2]
 
 # Small limits so that the catalogue can reach them cheaply.
-LIMITS = dict(max_prompt_tokens=64, max_tokens_limit=128, max_stop_token_ids=4, max_queue_depth=4,
+# 640 prompt tokens: a chat with two tools' schemas is ~450 with the test tokenizer.
+LIMITS = dict(max_prompt_tokens=640, max_tokens_limit=128, max_stop_token_ids=4, max_queue_depth=4,
               max_body_bytes=4096, retry_after_s=2)
 # The TP=2 app takes 37 requests at once from one client (tests/serve/test_serve_app.py).
 MAIN_BOUNDS = dict(max_connections=64, max_requests_per_client=64)
@@ -86,7 +87,7 @@ def served(ray_session, tmp_path_factory):
     # A ping that misses its deadline on a busy machine fails check_health, and three in a row
     # make Serve replace a healthy replica under the next test: the deadlines are scaled.
     args = dict(LIMITS, **MAIN_BOUNDS, engine=eng.model_dump(mode="json"), tokenizer=str(tok_dir),
-                served_model_name=MODEL_ID, replica_num_cpus=0.5, health_check_period_s=1.0,
+                served_model_name=MODEL_ID, replica_num_cpus=0.5, tool_call_parser="hermes", health_check_period_s=1.0,
                 health_check_timeout_s=scaled(10.0), health_ping_timeout_s=scaled(5.0))
     # /plain is strict about request fields (strict_request_fields), / is not (the default)
     plain = dict(LIMITS, **FRONT, executor="in_process", replica_num_cpus=0.5, strict_request_fields=True,

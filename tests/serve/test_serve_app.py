@@ -233,7 +233,7 @@ BAD = [
     ("empty prompt ids", b'{"prompt_token_ids": []}', 422, "prompt_token_ids"),
     ("negative token id", b'{"prompt_token_ids": [1, -5]}', 422, "prompt_token_ids[1]"),
     ("token id = vocab", b'{"prompt_token_ids": [1, 512]}', 422, "prompt_token_ids[1]"),
-    ("over-long prompt", json.dumps({"prompt_token_ids": [7] * 65}).encode(), 422, "prompt_token_ids"),
+    ("over-long prompt", json.dumps({"prompt_token_ids": [7] * (LIMITS["max_prompt_tokens"] + 1)}).encode(), 422, "prompt_token_ids"),
     ("unknown field", b'{"prompt_token_ids": [1], "best_of": 2}', 422, "best_of"),
     ("both prompts", b'{"prompt_token_ids": [1], "prompt": "hi"}', 422, "prompt_token_ids"),
     ("no prompt", b'{"max_tokens": 4}', 422, "prompt_token_ids"),
@@ -243,7 +243,7 @@ BAD = [
     ("min_tokens over max_tokens", b'{"prompt_token_ids": [1], "max_tokens": 2, "min_tokens": 3}', 422, "min_tokens"),
     ("top_p zero", b'{"prompt_token_ids": [1], "top_p": 0.0}', 422, "top_p"),
     ("penalty out of range", b'{"prompt_token_ids": [1], "presence_penalty": 2.5}', 422, "presence_penalty"),
-    ("over-long text prompt", json.dumps({"prompt": "w1 " * 65}).encode(), 422, "prompt"),
+    ("over-long text prompt", json.dumps({"prompt": "w1 " * (LIMITS["max_prompt_tokens"] + 1)}).encode(), 422, "prompt"),
     ("body too large", json.dumps({"prompt_token_ids": [1] * 2000}).encode(), 413, "body"),
 ]
 

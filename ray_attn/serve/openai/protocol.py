@@ -190,6 +190,27 @@ class TextPart(_Request):
     text: str = Field(description="The text.")
 
 
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$", description="The function's name.")
+    description: Optional[str] = Field(None, description="Shown to the model through the chat template.")
+    parameters: Optional[dict] = Field(None, description="The arguments' JSON schema.")
+    strict: Optional[bool] = Field(None, description="Accepted: forced calls always match the schema.")
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = Field(description="Only function tools.")
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str = Field(description="One of the request's tools.")
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = Field(description="Force a call of this function.")
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
         description="Who speaks ('function': OpenAI's deprecated tool role).")
@@ -220,13 +241,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="Return log-probabilities of the sampled tokens.")
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="With logprobs: also the top k tokens at each position.")
-    tools: Optional[list[dict]] = Field(None, description="Not supported: must be empty.")
-    tool_choice: Union[Literal["none", "auto"], dict, None] = Field(
-        None, description="'none', or 'auto' (without tools the same thing); never forced.")
+    tools: Optional[list[ToolDef]] = Field(None, max_length=128, description=(
+        "Functions the model may call, rendered by the chat template."))
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="none; auto (the default with tools: the app's tool_call_parser reads calls "
+                          "out of the text); required or a named function (forced: the call always parses).")
     functions: Optional[list[dict]] = Field(None, description="Deprecated tools: must be empty.")
     function_call: Union[Literal["none", "auto"], dict, None] = Field(None, description="Deprecated "
                                                                                         "tool_choice.")
-    parallel_tool_calls: Optional[bool] = Field(None, description="Accepted and ignored (no tools).")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call with "
+                                                                  "tool_choice required.")
     modalities: Optional[list[Literal["text", "audio"]]] = Field(None, description="Only ['text'].")
     audio: Optional[dict] = Field(None, description="Audio output settings; ignored (text only).")
     prediction: Optional[dict] = Field(None, description="Predicted output, a latency hint; ignored "
@@ -245,12 +269,18 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            raise ValueError(f"{name}: tool calling is not supported by this server")
-        for name in ("tool_choice", "function_call"):
-            if isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name}: forcing a tool call is not supported by this server")
+        if self.functions:
+            raise ValueError("functions: deprecated by OpenAI and not served; use tools")
+        if isinstance(self.function_call, dict):
+            raise ValueError("function_call: deprecated by OpenAI and not served; use tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        tc = self.tool_choice
+        if (tc == "required" or isinstance(tc, NamedToolChoice)) and not names:
+            raise ValueError("tool_choice: forcing a call needs tools")
+        if isinstance(tc, NamedToolChoice) and tc.function.name not in names:
+            raise ValueError(f"tool_choice: function {tc.function.name[:64]!r} is not among the tools")
         if self.modalities and "audio" in self.modalities:
             raise ValueError("modalities: only text output is supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
@@ -262,6 +292,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self):
+        """None (no tools, or tool_choice none), "auto", "required", or the NamedToolChoice."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tool_choice or "auto"
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
