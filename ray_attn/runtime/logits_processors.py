@@ -92,6 +92,21 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     bit ``id % 32`` of word ``id // 32``: xgrammar's layout) set to -inf.  Plain tensor ops, so
     the same code runs on CPU and on a GPU, over just the constrained rows."""
     G, V = logits.shape
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.to(torch.int32)[:, :, None] >> shifts) & 1).bool().reshape(G, -1)[:, :V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    # Unpacked a byte at a time through a [256, 8] table: one bool per id, where shifting whole
+    # words would materialise an int32 per id (4x the memory traffic over [G, V]).  Bytes are
+    # the words' little-endian bytes, so byte j of word w holds ids 32w + 8j .. 32w + 8j + 7.
+    table = _bit_table(bitmask.device)
+    disallowed = table[bitmask.contiguous().view(torch.uint8).long()].reshape(G, -1)[:, :V]
+    return logits.masked_fill(disallowed, float("-inf"))
+
+
+_TABLES: dict = {}
+
+
+def _bit_table(device) -> torch.Tensor:
+    """bool [256, 8]: bit k of byte b is clear (the id is disallowed)."""
+    t = _TABLES.get(device)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int32)
+        t = _TABLES[device] = (((b[:, None] >> torch.arange(8, dtype=torch.int32)) & 1) == 0).to(device)
+    return t

@@ -221,7 +221,7 @@ def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
         return logits
     logits = logits.float().clone()
     if st.grammar_rows is not None:
-        logits[st.grammar_rows] = apply_token_bitmask(logits[st.grammar_rows], st.grammar_bitmask)
+        apply_grammar(logits, st)
     if st.min_tokens_rows is not None:
         logits[st.min_tokens_rows, st.min_tokens_ids] = float("-inf")
     if st.logit_bias_rows is not None:
@@ -239,6 +239,11 @@ def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
             logits[st.penalty_rows], history, st.history_lens, len(history),
             st.presence, st.frequency, st.repetition)
     return logits
+
+
+def apply_grammar(logits: torch.Tensor, st: SamplingTensors) -> None:
+    """-inf, in place, at each constrained row's disallowed ids (``apply_token_bitmask``)."""
+    logits[st.grammar_rows] = apply_token_bitmask(logits[st.grammar_rows], st.grammar_bitmask)
 
 
 def apply_hot_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -97,3 +97,24 @@ def test_async_a_constrained_row_waits_for_its_token_and_no_other_row_does(tok):
     gaps = np.diff(seen[plain])
     assert (gaps == 1).all(), "the plain row must get a token every step"
     assert (np.diff(seen[bound]) >= 2).all(), "the constrained row runs only once its token is back"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_apply_grammar_masks_just_the_constrained_rows(device, rng):
+    """The sampler's path: the constrained rows masked exactly, every other row untouched."""
+    from ray_attn.runtime.sampling import SamplingTensors, apply_grammar
+
+    B, V, rows = 6, 1000, np.array([1, 4], np.int32)
+    W = (V + 31) // 32
+    allowed = torch.rand(len(rows), V, generator=rng) < 0.2
+    words = np.zeros((len(rows), W), np.int64)
+    for g, i in zip(*np.nonzero(allowed.numpy())):
+        words[g, i // 32] |= 1 << (i % 32)
+    st = SamplingTensors(grammar_rows=torch.from_numpy(rows).long().to(device),
+                         grammar_bitmask=torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device))
+    logits = torch.randn(B, V, generator=rng).to(device)
+    out = logits.clone()
+    apply_grammar(out, st)
+    want = logits.cpu().numpy().copy()
+    want[rows] = np.where(allowed.numpy(), want[rows], -np.inf)
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
