@@ -70,12 +70,15 @@ class GrammarCompiler:
     """Compiled grammars for one tokenizer, cached by spec (thread-safe: servers compile on a
     worker thread while the engine thread builds matchers)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=None, cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=None, cache_size: int = 256,
+                 tokenizer_info=None):
+        """``tokenizer`` an HF tokenizer, or None with ``tokenizer_info`` (an xgrammar
+        ``TokenizerInfo``, e.g. over a vocabulary of raw byte strings)."""
         import xgrammar as xgr
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+        info = tokenizer_info or xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
         self._cache: dict[tuple, object] = {}

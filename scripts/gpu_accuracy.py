@@ -48,6 +48,14 @@ from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 # format's own error is in the control, and the margin measures only our implementation.
 MARGIN = 3.0
 MAX_TOKENS = 32
+# The json_schema row's schema: bounded, so that a random model's greedy output ends (an
+# unbounded string would run to max_tokens); a synthetic byte vocabulary stands in for a tokenizer.
+# Tokens are mostly single bytes there, so the row decodes up to GRAMMAR_MAX_TOKENS.
+SCHEMA = {"type": "object", "properties": {
+    "name": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "ok", "n"], "additionalProperties": False}
+GRAMMAR_MAX_TOKENS = 64
 
 
 @dataclass
@@ -63,6 +71,7 @@ class Row:
     tp: int = 1
     warm_prefix: bool = False  # serve the shared prefix first, so that the batch hits the cache
     fp8: bool = False
+    grammar: bool = False  # decode under SCHEMA (structured outputs), scored under the same mask
     # (stats, info) -> why the feature did not run, or None
     expect: Callable[[dict, dict], str | None] = lambda s, i: None
 
@@ -119,6 +128,8 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
         Row("mixtral", family="mixtral", what="Mixtral: softmax top-2 of 8 experts, renormalised", expect=default),
         Row("qwen3_moe", family="qwen3_moe", what="Qwen3-MoE: top-4 of 16 experts (norm_topk_prob), a dense "
             "layer, q/k norms", expect=default),
+        Row("json_schema", what="JSON-schema structured output (xgrammar mask on rank 0), byte vocabulary",
+            grammar=True, expect=default),
         Row("tp2_graphs", what="TP=2, CUDA graphs on (NCCL inside)", tp=2, parallel=dict(cuda_graphs="on"),
             expect=default),
         Row("tp2_eager", what="TP=2, CUDA graphs off", tp=2, parallel=dict(cuda_graphs="off"),
@@ -156,6 +167,18 @@ def engine_config(row: Row, folder: str, gpu: bool, num_blocks: int) -> EngineCo
                         parallel=ParallelConfig(**par), max_num_seqs=16, **row.engine)
 
 
+def grammar(vocab: int):
+    """(GrammarCompiler over ``hf.byte_vocab``, SCHEMA's compiled grammar, its spec)."""
+    import xgrammar as xgr
+
+    from ray_attn.structured_output import GrammarCompiler, StructuredOutputsParams
+
+    info = xgr.TokenizerInfo(hf.byte_vocab(vocab), xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[0])
+    compiler = GrammarCompiler(None, vocab, tokenizer_info=info)
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    return compiler, compiler.compile(spec), spec
+
+
 def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[int]], dict, dict]:
     from ray_attn.engine import LLMEngine, SamplingParams
 
@@ -164,8 +187,12 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
         if row.warm_prefix:
             engine.generate([prefix[0] + [0]], SamplingParams(max_tokens=1))
         # HF's control runs all MAX_TOKENS whatever it emits, so ours does too (a checkpoint's
-        # eos_token_id would otherwise end some outputs early).
-        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        # eos_token_id would otherwise end some outputs early); a grammar ends where it ends.
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        if row.grammar:
+            engine.grammar_compiler, _, spec = grammar(cfg.model.vocab_size)
+            params = SamplingParams(max_tokens=GRAMMAR_MAX_TOKENS, ignore_eos=True, structured_outputs=spec)
+        outs = engine.generate(prompts, params)
         info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
                 "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs"))}  # what rank 0 captured
         return [o.output_token_ids for o in outs], engine.stats.as_dict(), info
@@ -247,8 +274,12 @@ class Gate:
             outs, stats, info = run_engine(row, cfg, prompts, self.prompts["_prefix"])
             c = self.controls
             attn_ref = c.attention(row, cfg)
-            agree = 100 * hf.agreement(c.fp32(folder, attn_ref), prompts, outs)
-            ctrl = c.control(folder, attn_ref, attn_ref, row.prompts, prompts)
+            if row.grammar:
+                agree, ctrl = self.grammar_scores(folder, attn_ref, cfg.model.vocab_size, prompts, outs)
+                res["json_valid"] = self.valid_json(cfg.model.vocab_size, outs)
+            else:
+                agree = 100 * hf.agreement(c.fp32(folder, attn_ref), prompts, outs)
+                ctrl = c.control(folder, attn_ref, attn_ref, row.prompts, prompts)
             res.update(agreement=agree, control_bf16=ctrl, kernel=info["kernel"], cuda_graphs=info["cuda_graphs"],
                        async_scheduling=info["async"], stats={k: stats[k] for k in (
                            "steps", "cascade_steps", "multi_group_cascade_steps", "local_steps",
@@ -259,12 +290,40 @@ class Gate:
                 threshold = res["control_fp8"] - MARGIN
             res["threshold"] = threshold
             why = row.expect(res["stats"], info)
+            if row.grammar and res["json_valid"] < len(outs):
+                why = f"only {res['json_valid']} of {len(outs)} outputs are valid JSON of the schema"
             res["passed"] = agree >= threshold and why is None
             res["note"] = why or ""
         except Exception as e:  # a row that cannot run is a failed row, not a crashed gate
             res.update(passed=False, note=f"{type(e).__name__}: {e}"[:500])
         res["seconds"] = round(time.perf_counter() - t0, 1)
         return res
+
+
+    def grammar_scores(self, folder, attn, vocab, prompts, outs) -> tuple[float, float]:
+        """(ours, HF bf16's masked greedy) agreement with HF fp32 under the same mask."""
+        _, compiled, _ = grammar(vocab)
+        ref = self.controls.fp32(folder, attn)
+        agree = 100 * hf.masked_agreement(ref, prompts, outs, compiled, vocab)
+        model = hf.load_hf(folder, torch.bfloat16, self.controls.device, attn)
+        ctrl_outs = [hf.masked_greedy_generate(model, p, GRAMMAR_MAX_TOKENS, compiled, vocab) for p in prompts]
+        del model
+        return agree, 100 * hf.masked_agreement(ref, prompts, ctrl_outs, compiled, vocab)
+
+    @staticmethod
+    def valid_json(vocab, outs) -> int:
+        """How many outputs decode (through ``hf.byte_vocab``) to JSON that SCHEMA accepts."""
+        import jsonschema
+
+        pieces, ok = hf.byte_vocab(vocab), 0
+        for o in outs:
+            text = b"".join(pieces[t] for t in o if t != 0).decode("utf-8", "replace")
+            try:
+                jsonschema.validate(json.loads(text), SCHEMA)
+                ok += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        return ok
 
 
 def main() -> None:

@@ -185,3 +185,67 @@ def agreement(model, prompts, outputs) -> float:
         hits += sum(a == b for a, b in zip(want, o))
         total += len(o)
     return hits / max(total, 1)
+
+
+# ---------------------------------------------------------------------- structured outputs
+def byte_vocab(vocab: int, seed: int = 0) -> list[bytes]:
+    """A vocabulary for grammars on a checkpoint without a tokenizer: the 256 bytes, then distinct
+    2-6 character pieces of JSON-ish text (token 0, the byte 0x00, never occurs in JSON: it is the
+    stop token)."""
+    import random
+
+    rnd = random.Random(seed)
+    alphabet = 'abcdefghijklmnopqrstuvwxyz0123456789 {}[]":,.-'
+    out, seen = [bytes([i]) for i in range(min(256, vocab))], set()
+    while len(out) < vocab:
+        piece = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(2, 6))).encode()
+        if piece not in seen:
+            seen.add(piece)
+            out.append(piece)
+    return out
+
+
+def _mask(matcher, vocab: int, device) -> torch.Tensor:
+    import xgrammar as xgr
+
+    bm = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bm)
+    return bm.to(device)
+
+
+@torch.no_grad()
+def masked_greedy_generate(model, prompt: list[int], max_tokens: int, compiled, vocab: int) -> list[int]:
+    """HF's greedy decode under the grammar (no KV cache: a forward per token, for clarity)."""
+    import xgrammar as xgr
+
+    from ray_attn.runtime.logits_processors import apply_token_bitmask
+
+    m, out = xgr.GrammarMatcher(compiled), []
+    while len(out) < max_tokens and not m.is_terminated():
+        logits = model(torch.tensor([prompt + out], device=model.device)).logits[0, -1:, :vocab].float()
+        tok = int(apply_token_bitmask(logits, _mask(m, vocab, model.device)).argmax())
+        assert m.accept_token(tok)
+        out.append(tok)
+    return out
+
+
+@torch.no_grad()
+def masked_agreement(model, prompts, outputs, compiled, vocab: int) -> float:
+    """``agreement`` under the grammar: HF's argmax over the tokens the grammar allows at each
+    generated position, given the same history (the matcher follows the engine's tokens)."""
+    import xgrammar as xgr
+
+    from ray_attn.runtime.logits_processors import apply_token_bitmask
+
+    hits = total = 0
+    for p, o in zip(prompts, outputs):
+        logits = model(torch.tensor([p + o], device=model.device)).logits[0, len(p) - 1: len(p) + len(o) - 1, :vocab]
+        m = xgr.GrammarMatcher(compiled)
+        for i, tok in enumerate(o):
+            want = int(apply_token_bitmask(logits[i:i + 1].float(), _mask(m, vocab, model.device)).argmax())
+            hits += want == tok
+            total += 1
+            if not m.accept_token(tok):
+                total += len(o) - i - 1  # the engine left the grammar: the rest cannot agree
+                break
+    return hits / max(total, 1)
