@@ -45,7 +45,8 @@ def rows(gate, *names):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3",
-                                  "same_step_sharing", "llama4", "llama4_cascade", "mixtral", "qwen3_moe"])
+                                  "same_step_sharing", "llama4", "llama4_cascade", "mixtral", "qwen3_moe",
+                                  "json_schema"])
 def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     (row,) = rows(gate, name)
     res = gate.run(row)
@@ -61,6 +62,8 @@ def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
         assert res["stats"]["preemptions"] > 0
     if name == "same_step_sharing":
         assert res["stats"]["prefix_cache_hit_tokens"] > 0
+    if name == "json_schema":
+        assert res["json_valid"] == 12
 
 
 @pytest.mark.slow
