@@ -41,6 +41,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.benchlib import stretched  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
 
 METRIC = re.compile(r'^\w*ray_attn_prefix_cache_(hits|queries)\w*\{([^}]*)\}\s+(\S+)$', re.M)
@@ -60,7 +61,7 @@ def workload(args, vocab: int, block_size: int) -> list[dict]:
 
 def scrape(port: int) -> dict[str, list[float]]:
     """{replica: [hits, queries]} from the node's Prometheus endpoint."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=stretched(10)).text
     out: dict[str, list[float]] = {}
     for kind, labels, value in METRIC.findall(text):
         tag = re.search(r'replica="([^"]*)"', labels)
@@ -71,7 +72,7 @@ def scrape(port: int) -> dict[str, list[float]]:
 
 def settled(port: int, replicas: set[str], timeout: float = 60.0) -> dict[str, list[float]]:
     """The counters once every replica reports and two scrapes 2 s apart agree."""
-    deadline, last = time.monotonic() + timeout, None
+    deadline, last = time.monotonic() + stretched(timeout), None
     while True:
         now = {r: v for r, v in scrape(port).items() if r in replicas}
         if now == last and set(now) == replicas:
@@ -119,10 +120,11 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, timeout: float = 120.0) -> None:
+    timeout = stretched(timeout)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            if httpx.get(url + "/health", timeout=stretched(5)).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -146,9 +148,10 @@ def run_router(router: str, app_args: dict, bodies: list[dict], args, port: int,
     try:
         # Warm both replicas' first-call paths with prompts shorter than a block (no cache entries).
         warm = [{"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 2} for i in range(8)]
-        _, _, seen, warm_errors, _ = asyncio.run(drive(url, warm, 8, args.request_timeout))
+        _, _, seen, warm_errors, _ = asyncio.run(drive(url, warm, 8, stretched(args.request_timeout)))
         assert not warm_errors, warm_errors
-        wall, lat, placed, errors, tokens = asyncio.run(drive(url, bodies, args.clients, args.request_timeout))
+        wall, lat, placed, errors, tokens = asyncio.run(drive(url, bodies, args.clients,
+                                                             stretched(args.request_timeout)))
         replicas = set(placed) | set(seen)
         before = {r: [0.0, 0.0] for r in replicas}  # fresh replicas: the warm-up hit nothing
         after = settled(metrics_port, replicas)
