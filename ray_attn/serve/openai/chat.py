@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ray_attn.serve.http import HTTPError, read_body
+from ray_attn.serve.openai.logprobs import prompt_logprobs_json
 from ray_attn.serve.openai.protocol import ChatCompletionRequest
 from ray_attn.serve.openai.structured import compile_structured, structured_spec
 from ray_attn.serve.openai.tools import (
@@ -22,7 +23,6 @@ from ray_attn.serve.openai.serving import (
     check_prompt,
     finish,
     parse,
-    prompt_logprobs_json,
     resolve_max_tokens,
     stream_response,
 )

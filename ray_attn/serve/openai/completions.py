@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ray_attn.serve.http import HTTPError, read_body
+from ray_attn.serve.openai.logprobs import prompt_entries, prompt_logprobs_json
 from ray_attn.serve.openai.protocol import CompletionRequest
 from ray_attn.serve.openai.structured import compile_structured, structured_spec
 from ray_attn.serve.openai.serving import (
@@ -17,8 +18,6 @@ from ray_attn.serve.openai.serving import (
     check_prompt,
     finish,
     parse,
-    prompt_entries,
-    prompt_logprobs_json,
     resolve_max_tokens,
     stream_response,
 )

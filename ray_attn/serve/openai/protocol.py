@@ -3,8 +3,8 @@ with vLLM's extra sampling fields; the responses are in ``responses.py``.
 
 Every field of OpenAI's own request schemas is declared here: honoured, or accepted and ignored
 where ignoring it cannot change the answer (``store``, ``metadata``, ``service_tier``,
-``prediction``...: what vLLM does too), or refused by name at a value we cannot honour (tools,
-audio output, ``suffix``).  The SDKs and agent frameworks send these fields unasked, so
+``prediction``...: what vLLM does too), or refused by name at a value we cannot honour (audio
+output, ``suffix``, the deprecated ``functions``).  The SDKs and agent frameworks send these fields unasked, so
 refusing them as unknown would break ordinary clients.
 
 A field nobody defines is kept aside (``extra="allow"``) for ``serving.parse``: logged and
