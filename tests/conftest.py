@@ -11,6 +11,12 @@ import torch
 from tests.timescale import TIME_SCALE, scaled
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Serve's controller kills an HTTP proxy that is not ready within 5 s, or whose health check takes
+# 10 s (RAY_SERVE_PROXY_*): on a loaded machine a proxy takes longer just to start, and
+# serve.start() then dies with "ProxyActor ... killed by ray.kill ... never ran".  Ray actors
+# inherit these from the process that starts the cluster, and scripts under test from us.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(round(scaled(30))))
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", str(round(scaled(30))))
 
 def pytest_report_header(config):
     return f"test time scale: {TIME_SCALE:.2f} (RAY_ATTN_TEST_TIME_SCALE; waits are stretched by it)"
