@@ -13,6 +13,7 @@ import numpy as np
 
 from ray_attn.request import PLACEHOLDER, Request, TokenLogprobs
 from ray_attn.runtime.messages import LogprobsArrays, PromptLogprobsInputs, SamplingInputs
+from ray_attn.structured_output import fill_bitmask
 
 
 def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], sample_index: np.ndarray,
@@ -54,8 +55,6 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
         si.logit_bias_values = np.array([b for _, _, b in pairs], np.float32)
     constrained = [i for i in rows if reqs[i].grammar is not None]
     if constrained:
-        from ray_attn.structured_output import fill_bitmask
-
         si.grammar_rows = np.array(constrained, np.int32)
         si.grammar_bitmask = fill_bitmask([reqs[i].grammar for i in constrained])
     wants = [i for i in rows if reqs[i].params.logprobs is not None]

@@ -56,9 +56,6 @@ class StructuredOutputsParams:
         return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
             if not self.json_object else "json_object"
 
-    def key(self) -> tuple:
-        return (self.kind, self.json, self.regex, self.choice, self.grammar)
-
 
 def _choice_regex(choices: tuple[str, ...]) -> str:
     import re
@@ -79,17 +76,17 @@ class GrammarCompiler:
         self._xgr = xgr
         info = tokenizer_info or xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        # xgrammar's own cache is off: ``_cache`` (by spec, bounded) is the one cache
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.vocab_size = vocab_size
-        self._cache: dict[tuple, object] = {}
+        self._cache: dict[StructuredOutputsParams, object] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputsParams, field: str = "structured_outputs"):
         """The spec's compiled grammar; a ``ValueError`` starting with ``field`` when it cannot be."""
-        key = spec.key()
         with self._lock:
-            hit = self._cache.get(key)
+            hit = self._cache.get(spec)
         if hit is not None:
             return hit
         c = self._compiler
@@ -112,7 +109,7 @@ class GrammarCompiler:
         with self._lock:
             if len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = compiled
+            self._cache[spec] = compiled
         return compiled
 
     def matcher(self, compiled) -> "GrammarState":
@@ -123,13 +120,8 @@ class GrammarState:
     """One request's place in its grammar, on the driver."""
 
     def __init__(self, matcher, vocab_size: int):
-        import torch
-        import xgrammar as xgr
-
         self.matcher = matcher
         self.words = (vocab_size + BITS - 1) // BITS
-        self._row = xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, words], CPU
-        self._torch = torch
 
     def accept(self, token_id: int) -> bool:
         return self.matcher.accept_token(int(token_id))
@@ -137,11 +129,6 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
-
-    def fill(self, out: np.ndarray) -> None:
-        """This request's allowed next tokens into ``out`` (int32 [words])."""
-        self.matcher.fill_next_token_bitmask(self._row, 0)
-        out[:] = self._row[0].numpy()[: self.words]
 
 
 _BATCH: list = []  # one xgrammar BatchGrammarMatcher (its thread pool), made on first use
@@ -152,9 +139,6 @@ def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
     One call into xgrammar fills every row, on its own threads: a 128k vocabulary costs tens of
     microseconds a row, which a Python loop would pay one row after another on the driver."""
     out = np.empty((len(states), states[0].words), np.int32)
-    if len(states) == 1:
-        states[0].fill(out[0])
-        return out
     if not _BATCH:
         import xgrammar as xgr
 

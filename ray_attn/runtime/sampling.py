@@ -23,8 +23,8 @@ import torch
 
 from ray_attn.runtime.logits_processors import (
     apply_min_p,
-    apply_token_bitmask,
     apply_penalties,
+    apply_token_bitmask,
     apply_top_k_only,
     apply_top_k_top_p,
     compute_logprobs,
