@@ -29,6 +29,14 @@ def _schema_text(schema, field: str) -> str:
     return json.dumps(schema)
 
 
+def _spec_kwargs(name: str, value, field: str) -> dict:
+    """One spec field as ``StructuredOutputsParams`` takes it: a schema as JSON text, a choice
+    as a tuple."""
+    if name == "json":
+        return {"json": _schema_text(value, field)}
+    return {name: tuple(value) if name == "choice" else value}
+
+
 def structured_spec(req) -> tuple[Optional[StructuredOutputsParams], str]:
     """The request's structured-output spec (None when unconstrained) and the field it came in."""
     found: list[tuple[str, dict]] = []
@@ -47,16 +55,13 @@ def structured_spec(req) -> tuple[Optional[StructuredOutputsParams], str]:
                             ("grammar", so.grammar)):
             if value is not None:
                 field = f"structured_outputs.{name}"
-                found.append((field, {"json": _schema_text(value, field)} if name == "json" else
-                              {name: tuple(value) if name == "choice" else value}))
+                found.append((field, _spec_kwargs(name, value, field)))
         if so.json_object:
             found.append(("structured_outputs.json_object", {"json_object": True}))
     for name in ("json", "regex", "choice", "grammar"):
         value = getattr(req, f"guided_{name}")
         if value is not None:
-            field = f"guided_{name}"
-            found.append((field, {"json": _schema_text(value, field)} if name == "json" else
-                          {name: tuple(value) if name == "choice" else value}))
+            found.append((f"guided_{name}", _spec_kwargs(name, value, f"guided_{name}")))
     if not found:
         return None, ""
     if len(found) > 1:

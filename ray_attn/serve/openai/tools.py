@@ -203,7 +203,6 @@ class ToolCallStream:
             out, self.sent = self.text[self.sent:], len(self.text)
             return out, []
         # content before the call that was held back (the parser strips it; send what remains)
-        head = (content or "")
-        out = head[self.sent:] if len(head) > self.sent else ""
+        out = (content or "")[self.sent:]
         self.sent = len(self.text)
         return out, calls
