@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+import hf_reference as hf  # noqa: E402
 
 from ray_attn.runtime.buffers import StepBuffers  # noqa: E402
 from ray_attn.runtime.messages import SamplingInputs  # noqa: E402
@@ -74,16 +74,8 @@ def device_cost(batch: int, vocab: int, frac: float, temperature: float, dev: to
 
 
 def synthetic_vocab(vocab: int) -> list[bytes]:
-    """Byte strings like a BPE vocabulary's: the 256 bytes, then 1-8 character pieces of JSON-ish text."""
-    rnd = random.Random(0)
-    alphabet = 'abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 {}[]":,._-'
-    out, seen = [bytes([i]) for i in range(256)], set()
-    while len(out) < vocab:
-        s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(2, 8))).encode()
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out
+    """Byte strings like a BPE vocabulary's: the 256 bytes, then 2-8 character pieces of JSON-ish text."""
+    return hf.byte_vocab(vocab, alphabet='abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 {}[]":,._-', longest=8)
 
 
 def driver_costs(batches: list[int], vocab: int) -> list[dict]:

@@ -188,17 +188,17 @@ def agreement(model, prompts, outputs) -> float:
 
 
 # ---------------------------------------------------------------------- structured outputs
-def byte_vocab(vocab: int, seed: int = 0) -> list[bytes]:
+def byte_vocab(vocab: int, seed: int = 0, alphabet: str = 'abcdefghijklmnopqrstuvwxyz0123456789 {}[]":,.-',
+               longest: int = 6) -> list[bytes]:
     """A vocabulary for grammars on a checkpoint without a tokenizer: the 256 bytes, then distinct
-    2-6 character pieces of JSON-ish text (token 0, the byte 0x00, never occurs in JSON: it is the
-    stop token)."""
+    2-``longest`` character pieces of ``alphabet`` (token 0, the byte 0x00, never occurs in JSON:
+    it is the stop token)."""
     import random
 
     rnd = random.Random(seed)
-    alphabet = 'abcdefghijklmnopqrstuvwxyz0123456789 {}[]":,.-'
     out, seen = [bytes([i]) for i in range(min(256, vocab))], set()
     while len(out) < vocab:
-        piece = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(2, 6))).encode()
+        piece = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(2, longest))).encode()
         if piece not in seen:
             seen.add(piece)
             out.append(piece)
