@@ -3,8 +3,10 @@
 
 Every answer is sorted into: served (200 with a complete body or stream), ours (our JSON error
 body, with ``Retry-After`` on 503/429) or foreign (anything else: Serve's own plain-text 503, a
-dropped connection, a cut stream).  Meanwhile ``/health`` is asked every ``--health-every``
-seconds, each ask on a fresh connection, and its latency recorded.  Client addresses are
+dropped connection, a cut stream).  Meanwhile the app's ``/health`` and Serve's proxy's own
+``/-/healthz`` are asked every ``--health-every`` seconds, each ask on a fresh connection from a
+process of its own, and their latencies recorded: the proxy's says what any route through it
+waits on this machine, the app's what the replica adds.  Client addresses are
 127.0.0.x source addresses (all of 127/8 is loopback), so the per-client bound sees many clients::
 
     serve run deploy/serve_config.yaml &
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import sys
 import time
 from collections import Counter
@@ -83,44 +86,80 @@ async def one_request(client: httpx.AsyncClient, url: str, stream: bool, max_tok
         out.foreign(type(e).__name__, repr(e))
 
 
-async def poll_health(url: str, every: float, stop: asyncio.Event, out: Outcome, timeout: float):
+def poll_health(url: str, every: float, ready, stop, timeout: float, results) -> None:
+    """GET ``url`` every ``every`` s on a fresh connection until ``stop`` is set; put
+    ``(latencies, failures)`` on ``results``.  It runs in a process of its own: in the burst's
+    event loop it would wait behind 400 coroutines, and what it timed would be this client's
+    loop, not the server (a 2-core CI box saw 2 asks in 3.7 s, one of them 2.7 s)."""
+    latencies, failures = [], 0
+    ready.set()
     while not stop.is_set():
         t0 = time.perf_counter()
         try:
-            async with httpx.AsyncClient(timeout=timeout) as c:  # a fresh connection each time
-                r = await c.get(url + "/health")
+            with httpx.Client(timeout=timeout) as c:  # a fresh connection each time
+                r = c.get(url)
             if r.status_code == 200:
-                out.health_s.append(time.perf_counter() - t0)
+                latencies.append(time.perf_counter() - t0)
             else:
-                out.health_failures += 1
+                failures += 1
         except httpx.HTTPError:
-            out.health_failures += 1
-        try:
-            await asyncio.wait_for(stop.wait(), every)
-        except asyncio.TimeoutError:
-            pass
+            failures += 1
+        stop.wait(every)
+    results.put((latencies, failures))
 
 
 async def burst(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
-                max_tokens: int, timeout: float, health_every: float) -> tuple[Outcome, float]:
+                max_tokens: int, timeout: float) -> tuple[Outcome, float]:
     out = Outcome()
     per = -(-requests // addresses)
     clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address=f"127.0.0.{first_address + a}"),
                                  timeout=timeout, limits=httpx.Limits(max_connections=per + 1))
                for a in range(addresses)]
-    stop = asyncio.Event()
-    poller = asyncio.create_task(poll_health(url, health_every, stop, out, timeout))
     t0 = time.perf_counter()
     try:
         await asyncio.gather(*[one_request(clients[i % addresses], url, (i % 100) < stream_share * 100,
                                            max_tokens, out) for i in range(requests)])
     finally:
         wall = time.perf_counter() - t0
-        stop.set()
-        await poller
         for c in clients:
             await c.aclose()
     return out, wall
+
+
+def proxy_health_url(url: str) -> str:
+    """Serve's proxy's own health route, which no replica sees: the same host, ``/-/healthz``."""
+    u = httpx.URL(url)
+    return str(u.copy_with(path="/-/healthz", query=None))
+
+
+def burst_with_health(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
+                      max_tokens: int, timeout: float, health_every: float) -> tuple[Outcome, float, list]:
+    """The burst, with two pollers in spawned processes from before the first request until after
+    the last answer: the app's ``/health`` and Serve's proxy's ``/-/healthz``.  The second says
+    how long any route through the proxy waits on this machine during the burst, so that what
+    the app adds is told apart from what the proxy does."""
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    pollers = []
+    for target in (url + "/health", proxy_health_url(url)):
+        ready, results = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=poll_health, args=(target, health_every, ready, stop, timeout, results),
+                           daemon=True)
+        proc.start()
+        pollers.append((proc, ready, results))
+    try:
+        for _, ready, _ in pollers:
+            if not ready.wait(timeout):
+                raise RuntimeError(f"a health poller did not start within {timeout} s")
+        out, wall = asyncio.run(burst(url, requests, addresses, first_address, stream_share, max_tokens, timeout))
+    finally:
+        stop.set()
+    # A poller's last ask may still be in flight: it ends within one request timeout.
+    polled = [results.get(timeout=timeout + 30) for _, _, results in pollers]
+    for proc, _, _ in pollers:
+        proc.join(timeout=30)
+    out.health_s, out.health_failures = polled[0]
+    return out, wall, polled[1]
 
 
 def main(argv=None) -> int:
@@ -139,17 +178,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not 1 <= a.addresses <= 250 - a.first_address + 1:
         ap.error("--addresses: the source addresses must stay within 127.0.0.1-250")
-    out, wall = asyncio.run(burst(a.url, a.requests, a.addresses, a.first_address, a.stream_share,
-                                  a.max_tokens, a.timeout, a.health_every))
+    out, wall, (proxy_s, proxy_failures) = burst_with_health(
+        a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout, a.health_every)
     worst = max(out.health_s, default=None)
     report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share,
                   wall_s=round(wall, 2), **dict(sorted(out.counts.items())), foreign=out.num_foreign,
                   health_checks=len(out.health_s), health_failures=out.health_failures,
-                  health_max_s=None if worst is None else round(worst, 3), foreign_samples=out.samples)
+                  health_max_s=None if worst is None else round(worst, 3),
+                  proxy_health_checks=len(proxy_s), proxy_health_failures=proxy_failures,
+                  proxy_health_max_s=round(max(proxy_s), 3) if proxy_s else None, foreign_samples=out.samples)
     print(json.dumps(report, indent=2))
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
-    bad = out.num_foreign or out.health_failures or (worst is not None and worst > a.health_deadline) \
+    bad = out.num_foreign or out.health_failures or proxy_failures or (worst is not None and worst > a.health_deadline) \
         or not out.health_s
     return 1 if a.check and bad else 0
 
