@@ -137,8 +137,13 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; rejects one that could never run, leaving every other untouched."""
+                    request_id: str | None = None, output_token_ids: Sequence[int] = ()) -> str:
+        """Queue a request; rejects one that could never run, leaving every other untouched.
+
+        ``output_token_ids`` resumes a request another engine began (a replica lost mid-stream):
+        they are its first outputs, as after a preemption -- prefilled with the prompt, counted
+        against ``max_tokens`` and by the penalties, and a seeded request's next draw is its
+        ``len(output_token_ids)``-th, so greedy and seeded sampling continue as they would have."""
         if self.dead:
             raise EngineDeadError(f"engine stopped after repeated worker failures: {self.dead}")
         params = params or SamplingParams()
@@ -157,6 +162,15 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:  # an index past the logits' row on rank 0 would fail the whole step
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        resumed = [int(t) for t in output_token_ids]
+        bad = [t for t in resumed if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"output_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"output_token_ids: {len(resumed)} tokens leave nothing to generate under "
+                             f"max_tokens={params.max_tokens}")
+        if resumed and params.prompt_logprobs is not None:
+            raise ValueError("output_token_ids: a resumed request cannot ask for prompt_logprobs")
         if total > limit:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                              f"exceeds the model's {limit}-token context")
@@ -174,7 +188,11 @@ class LLMEngine:
                 raise ValueError("structured_outputs: this engine has no grammar compiler (it needs the "
                                  "tokenizer: set LLMEngine.grammar_compiler)")
             grammar = self.grammar_compiler.matcher(self.grammar_compiler.compile(params.structured_outputs))
-        req = Request(request_id, prompt, len(prompt), params, grammar=grammar)
+            bad = [t for t in resumed if not grammar.accept(t)]
+            if bad or (resumed and grammar.terminated):
+                raise ValueError(f"output_token_ids: they do not continue the request's grammar "
+                                 f"(at token {bad[0] if bad else resumed[-1]})")
+        req = Request(request_id, prompt + resumed, len(prompt), params, grammar=grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id

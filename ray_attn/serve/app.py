@@ -198,7 +198,7 @@ class LLMServer:
     async def handle_http(self, request: RoutedHTTPRequest) -> AsyncIterator[dict]:
         """This replica's HTTP app on a request the prefix-aware front forwarded over a handle
         (``ingress.py``), its ASGI messages yielded back as the app sends them."""
-        async for message in run_asgi(self.app, request.scope, request.body):
+        async for message in run_asgi(self.app, request.scope_for_app(), request.body):
             if message.get("type") == "http.response.start":
                 message = dict(message, headers=[*message.get("headers", ()), self.replica_header])
             yield message
@@ -322,6 +322,6 @@ def build_app(args: dict | ServeAppConfig | None = None):
     cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(args or {})
     cfg = cfg.model_copy(update={"use_gpu": resolve_use_gpu(cfg)})
     llm = LLMServer.options(**deployment_options(cfg))
-    if cfg.request_router == "prefix_aware":
+    if cfg.request_router == "prefix_aware" or cfg.resume_requests:
         return build_routed_app(cfg, llm)
     return llm.bind(cfg.model_dump(mode="json"))

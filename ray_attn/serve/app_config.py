@@ -137,6 +137,13 @@ class ServeAppConfig(BaseModel):
                                "straight to the replicas; 'prefix_aware': a front deployment reads "
                                "each prompt and sends it to the replica that holds its prefix "
                                "(ray_attn/serve/router.py).")
+    resume_requests: bool = Field(
+        False, description="Put a front deployment before the replicas (also with the default router) "
+                           "that sends a request whose replica was lost to another one: a request "
+                           "not yet answered is sent again, and a stream goes on where it stopped, "
+                           "each token reaching the client once (ray_attn/serve/resume.py).")
+    max_request_attempts: int = Field(
+        3, ge=1, description="With resume_requests: replicas one request may try, the first included.")
     prefix_router: PrefixRouterConfig = Field(
         default_factory=PrefixRouterConfig, description="Settings of the prefix-aware router.")
     use_gpu: Optional[bool] = Field(

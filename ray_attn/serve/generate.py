@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from ray_attn.serve.http import HTTPError, not_taken, read_body, request_failed
+from ray_attn.serve import resume as resuming
 from ray_attn.serve.loop import AsyncioSink, LoopDead, QueueFull
 from ray_attn.serve.schemas import GenerateRequest, GenerateResponse, StreamEvent, Usage, limit_errors, validation_errors
 
@@ -36,10 +37,16 @@ async def generate(server, request: Request):
         params = req.sampling_params()
     except ValueError as e:
         raise HTTPError(422, [(str(e).split(" ", 1)[0], str(e))]) from None
+    ctx = resuming.context(request) if req.stream else resuming.NOT_RESUMABLE
+    prior = ctx.resume.tokens(0) if ctx.resume is not None else []
+    if ctx.resume is not None and ctx.resume.choices.get(0, resuming.ChoiceProgress()).finished:
+        async def done():  # every token and the finish were relayed; only the end was lost
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(done(), media_type="text/event-stream")
     sink = AsyncioSink()
     retry = {"Retry-After": str(server.cfg.retry_after_s)}
     try:
-        rid = server.loop.submit(prompt, params, sink)
+        rid = server.loop.submit(prompt, params, sink, output_token_ids=prior)
     except (QueueFull, LoopDead) as e:
         raise not_taken(e, retry) from None
     try:
@@ -53,8 +60,9 @@ async def generate(server, request: Request):
     if first.kind != "accepted":
         raise request_failed(first.error, retry)
     if req.stream:
-        return StreamingResponse(_sse(server, rid, sink), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        shown = ctx.resume.head.get("id", rid) if ctx.resume is not None else rid
+        return StreamingResponse(_sse(server, rid, sink, shown, prior, ctx.resumable), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": shown})
     tokens: list[int] = []
     last = None
     try:
@@ -73,8 +81,13 @@ async def generate(server, request: Request):
         error=last.error, usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(tokens)))
     return JSONResponse(resp.model_dump(), headers={"X-Request-Id": rid})
 
-async def _sse(server, rid: str, sink: AsyncioSink):
-    index, finished, tokens, text_sent = 0, False, [], ""
+async def _sse(server, rid: str, sink: AsyncioSink, shown_id: str, prior: list[int], resumable: bool):
+    """The stream; ``prior`` are tokens a lost replica already streamed under ``shown_id`` (the
+    events go on from there), and ``resumable`` adds the front's progress lines (resume.py)."""
+    index, finished, tokens = len(prior), False, list(prior)
+    text_sent = (_decode(server, tokens) or "") if prior else ""
+    if resumable and not prior:
+        yield resuming.progress_line(head={"id": shown_id})
     try:
         while not finished:
             ev = await sink.get()
@@ -89,11 +102,15 @@ async def _sse(server, rid: str, sink: AsyncioSink):
                 full = _decode(server, tokens)
                 text = full[len(text_sent):] if full.startswith(text_sent) else full
                 text_sent = full
-            event = StreamEvent(id=rid, index=index, token_ids=new, text=text, finished=finished,
+            event = StreamEvent(id=shown_id, index=index, token_ids=new, text=text, finished=finished,
                                 finish_reason=last.finish_reason if finished else None,
                                 error=last.error)
             index += len(new)
-            yield f"data: {json.dumps(event.model_dump())}\n\n"
+            line = f"data: {json.dumps(event.model_dump())}\n\n"
+            if resumable:  # an error end is not progress: a resumed request may still finish
+                reason = event.finish_reason if event.finish_reason != "error" else None
+                line = resuming.choice_progress(0, new, reason) + line
+            yield line
         yield "data: [DONE]\n\n"
     finally:
         if not finished:

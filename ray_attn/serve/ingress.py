@@ -19,6 +19,7 @@ here): equal text prefixes still meet on one replica.  A body with no prompt (``
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from ray_attn.planner.block_pool import prompt_hashes
 from ray_attn.serve.http import HTTPError
+from ray_attn.serve.resume import EXTENSION, StreamProgress
 from ray_attn.serve.schemas import ServeAppConfig
 
 log = logging.getLogger("ray.serve")
@@ -46,11 +48,24 @@ _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_
 # ------------------------------------------------------------------------------------ the request
 @dataclass(frozen=True)
 class RoutedHTTPRequest:
-    """An HTTP request forwarded over a handle; the router reads ``prefix_block_hashes``."""
+    """An HTTP request forwarded over a handle; the router reads ``prefix_block_hashes``.
+    ``resumable`` asks the replica for progress lines, ``resume`` (the JSON of a
+    ``resume.Resume``) has it go on from a lost replica's stream (``serve/resume.py``)."""
 
     scope: dict
     body: bytes
     prefix_block_hashes: tuple = field(default=())
+    resumable: bool = False
+    resume: Optional[dict] = None
+
+    def scope_for_app(self) -> dict:
+        """The scope the replica's app runs on, with the front's asks in its extensions (where
+        an HTTP client cannot put them)."""
+        if not self.resumable and self.resume is None:
+            return self.scope
+        ext = dict(self.scope.get("extensions") or {})
+        ext[EXTENSION] = {"resumable": self.resumable, "resume": self.resume}
+        return dict(self.scope, extensions=ext)
 
 
 def prompt_units(body: bytes) -> tuple[Optional[np.ndarray], int]:
@@ -164,33 +179,76 @@ class RelayedResponse(Response):
     """Sends the ASGI messages a replica's ``handle_http`` yields, as they come.
 
     Serve sends a returned Response by calling it as an ASGI app, so this is where the replica's
-    answer meets the client.  A failure before the replica started answering (Serve's queue full,
-    the replica died) becomes a 503 with Retry-After; after that the connection just ends."""
+    answer meets the client.  When the replica fails (it died, its node was lost) the request
+    goes to another replica, up to ``max_attempts`` times in all:
 
-    def __init__(self, response, retry_after_s: int):
-        self.response = response
+    - before it started answering (every non-streaming request, a stream before its headers),
+      it is sent again as it came: the client sees one answer;
+    - mid-stream, with ``resume``, it goes on where it stopped (``serve/resume.py``): the new
+      replica's headers are dropped and its events relayed, so the client sees each token once;
+    - when no attempt is left, or the stream cannot be resumed, a stream ends with an error
+      event and ``[DONE]`` (never a cut that looks finished), and an answer not begun is a 503
+      with Retry-After.  Serve's own queue being full is a 503 at once: a retry would only
+      add to the queue."""
+
+    def __init__(self, call, routed: RoutedHTTPRequest, retry_after_s: int, max_attempts: int = 1,
+                 retry_delay_s: float = 0.5):
+        self.call, self.routed = call, routed
         self.retry = [(b"retry-after", str(retry_after_s).encode())]
+        self.max_attempts, self.retry_delay_s = max_attempts, retry_delay_s
         self.background = None
+        self.attempts = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        started = False
-        try:
-            # A client that goes away cancels this; Serve then cancels the handle call, and
-            # run_asgi the replica's handler, which aborts the request and frees its blocks.
-            async for message in self.response:
-                started = started or message.get("type") == "http.response.start"
-                await send(message)
-        except BackPressureError as e:
-            if started:
-                raise
-            await _send_error(send, 503, "queue", f"queue: every replica is at capacity ({e}); "
-                                                  f"retry later", self.retry)
-        except Exception as e:  # noqa: BLE001 - a replica died under the request
-            if started:
-                raise
-            log.warning("forwarding to a replica failed: %s: %s", type(e).__name__, e)
-            await _send_error(send, 503, "replica", f"replica: request failed ({type(e).__name__}); "
-                                                    f"retry later", self.retry)
+        started, stream, progress, routed = False, False, StreamProgress(), self.routed
+        while True:
+            self.attempts += 1
+            try:
+                # A client that goes away cancels this; Serve then cancels the handle call, and
+                # run_asgi the replica's handler, which aborts the request and frees its blocks.
+                async for message in self.call(routed):
+                    kind = message.get("type")
+                    if kind == "http.response.start":
+                        if started:
+                            continue  # a resumed stream: the client has its headers already
+                        started = True
+                        stream = _is_event_stream(message)
+                    elif kind == "http.response.body" and stream and routed.resumable:
+                        message = dict(message, body=progress.feed(message.get("body", b"")))
+                    await send(message)
+                return
+            except BackPressureError as e:
+                if started:
+                    return await self._end_stream(send, "queue", f"queue: every replica is at capacity ({e})")
+                return await _send_error(send, 503, "queue", f"queue: every replica is at capacity ({e}); "
+                                                             f"retry later", self.retry)
+            except Exception as e:  # noqa: BLE001 - a replica died under the request
+                what = f"{type(e).__name__}"
+                resumable = not started or (stream and routed.resumable and progress.state.head)
+                log.warning("replica lost under a request (attempt %d of %d, %s): %s: %s", self.attempts,
+                            self.max_attempts, "resuming" if started else "retrying", what, e)
+                if self.attempts >= self.max_attempts or not resumable:
+                    if not started:
+                        return await _send_error(send, 503, "replica", f"replica: request failed ({what}); "
+                                                                       f"retry later", self.retry)
+                    if not stream:
+                        raise
+                    return await self._end_stream(send, "replica", f"replica: lost mid-stream ({what}) and "
+                                                                   f"not resumed; retry the request")
+                if started:
+                    routed = dataclasses.replace(routed, resume=progress.state.to_json())
+                await asyncio.sleep(self.retry_delay_s)  # Serve's router learns of the loss meanwhile
+
+    async def _end_stream(self, send, field_name: str, detail: str) -> None:
+        """An in-stream error event (vLLM's, as ``openai/serving.sse_error``), then the end."""
+        err = json.dumps(HTTPError(503, [(field_name, detail)]).body())
+        await send({"type": "http.response.body", "body": f"data: {err}\n\ndata: [DONE]\n\n".encode(),
+                    "more_body": False})
+
+
+def _is_event_stream(start: dict) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+               for k, v in start.get("headers", ()))
 
 
 def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
@@ -201,11 +259,14 @@ def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
 # that is the LLMServer.  Serve hands __call__ a starlette Request for every path.
 @serve.deployment(name="PrefixRoutingIngress")
 class PrefixRoutingIngress:
-    def __init__(self, llm_server, block_size: int, max_body_bytes: int, retry_after_s: int):
+    def __init__(self, llm_server, block_size: int, max_body_bytes: int, retry_after_s: int,
+                 resume_requests: bool = False, max_attempts: int = 1):
         self.llm = llm_server.options(stream=True, method_name="handle_http")
         self.block_size = block_size
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
+        self.resume_requests = resume_requests
+        self.max_attempts = max_attempts if resume_requests else 1
 
     async def __call__(self, request: Request) -> Response:
         limit = self.max_body_bytes
@@ -223,8 +284,8 @@ class PrefixRoutingIngress:
                                             f"(max_body_bytes)")
         body = b"".join(chunks)
         routed = RoutedHTTPRequest(forwarded_scope(request.scope), body,
-                                   prefix_block_hashes(body, self.block_size))
-        return RelayedResponse(self.llm.remote(routed), self.retry_after_s)
+                                   prefix_block_hashes(body, self.block_size), resumable=self.resume_requests)
+        return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts)
 
 
 def build_routed_app(cfg: ServeAppConfig, llm_server):
@@ -237,7 +298,8 @@ def build_routed_app(cfg: ServeAppConfig, llm_server):
         ray_actor_options={"num_cpus": front.ingress_num_cpus},
         max_ongoing_requests=front.ingress_max_ongoing_requests,
     ).bind(llm, block_size=cfg.engine.cache.block_size, max_body_bytes=cfg.max_body_bytes,
-           retry_after_s=cfg.retry_after_s)
+           retry_after_s=cfg.retry_after_s, resume_requests=cfg.resume_requests,
+           max_attempts=cfg.max_request_attempts)
 
 
 __all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "build_routed_app",

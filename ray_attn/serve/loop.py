@@ -116,8 +116,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
-    def submit(self, prompt_token_ids: Sequence[int], params, sink: Sink) -> str:
-        """Queue a request; its events go to ``sink``.  Raises QueueFull or LoopDead at once."""
+    def submit(self, prompt_token_ids: Sequence[int], params, sink: Sink, output_token_ids: Sequence[int] = ()) -> str:
+        """Queue a request; its events go to ``sink``.  Raises QueueFull or LoopDead at once.
+        ``output_token_ids``: the outputs so far of a request resumed from a lost replica
+        (``LLMEngine.add_request``)."""
         if not self.alive:
             raise LoopDead(self._dead_reason())
         with self._lock:
@@ -127,7 +129,7 @@ class EngineLoop:
             self._in_flight += 1
             self._pending_adds += 1
             rid = f"{self._prefix}-{next(self._ids)}"
-        self._inbox.append(("add", rid, list(prompt_token_ids), params, sink))
+        self._inbox.append(("add", rid, list(prompt_token_ids), params, sink, list(output_token_ids)))
         self._wake.set()
         return rid
 
@@ -187,11 +189,11 @@ class EngineLoop:
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, rid, prompt, params, sink = cmd
+                _, rid, prompt, params, sink, resumed = cmd
                 with self._lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_request(prompt, params, request_id=rid)
+                    self.engine.add_request(prompt, params, request_id=rid, output_token_ids=resumed)
                 except Exception as e:  # noqa: BLE001 - one bad request must not end the loop
                     with self._lock:
                         self._in_flight -= 1

@@ -6,6 +6,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ray_attn.serve import resume as resuming
 from ray_attn.serve.http import HTTPError, read_body
 from ray_attn.serve.openai.logprobs import prompt_logprobs_json
 from ray_attn.serve.openai.protocol import ChatCompletionRequest
@@ -81,7 +82,10 @@ async def create_chat_completion(server, request: Request):
         spec, field = forced_spec(req.tools, mode, req.parallel_tool_calls), "tool_choice"
     await compile_structured(server, spec, field)
     choices = build_choices(server, req, [ids], [max_tokens], req.num_logprobs(), req.prompt_logprobs, spec)
-    await choices.submit()
+    # A stream that parses tool calls keeps parser state the progress lines do not carry: it is
+    # not resumed (the front ends it with an error event if its replica is lost).
+    ctx = resuming.context(request) if req.stream and mode is None else resuming.NOT_RESUMABLE
+    await choices.submit(ctx.resume)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
     if req.stream:
@@ -105,7 +109,7 @@ async def create_chat_completion(server, request: Request):
         # OpenAI opens each choice with the role, before any content.
         opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for c in choices.choices]
-        return stream_response(choices, req, dict(head, object="chat.completion.chunk"), chunk, rid, opening)
+        return stream_response(choices, req, dict(head, object="chat.completion.chunk"), chunk, rid, opening, ctx)
     out = []
     for c in await finish(choices):
         message, calls = {"role": "assistant", "content": c.text}, []

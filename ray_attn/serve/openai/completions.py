@@ -8,6 +8,7 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ray_attn.serve import resume as resuming
 from ray_attn.serve.http import HTTPError, read_body
 from ray_attn.serve.openai.logprobs import prompt_entries, prompt_logprobs_json
 from ray_attn.serve.openai.protocol import CompletionRequest
@@ -51,13 +52,14 @@ async def create_completion(server, request: Request):
     spec, field = structured_spec(req)
     await compile_structured(server, spec, field)
     choices = build_choices(server, req, prompts, max_tokens, req.logprobs, prompt_k, spec)
-    await choices.submit()
+    ctx = resuming.context(request) if req.stream else resuming.NOT_RESUMABLE
+    await choices.submit(ctx.resume)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}
     with_ids = req.return_token_ids or server.tokenizer is None
     echo = _Echo(server, req, raw)
     if req.stream:
-        opened: set[int] = set()
+        opened: set[int] = set(ctx.resume.choices) if ctx.resume is not None else set()  # echoed already
 
         def chunk(d):
             c = d.choice
@@ -70,7 +72,7 @@ async def create_completion(server, request: Request):
                   "stop_reason": c.stop_reason if d.finished else None}
             return dict(ch, token_ids=d.token_ids) if with_ids else ch
 
-        return stream_response(choices, req, head, chunk, rid)
+        return stream_response(choices, req, head, chunk, rid, ctx=ctx)
     body = dict(head, choices=[_choice(c, with_ids, echo) for c in await finish(choices)], usage=choices.usage())
     return JSONResponse(body, headers={"X-Request-Id": rid})
 

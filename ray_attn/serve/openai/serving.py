@@ -20,6 +20,7 @@ from ray_attn.serve.http import HTTPError, not_taken, request_failed
 from ray_attn.serve.loop import Event, LoopDead, QueueFull
 from ray_attn.serve.openai.logprobs import LogprobEntry, logprob_entry, token_text
 from ray_attn.serve.openai.protocol import SamplingFields, unknown_fields
+from ray_attn.serve.resume import NOT_RESUMABLE, ResumeContext, choice_progress, progress_line
 from ray_attn.serve.schemas import out_of_vocab, prompt_errors, validation_errors
 
 _MASK64 = (1 << 64) - 1
@@ -118,12 +119,18 @@ class ChoiceSet:
         self.queue: asyncio.Queue = asyncio.Queue()
         self._backlog: deque = deque()
 
-    async def submit(self) -> None:
-        """Queue every choice, all or none; returns once the engine accepted them all."""
+    async def submit(self, resume=None) -> None:
+        """Queue every choice, all or none; returns once the engine accepted them all.  With
+        ``resume`` (``serve/resume.py``) each choice goes on from the tokens a lost replica
+        streamed, and one that had finished is not queued again."""
         loop = asyncio.get_running_loop()
         try:
             for c in self.choices:
-                c.rid = self.engine_loop.submit(c.prompt_ids, c.params, _TaggedSink(loop, self.queue, c.index))
+                prior = resume.choices.get(c.index) if resume is not None else None
+                if prior is not None and self._prime(c, prior):
+                    continue
+                c.rid = self.engine_loop.submit(c.prompt_ids, c.params, _TaggedSink(loop, self.queue, c.index),
+                                                output_token_ids=c.token_ids)
         except (QueueFull, LoopDead) as e:
             self.abort()
             raise not_taken(e, self.retry) from None
@@ -142,6 +149,18 @@ class ChoiceSet:
         except BaseException:
             self.abort()
             raise
+
+    @staticmethod
+    def _prime(c: Choice, prior) -> bool:
+        """Give ``c`` the tokens already streamed, their text taken as sent; True when it had
+        finished (nothing to queue)."""
+        c.token_ids = list(prior.token_ids)
+        if c.detok is not None and c.token_ids:
+            c.detok.add(c.token_ids)
+            c.detok.take(final=prior.finished)
+        if prior.finished:
+            c.finish_reason, c.stop_reason, c.accepted = prior.finish_reason, prior.stop_reason, True
+        return prior.finished
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Each choice's progress as the engine makes it, until every choice is done."""
@@ -337,27 +356,42 @@ def sse_error(e: HTTPError) -> str:
     return sse(e.body())
 
 
-def stream_response(choices: ChoiceSet, req: SamplingFields, head: dict, chunk, rid: str, opening=()):
+def stream_response(choices: ChoiceSet, req: SamplingFields, head: dict, chunk, rid: str, opening=(),
+                    ctx: ResumeContext = NOT_RESUMABLE):
     """The SSE answer: ``opening`` chunks, then ``chunk(delta)`` per delta that carries something,
     an in-stream error if a choice failed, the usage chunk when asked, and ``[DONE]``.  A client
-    that leaves mid-stream aborts every choice."""
+    that leaves mid-stream aborts every choice.  For the front (``ctx``, ``serve/resume.py``)
+    each message also carries its progress line; a resumed stream keeps the lost one's id and
+    created time and sends neither the opening nor a usage chunk again."""
     opts = req.stream_options
     include_usage, every = (opts.include_usage, opts.continuous_usage_stats) if opts else (False, False)
+    if ctx.resume is not None:
+        head, opening = dict(head, **ctx.resume.head), ()
+        rid = head.get("id", rid)
 
     async def events():
         finished = False
         try:
-            for ch in opening:
-                yield sse(dict(head, choices=[ch], usage=None))
+            first = "".join(sse(dict(head, choices=[ch], usage=None)) for ch in opening)
+            if ctx.resumable and ctx.resume is None:  # the head in the same message as the opening
+                first = progress_line(head={"id": head["id"], "created": head["created"]}) + first
+            if first:
+                yield first
             async for d in choices.deltas():
                 if d.text or d.token_ids or d.finished:
-                    yield sse(dict(head, choices=[chunk(d)], usage=choices.usage() if every else None))
+                    line = sse(dict(head, choices=[chunk(d)], usage=choices.usage() if every else None))
+                    c = d.choice
+                    if ctx.resumable:  # an error end is not progress: a resumed request may finish
+                        reason = c.finish_reason if d.finished and c.finish_reason != "error" else None
+                        line = choice_progress(c.index, d.token_ids, reason, c.stop_reason if reason else None) + line
+                    yield line
             try:
                 choices.raise_if_failed()
             except HTTPError as e:
                 yield sse_error(e)
-            if include_usage:
-                yield sse(dict(head, choices=[], usage=choices.usage()))
+            if include_usage and not (ctx.resume is not None and ctx.resume.usage_sent):
+                usage = sse(dict(head, choices=[], usage=choices.usage()))
+                yield (progress_line(u=True) + usage) if ctx.resumable else usage
             yield "data: [DONE]\n\n"
             finished = True
         finally:
