@@ -1,0 +1,210 @@
+"""A replica lost under a request: the front sends it to the other replica, and a stream goes
+on where it stopped (``resume_requests``, ``ray_attn/serve/resume.py``).
+
+Two replicas (TP=1, the engine in the replica process) behind the front.  Each test runs a
+request once without a fault, then again killing -- with ``ray.kill`` -- the replica that
+answers it after a few events, and compares what the client received: every token once, in
+order, the same text and finish, under one id.  With ``max_request_attempts: 1`` (resumption
+off) the same fault ends the stream with an error event, never a cut that looks finished.
+Losing a whole node is tested on a multi-node cluster (``tests/cluster``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import LIMITS, MODEL_ID
+from tests.timescale import scaled
+
+pytestmark = pytest.mark.slow
+APP, ROUTE = "resume", "/resume"
+OFF_APP, OFF_ROUTE = "resume_off", "/resume-off"
+
+
+@pytest.fixture(scope="module")
+def resume_urls(served):
+    from ray import serve
+
+    from ray_attn.serve.app import build_app
+    from tests.serve.helpers import engine_config
+
+    base = dict(LIMITS, max_tokens_limit=256, executor="in_process", replica_num_cpus=0.5,
+                tokenizer=served.tokenizer_dir, served_model_name=MODEL_ID,
+                engine=engine_config(tp=1, max_num_seqs=4, eos=True).model_dump(mode="json"),
+                resume_requests=True, health_check_timeout_s=scaled(10.0))
+    serve.run(build_app(dict(base, num_replicas=2)), name=APP, route_prefix=ROUTE, blocking=False)
+    serve.run(build_app(dict(base, num_replicas=1, max_request_attempts=1)), name=OFF_APP,
+              route_prefix=OFF_ROUTE, blocking=False)
+    wait_running(APP, 2)
+    wait_running(OFF_APP, 1)
+    try:
+        yield served.url + ROUTE, served.url + OFF_ROUTE
+    finally:
+        serve.delete(APP)
+        serve.delete(OFF_APP)
+
+
+def wait_running(app: str, replicas: int) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + scaled(120)
+    while time.monotonic() < deadline:
+        st = serve.status().applications.get(app)
+        if st is not None and st.status == "RUNNING":
+            states = st.deployments["LLMServer"].replica_states
+            if states.get("RUNNING", 0) == replicas and sum(states.values()) == replicas:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{app}: {replicas} replicas not running within {scaled(120):.0f}s: {serve.status()}")
+
+
+def kill_replica(app: str, unique_id: str) -> None:
+    import ray
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{app}#LLMServer#{unique_id}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+
+
+def stream(url: str, path: str, body: dict, kill_after: int | None = None, app: str = APP):
+    """The data events of one streamed request (``[DONE]`` last), and the replica that began it;
+    with ``kill_after``, that replica is killed once so many events arrived."""
+    events, replica = [], None
+    with httpx.Client(timeout=scaled(120)) as c, c.stream("POST", url + path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        replica = r.headers["x-replica-id"]
+        for line in r.iter_lines():
+            assert not line.startswith(":"), f"a progress line reached the client: {line!r}"
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if kill_after is not None and len(events) == kill_after:
+                kill_replica(app, replica)
+    return events, replica
+
+
+def generate_body(**kw) -> dict:
+    return dict({"prompt_token_ids": list(range(3, 40)), "max_tokens": 160, "ignore_eos": True,
+                 "stream": True}, **kw)
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events if isinstance(e, dict) for t in e.get("token_ids", [])]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 123}], ids=["greedy", "seeded"])
+def test_generate_stream_resumes_with_every_token_once(resume_urls, sampling):
+    url, _ = resume_urls
+    body = generate_body(**sampling)
+    clean, _ = stream(url, "/v1/generate", body)
+    faulted, victim = stream(url, "/v1/generate", body, kill_after=4)
+    assert faulted[-1] == "[DONE]" and clean[-1] == "[DONE]"
+    got, want = tokens_of(faulted), tokens_of(clean)
+    assert len(got) == len(want) == body["max_tokens"]
+    assert got == want
+    # each event's index is the count of tokens before it: no gap, no repeat
+    seen = 0
+    for e in faulted[:-1]:
+        assert e["index"] == seen, (e["index"], seen)
+        seen += len(e["token_ids"])
+    assert "".join(e["text"] or "" for e in faulted[:-1]) == "".join(e["text"] or "" for e in clean[:-1])
+    assert len({e["id"] for e in faulted[:-1]}) == 1
+    assert faulted[-2]["finished"] and faulted[-2]["finish_reason"] == clean[-2]["finish_reason"] == "length"
+    wait_running(APP, 2)
+
+
+def openai_text(events) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        for ch in e.get("choices", []):
+            o = out.setdefault(ch["index"], {"text": "", "ids": [], "finish": None, "roles": 0, "stop": None})
+            if "delta" in ch:
+                o["text"] += ch["delta"].get("content") or ""
+                o["roles"] += "role" in ch["delta"]
+            else:
+                o["text"] += ch["text"]
+            o["ids"] += ch.get("token_ids") or []
+            if ch.get("finish_reason"):
+                o["finish"], o["stop"] = ch["finish_reason"], ch.get("stop_reason")
+    return out
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "the quick brown fox", "n": 2, "seed": 9, "temperature": 1.0,
+                         "stop": ["zz"], "return_token_ids": True}),
+    ("/v1/completions", {"prompt": "hello there", "echo": True, "temperature": 0, "return_token_ids": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me a story"}], "n": 2,
+                              "seed": 4, "temperature": 0.9, "return_token_ids": True}),
+], ids=["completions-n2-stop", "completions-echo", "chat-n2"])
+def test_openai_stream_resumes_to_the_fault_free_answer(resume_urls, path, body):
+    url, _ = resume_urls
+    body = dict(body, model=MODEL_ID, max_tokens=120, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    clean, _ = stream(url, path, body)
+    faulted, _ = stream(url, path, body, kill_after=5)
+    assert faulted[-1] == "[DONE]"
+    assert openai_text(faulted) == openai_text(clean)
+    for o in openai_text(faulted).values():
+        assert o["roles"] == (1 if "chat" in path else 0), "the role opens each choice once"
+        assert o["finish"] is not None
+    ids = {e["id"] for e in faulted if isinstance(e, dict)}
+    assert len(ids) == 1, ids
+    usage = [e["usage"] for e in faulted if isinstance(e, dict) and e.get("usage")]
+    want = [e["usage"] for e in clean if isinstance(e, dict) and e.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == want[0]["completion_tokens"]
+    assert usage[0]["prompt_tokens"] == want[0]["prompt_tokens"]
+    wait_running(APP, 2)
+
+
+def test_non_streaming_request_is_retried_on_the_other_replica(resume_urls):
+    import threading
+
+    url, _ = resume_urls
+    body = generate_body(stream=False, max_tokens=250)
+    clean = httpx.post(url + "/v1/generate", json=body, timeout=scaled(120))
+    assert clean.status_code == 200
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=httpx.post(url + "/v1/generate", json=body, timeout=scaled(120))))
+    t.start()
+    victim = wait_busy_replica(APP)  # the replica that holds it, killed while it runs
+    kill_replica(APP, victim)
+    t.join(scaled(120))
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["token_ids"] == clean.json()["token_ids"]
+    assert r.headers["x-replica-id"] != victim
+    wait_running(APP, 2)
+
+
+def wait_busy_replica(app: str) -> str:
+    """The unique id of the app's replica with a request in hand (asked of each replica actor:
+    /stats would be routed to the idle one)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#LLMServer#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    actors = {n[len(prefix):]: ray.get_actor(n, namespace="serve") for n in names}
+    deadline = time.monotonic() + scaled(60)
+    while time.monotonic() < deadline:
+        for uid, actor in actors.items():
+            if ray.get(actor.get_num_ongoing_requests.remote(), timeout=scaled(10)) > 0:
+                return uid
+        time.sleep(0.01)
+    raise TimeoutError("no replica took the request")
+
+
+def test_without_resumption_a_lost_stream_ends_with_an_error_event(resume_urls):
+    _, off = resume_urls
+    events, _ = stream(off, "/v1/generate", generate_body(), kill_after=3, app=OFF_APP)
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert err["field"] == "replica" and "not resumed" in err["detail"], err
+    assert len(tokens_of(events)) < 160
+    wait_running(OFF_APP, 1)
