@@ -299,6 +299,8 @@ def deployment_options(cfg: ServeAppConfig) -> dict[str, Any]:
         bundles = [{"CPU": cfg.replica_num_cpus}] + [dict(rank)
                                                      for _ in range(cfg.engine.parallel.tensor_parallel_size)]
         actor = {"num_cpus": cfg.replica_num_cpus}
+    if cfg.replica_resource:  # one unit per replica: a node's amount caps the replicas it holds
+        bundles[0] = dict(bundles[0], **{cfg.replica_resource: 1})
     return dict(
         **scaling_options(cfg),  # replicas (fixed or autoscaled) and the request router
         ray_actor_options=actor,

@@ -52,7 +52,8 @@ class AutoscalingSpec(BaseModel):
 
 
 class PrefixRouterConfig(BaseModel):
-    """Settings of the prefix-cache-aware router (``request_router: prefix_aware``)."""
+    """Settings of the front deployment: the prefix-cache-aware router (``request_router:
+    prefix_aware``), also the front that resumes requests (``resume_requests``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -72,6 +73,10 @@ class PrefixRouterConfig(BaseModel):
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Requests the front deployment holds at once (it only forwards; "
                                 "admission stays with the replicas).")
+    ingress_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources the front deployment asks for, e.g. one "
+                                          "only the head node has: the front holds every request's "
+                                          "body, so resumption needs it on a node that stays.")
 
 
 class ServeAppConfig(BaseModel):
@@ -127,6 +132,13 @@ class ServeAppConfig(BaseModel):
                                 "Behind a proxy on another host every request has the proxy's "
                                 "address: raise it to max_connections there.")
     replica_num_cpus: float = Field(1.0, gt=0, description="CPUs of the replica's own bundle (bundle 0).")
+    replica_resource: Optional[str] = Field(
+        None, min_length=1, description="A custom node resource each replica takes one unit of (in its "
+                                        "bundle 0): start each node with e.g. --resources "
+                                        "'{\"ray_attn_replica\": 1}' to hold at most that many replicas per "
+                                        "node, so replicas spread over nodes. Serve's own "
+                                        "max_replicas_per_node cannot be combined with the placement "
+                                        "group each replica reserves for its ranks.")
     num_replicas: Optional[int] = Field(
         None, gt=0, description="A fixed number of replicas, each an engine plus its TP workers "
                                 "(1 when neither this nor autoscaling_config is given).")

@@ -295,7 +295,8 @@ def build_routed_app(cfg: ServeAppConfig, llm_server):
     llm = llm_server.bind(cfg.model_dump(mode="json"))
     front = cfg.prefix_router
     return PrefixRoutingIngress.options(
-        ray_actor_options={"num_cpus": front.ingress_num_cpus},
+        ray_actor_options={"num_cpus": front.ingress_num_cpus,
+                           **({"resources": dict(front.ingress_resources)} if front.ingress_resources else {})},
         max_ongoing_requests=front.ingress_max_ongoing_requests,
     ).bind(llm, block_size=cfg.engine.cache.block_size, max_body_bytes=cfg.max_body_bytes,
            retry_after_s=cfg.retry_after_s, resume_requests=cfg.resume_requests,

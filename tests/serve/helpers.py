@@ -92,3 +92,51 @@ def float64_logprobs(engine: dict, tokens: list[int]) -> np.ndarray:
         _HF_FLOAT64[key] = hf
     with torch.no_grad():
         return torch.log_softmax(hf(torch.tensor([list(tokens)])).logits[0], -1).numpy()
+
+
+# ------------------------------------------------------------------- streams (resume tests)
+def sse_events(url: str, body: dict, on_event=None, timeout: float = 120.0):
+    """POST ``body`` as a stream; its data events (``[DONE]`` as the string), and the replica that
+    began it (``x-replica-id``).  ``on_event(n, replica)`` runs after the n-th event; no progress
+    line of the front (``ray_attn/serve/resume.py``) may reach the client."""
+    import json
+
+    import httpx
+
+    events = []
+    with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200, r.read()
+        replica = r.headers.get("x-replica-id")
+        for line in r.iter_lines():
+            assert not line.startswith(":"), f"a progress line reached the client: {line!r}"
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if on_event is not None:
+                on_event(len(events), replica)
+    return events, replica
+
+
+def tokens_of(events) -> list[int]:
+    """The token ids of a /v1/generate stream, in order."""
+    return [t for e in events if isinstance(e, dict) for t in e.get("token_ids", [])]
+
+
+def openai_text(events) -> dict[int, dict]:
+    """Per choice of an OpenAI stream: its text, token ids, finish and stop reason, role chunks."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        for ch in e.get("choices", []):
+            o = out.setdefault(ch["index"], {"text": "", "ids": [], "finish": None, "roles": 0, "stop": None})
+            if "delta" in ch:
+                o["text"] += ch["delta"].get("content") or ""
+                o["roles"] += "role" in ch["delta"]
+            else:
+                o["text"] += ch["text"]
+            o["ids"] += ch.get("token_ids") or []
+            if ch.get("finish_reason"):
+                o["finish"], o["stop"] = ch["finish_reason"], ch.get("stop_reason")
+    return out

@@ -11,13 +11,13 @@ Losing a whole node is tested on a multi-node cluster (``tests/cluster``).
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
 
 from tests.serve.conftest import LIMITS, MODEL_ID
+from tests.serve.helpers import openai_text, sse_events, tokens_of
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
@@ -72,28 +72,16 @@ def kill_replica(app: str, unique_id: str) -> None:
 def stream(url: str, path: str, body: dict, kill_after: int | None = None, app: str = APP):
     """The data events of one streamed request (``[DONE]`` last), and the replica that began it;
     with ``kill_after``, that replica is killed once so many events arrived."""
-    events, replica = [], None
-    with httpx.Client(timeout=scaled(120)) as c, c.stream("POST", url + path, json=body) as r:
-        assert r.status_code == 200, r.read()
-        replica = r.headers["x-replica-id"]
-        for line in r.iter_lines():
-            assert not line.startswith(":"), f"a progress line reached the client: {line!r}"
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-            if kill_after is not None and len(events) == kill_after:
-                kill_replica(app, replica)
-    return events, replica
+    def kill(n: int, replica: str) -> None:
+        if n == kill_after:
+            kill_replica(app, replica)
+
+    return sse_events(url + path, body, kill, timeout=scaled(120))
 
 
 def generate_body(**kw) -> dict:
     return dict({"prompt_token_ids": list(range(3, 40)), "max_tokens": 160, "ignore_eos": True,
                  "stream": True}, **kw)
-
-
-def tokens_of(events) -> list[int]:
-    return [t for e in events if isinstance(e, dict) for t in e.get("token_ids", [])]
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 123}], ids=["greedy", "seeded"])
@@ -115,24 +103,6 @@ def test_generate_stream_resumes_with_every_token_once(resume_urls, sampling):
     assert len({e["id"] for e in faulted[:-1]}) == 1
     assert faulted[-2]["finished"] and faulted[-2]["finish_reason"] == clean[-2]["finish_reason"] == "length"
     wait_running(APP, 2)
-
-
-def openai_text(events) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for e in events:
-        if not isinstance(e, dict):
-            continue
-        for ch in e.get("choices", []):
-            o = out.setdefault(ch["index"], {"text": "", "ids": [], "finish": None, "roles": 0, "stop": None})
-            if "delta" in ch:
-                o["text"] += ch["delta"].get("content") or ""
-                o["roles"] += "role" in ch["delta"]
-            else:
-                o["text"] += ch["text"]
-            o["ids"] += ch.get("token_ids") or []
-            if ch.get("finish_reason"):
-                o["finish"], o["stop"] = ch["finish_reason"], ch.get("stop_reason")
-    return out
 
 
 @pytest.mark.parametrize("path,body", [
