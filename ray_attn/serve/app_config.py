@@ -156,6 +156,10 @@ class ServeAppConfig(BaseModel):
                            "each token reaching the client once (ray_attn/serve/resume.py).")
     max_request_attempts: int = Field(
         3, ge=1, description="With resume_requests: replicas one request may try, the first included.")
+    retry_timeout_s: float = Field(
+        60.0, gt=0, description="With resume_requests: how long a retried request may wait for a replica "
+                                "(none left: Serve would hold it until one comes back) before it ends "
+                                "with an error event, or a 503 when nothing was sent yet.")
     prefix_router: PrefixRouterConfig = Field(
         default_factory=PrefixRouterConfig, description="Settings of the prefix-aware router.")
     use_gpu: Optional[bool] = Field(

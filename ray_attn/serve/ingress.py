@@ -186,16 +186,17 @@ class RelayedResponse(Response):
       it is sent again as it came: the client sees one answer;
     - mid-stream, with ``resume``, it goes on where it stopped (``serve/resume.py``): the new
       replica's headers are dropped and its events relayed, so the client sees each token once;
+    - a retry that no replica takes within ``retry_timeout_s`` (every replica gone) is given up;
     - when no attempt is left, or the stream cannot be resumed, a stream ends with an error
       event and ``[DONE]`` (never a cut that looks finished), and an answer not begun is a 503
       with Retry-After.  Serve's own queue being full is a 503 at once: a retry would only
       add to the queue."""
 
     def __init__(self, call, routed: RoutedHTTPRequest, retry_after_s: int, max_attempts: int = 1,
-                 retry_delay_s: float = 0.5):
+                 retry_delay_s: float = 0.5, retry_timeout_s: float = 60.0):
         self.call, self.routed = call, routed
         self.retry = [(b"retry-after", str(retry_after_s).encode())]
-        self.max_attempts, self.retry_delay_s = max_attempts, retry_delay_s
+        self.max_attempts, self.retry_delay_s, self.retry_timeout_s = max_attempts, retry_delay_s, retry_timeout_s
         self.background = None
         self.attempts = 0
 
@@ -206,7 +207,7 @@ class RelayedResponse(Response):
             try:
                 # A client that goes away cancels this; Serve then cancels the handle call, and
                 # run_asgi the replica's handler, which aborts the request and frees its blocks.
-                async for message in self.call(routed):
+                async for message in self._messages(routed):
                     kind = message.get("type")
                     if kind == "http.response.start":
                         if started:
@@ -217,6 +218,10 @@ class RelayedResponse(Response):
                         message = dict(message, body=progress.feed(message.get("body", b"")))
                     await send(message)
                 return
+            except _NoReplica as e:
+                if started:
+                    return await self._end_stream(send, "replica", f"replica: {e}; retry the request")
+                return await _send_error(send, 503, "replica", f"replica: {e}; retry later", self.retry)
             except BackPressureError as e:
                 if started:
                     return await self._end_stream(send, "queue", f"queue: every replica is at capacity ({e})")
@@ -239,11 +244,33 @@ class RelayedResponse(Response):
                     routed = dataclasses.replace(routed, resume=progress.state.to_json())
                 await asyncio.sleep(self.retry_delay_s)  # Serve's router learns of the loss meanwhile
 
+    async def _messages(self, routed: RoutedHTTPRequest):
+        """The replica's messages; a retry that gets none within ``retry_timeout_s`` (every
+        replica gone: Serve's router would hold it until one comes back) is ``_NoReplica``."""
+        response = self.call(routed)
+        it = response.__aiter__()
+        wait = self.retry_timeout_s if self.attempts > 1 else None
+        while True:
+            try:
+                message = await (asyncio.wait_for(it.__anext__(), wait) if wait else it.__anext__())
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                getattr(response, "cancel", lambda: None)()
+                raise _NoReplica(f"no replica took the request again within {self.retry_timeout_s:g}s "
+                                 f"(retry_timeout_s)") from None
+            wait = None
+            yield message
+
     async def _end_stream(self, send, field_name: str, detail: str) -> None:
         """An in-stream error event (vLLM's, as ``openai/serving.sse_error``), then the end."""
         err = json.dumps(HTTPError(503, [(field_name, detail)]).body())
         await send({"type": "http.response.body", "body": f"data: {err}\n\ndata: [DONE]\n\n".encode(),
                     "more_body": False})
+
+
+class _NoReplica(Exception):
+    pass
 
 
 def _is_event_stream(start: dict) -> bool:
@@ -260,13 +287,14 @@ def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
 @serve.deployment(name="PrefixRoutingIngress")
 class PrefixRoutingIngress:
     def __init__(self, llm_server, block_size: int, max_body_bytes: int, retry_after_s: int,
-                 resume_requests: bool = False, max_attempts: int = 1):
+                 resume_requests: bool = False, max_attempts: int = 1, retry_timeout_s: float = 60.0):
         self.llm = llm_server.options(stream=True, method_name="handle_http")
         self.block_size = block_size
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.resume_requests = resume_requests
         self.max_attempts = max_attempts if resume_requests else 1
+        self.retry_timeout_s = retry_timeout_s
 
     async def __call__(self, request: Request) -> Response:
         limit = self.max_body_bytes
@@ -285,7 +313,8 @@ class PrefixRoutingIngress:
         body = b"".join(chunks)
         routed = RoutedHTTPRequest(forwarded_scope(request.scope), body,
                                    prefix_block_hashes(body, self.block_size), resumable=self.resume_requests)
-        return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts)
+        return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts,
+                               retry_timeout_s=self.retry_timeout_s)
 
 
 def build_routed_app(cfg: ServeAppConfig, llm_server):
@@ -300,7 +329,7 @@ def build_routed_app(cfg: ServeAppConfig, llm_server):
         max_ongoing_requests=front.ingress_max_ongoing_requests,
     ).bind(llm, block_size=cfg.engine.cache.block_size, max_body_bytes=cfg.max_body_bytes,
            retry_after_s=cfg.retry_after_s, resume_requests=cfg.resume_requests,
-           max_attempts=cfg.max_request_attempts)
+           max_attempts=cfg.max_request_attempts, retry_timeout_s=cfg.retry_timeout_s)
 
 
 __all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "build_routed_app",

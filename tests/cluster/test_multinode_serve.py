@@ -6,6 +6,8 @@ one replica each (TP=2: its ranks beside it, in its STRICT_PACK placement group)
   every non-streaming request that was on it completes on the other replica, the client
   receiving what a fault-free run gives -- each token once, in order.
 - Serve brings the lost replica back on a node that joins, without a restart of the app.
+- With every node gone, a stream ends with an error event within ``retry_timeout_s`` and a new
+  request is a 503: never a silent hang, nor a cut that looks finished.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def app():
         eng = engine_config(tp=TP, max_num_seqs=8)
         args = dict(engine=eng.model_dump(mode="json"), executor="ray", replica_num_cpus=1.0,
                     num_replicas=2, replica_resource=REPLICA_RESOURCE, resume_requests=True,
-                    max_request_attempts=4, max_tokens_limit=256, max_connections=128,
+                    max_request_attempts=4, retry_timeout_s=scaled(20.0), max_tokens_limit=256, max_connections=128,
                     max_requests_per_client=128, health_check_period_s=1.0,
                     prefix_router={"ingress_resources": {FRONT_RESOURCE: 0.01}},
                     health_check_timeout_s=scaled(10.0), health_ping_timeout_s=scaled(5.0))
@@ -141,3 +143,25 @@ def test_losing_a_node_under_load_loses_no_request(app, time_limit):
     nodes = wait_replicas(APP, 2, timeout=180)
     assert new.node_id in nodes.values()
     assert tokens_of(sse_events(url + "/v1/generate", bodies[0], timeout=scaled(120))[0]) == tokens_of(clean[0])
+
+
+def test_with_every_replica_gone_a_stream_ends_with_an_error_event(app, time_limit):
+    time_limit(scaled(300))
+    sim, url = app
+    wait_replicas(APP, 2, timeout=180)
+    gone = threading.Event()
+
+    def on_event(n, replica):
+        if n == 2:
+            for node in list(sim.workers):
+                sim.remove(node)
+            gone.set()
+
+    t0 = time.monotonic()
+    events, _ = sse_events(url + "/v1/generate", generate(0), on_event, timeout=scaled(200))
+    assert gone.is_set()
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert err.get("field") == "replica", err
+    assert len(tokens_of(events)) < 120
+    print(f"\nevery node removed: the stream ended with an error event after {time.monotonic() - t0:.1f}s")
