@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     from ray import serve
 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _system_config={"metrics_report_interval_ms": 1000})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

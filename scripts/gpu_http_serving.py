@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     from ray_attn.serve.app import build_app
 
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})

@@ -47,8 +47,10 @@ def ensure_ray(address: str | None = None, min_cpus: int = 0) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         # Logical CPUs only gate scheduling; CPU ranks share the cores anyway, so ask for enough
-        # slots that a TP group fits on a small machine.
-        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
+        # slots that a TP group fits on a small machine.  address="local": a new cluster of our
+        # own -- without it Ray joins whatever cluster another user started on this machine
+        # (and refuses num_cpus there).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
                  log_to_driver=True)
 
 

@@ -32,7 +32,7 @@ def ray_cpu():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -66,7 +66,7 @@ def ray_session():
         # Replicas and workers import `ray_attn` from this checkout.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                  _system_config={"metrics_report_interval_ms": 1000})
         started = True
     yield
