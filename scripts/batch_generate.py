@@ -182,7 +182,7 @@ def start_pool(cfg: EngineConfig, args):
     need = args.replicas * (args.replica_cpus + ranks * cfg.parallel.num_cpus_per_worker)
     ensure_ray(cfg.parallel.ray_address, min_cpus=int(need) + 1)
     return EnginePool(cfg, args.replicas, executor=args.executor, replica_num_cpus=args.replica_cpus,
-                      max_in_flight=args.max_in_flight)
+                      max_in_flight=args.max_in_flight, replica_resource=args.replica_resource)
 
 
 class Finisher:
@@ -261,6 +261,8 @@ def run(args) -> int:
             generated = sum(s["tokens_generated"] for s in per_replica)
             steps = sum(s["steps"] for s in per_replica)
             extra["requests_per_replica"] = [s["requests_finished"] for s in per_replica]
+            if pool.lost:  # their unfinished requests ran on the others; their counts are gone
+                extra["replicas_lost"] = pool.lost
         complete = True
     finally:
         bar.close()
@@ -295,6 +297,10 @@ def main(argv=None) -> int:
                         "lines are written as they finish (completion order, each with its index)")
     p.add_argument("--replica-cpus", type=float, default=0.5,
                    help="CPUs of each replica's own bundle (its TP ranks get theirs)")
+    p.add_argument("--replica-resource", default=None,
+                   help="a custom node resource each replica takes one unit of: nodes started with "
+                        "--resources '{\"NAME\": k}' hold at most k replicas, so replicas spread over "
+                        "nodes (a replica lost with its node hands its requests to the others)")
     p.add_argument("--resume", action="store_true",
                    help="keep the records already in OUTPUT and generate only the others; lines are "
                         "appended as they finish")

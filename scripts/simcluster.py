@@ -60,6 +60,8 @@ def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node
 
     if ray.is_initialized():  # an earlier test package's session in this process
         ray.shutdown()
+    # Serve names a replica no node can hold after this long (30 s by default): tests wait less.
+    os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "2")
     # Raylets started from here pass this on to their workers: replicas import this checkout.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
     cluster = Cluster(initialize_head=True, head_node_args={

@@ -66,13 +66,15 @@ def run(args) -> int:
     from ray import serve
 
     from ray_attn.serve.app import build_app
+    from ray_attn.serve.status import DeployReporter
 
     cfg = serve_config(args)
     started = not ray.is_initialized()
     ray.init(address=args.address, include_dashboard=False) if args.address else ray.init(include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(cfg), name="ray_attn", route_prefix="/", blocking=False)
+        with DeployReporter("ray_attn", every_s=5.0):  # a replica no node can hold is named, not waited on in silence
+            serve.run(build_app(cfg), name="ray_attn", route_prefix="/", blocking=False)
         print(f"ray_attn: serving '{cfg.model_id()}' on http://{args.host}:{args.port}/v1 "
               f"(OpenAI API; /v1/generate, /health, /stats); Ctrl-C stops", flush=True)
         while True:

@@ -76,7 +76,8 @@ class EnginePool:
     """``num_replicas`` EngineReplica actors, each in its own placement group."""
 
     def __init__(self, config: EngineConfig, num_replicas: int, executor: str = "ray",
-                 replica_num_cpus: float = 0.5, use_gpu: Optional[bool] = None, max_in_flight: int = 64):
+                 replica_num_cpus: float = 0.5, use_gpu: Optional[bool] = None, max_in_flight: int = 64,
+                 replica_resource: Optional[str] = None):
         if num_replicas < 1:
             raise ValueError(f"num_replicas: must be >= 1, got {num_replicas}")
         if executor not in ("ray", "in_process"):
@@ -88,8 +89,11 @@ class EnginePool:
             want = config.parallel.device
             use_gpu = want == "cuda" or (want == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         self.max_in_flight = max_in_flight
+        self.lost: list[str] = []  # replicas lost during run(), and why
         own = {"CPU": replica_num_cpus, **({"GPU": 1} if use_gpu and executor == "in_process" else {})}
         bundles = [own] + [worker_bundle(config, use_gpu) for _ in range(tp if executor == "ray" else 0)]
+        if replica_resource:  # one unit per replica: a node's amount caps the replicas it holds
+            bundles[0] = dict(own, **{replica_resource: 1})
         self.pgs = [placement_group([dict(b) for b in bundles], strategy="STRICT_PACK")
                     for _ in range(num_replicas)]
         self.actors: list = []
@@ -106,39 +110,55 @@ class EnginePool:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(config.model_dump(mode="json"), executor, use_gpu, max_in_flight) for pg in self.pgs]
             self.num_blocks = ray.get([a.ready.remote() for a in self.actors])
+            self.alive = [True] * len(self.actors)
         except BaseException:
             self.shutdown()
             raise
 
     def run(self, items: Iterable[tuple], on_done: Callable[[object, dict], None]) -> None:
         """Generate ``(key, prompt_token_ids, SamplingParams)`` items; ``on_done(key, result)`` is
-        called on this thread as each finishes.  A replica that dies raises (finished results
-        have been handed over already; rerun the rest)."""
+        called on this thread as each finishes, once per key.
+
+        A replica that dies (its process, its node) takes none of the work with it: its
+        unfinished items go to the replicas left, and the run goes on; what it had finished
+        was handed over already.  Only when no replica is left does it raise."""
         todo: Iterator[tuple] = iter(items)
+        retry: list[tuple] = []  # items of a lost replica, sent again first
         busy = [0] * len(self.actors)
-        refs: dict = {}  # ObjectRef -> (replica index, key)
+        alive = self.alive
+        refs: dict = {}  # ObjectRef -> (replica index, item)
         exhausted = False
         while True:
-            while not exhausted and min(busy) < self.max_in_flight:
-                item = next(todo, None)
+            while any(alive) and min(b for b, a in zip(busy, alive) if a) < self.max_in_flight:
+                item = retry.pop() if retry else (None if exhausted else next(todo, None))
                 if item is None:
                     exhausted = True
                     break
-                key, prompt, params = item
-                i = busy.index(min(busy))
-                refs[self.actors[i].generate.remote(prompt, params)] = (i, key)
+                i = min((b, j) for j, (b, a) in enumerate(zip(busy, alive)) if a)[1]
+                refs[self.actors[i].generate.remote(item[1], item[2])] = (i, item)
                 busy[i] += 1
             if not refs:
+                if retry or not exhausted:
+                    raise RuntimeError(f"every engine replica was lost; {len(retry)} requests unfinished")
                 return
-            done, _ = ray.wait(list(refs), num_returns=1, timeout=None)
+            ray.wait(list(refs), num_returns=1, timeout=None)
             done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)  # all that are ready
             for ref in done:
-                i, key = refs.pop(ref)
+                i, item = refs.pop(ref)
                 busy[i] -= 1
-                on_done(key, ray.get(ref))
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayActorError as e:  # died, or unavailable with its node
+                    if alive[i]:
+                        alive[i] = False
+                        self.lost.append(f"replica {i}: {type(e).__name__}")
+                    retry.append(item)
+                    continue
+                on_done(item[0], result)
 
     def stats(self) -> list[dict]:
-        return ray.get([a.stats.remote() for a in self.actors], timeout=30)
+        """Each live replica's loop stats (a lost one has none)."""
+        return ray.get([a.stats.remote() for a, ok in zip(self.actors, self.alive) if ok], timeout=30)
 
     def shutdown(self) -> None:
         for a in self.actors:

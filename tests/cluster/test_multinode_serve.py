@@ -137,8 +137,16 @@ def test_losing_a_node_under_load_loses_no_request(app, time_limit):
     r = whole_result["r"]
     assert r.status_code == 200 and r.json()["token_ids"] == clean_whole["token_ids"], r.text
 
-    # Serve replaces the lost replica once a node can hold it, without a restart of the app
+    # The replica no node can hold now is named with what it asks for
     assert len(replica_nodes(APP)) == 1
+    from ray_attn.serve.status import pending_messages
+
+    deadline, messages = time.monotonic() + scaled(60), []
+    while time.monotonic() < deadline and not any("scheduled" in m for m in messages):
+        messages = pending_messages(APP)
+        time.sleep(0.5)
+    assert any("LLMServer" in m and REPLICA_RESOURCE in m for m in messages), messages
+    # Serve replaces the lost replica once a node can hold it, without a restart of the app
     new = sim.add_replica_node()
     nodes = wait_replicas(APP, 2, timeout=180)
     assert new.node_id in nodes.values()
