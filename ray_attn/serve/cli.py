@@ -65,15 +65,18 @@ def run(args) -> int:
     import ray
     from ray import serve
 
-    from ray_attn.serve.app import build_app
+    from ray_attn.serve.app import build_app, deployment_options
     from ray_attn.serve.status import DeployReporter
 
     cfg = serve_config(args)
     started = not ray.is_initialized()
-    ray.init(address=args.address, include_dashboard=False) if args.address else ray.init(include_dashboard=False)
+    # Without --address, a Ray of our own ("local"): a bare ray.init() joins any cluster another
+    # user started on this machine.
+    ray.init(address=args.address or "local", include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        with DeployReporter("ray_attn", every_s=5.0):  # a replica no node can hold is named, not waited on in silence
+        bundles = deployment_options(cfg)["placement_group_bundles"]
+        with DeployReporter("ray_attn", bundles, every_s=5.0):  # a replica no node can hold is named, not waited on in silence
             serve.run(build_app(cfg), name="ray_attn", route_prefix="/", blocking=False)
         print(f"ray_attn: serving '{cfg.model_id()}' on http://{args.host}:{args.port}/v1 "
               f"(OpenAI API; /v1/generate, /health, /stats); Ctrl-C stops", flush=True)

@@ -25,6 +25,7 @@ from tests.timescale import scaled
 pytestmark = pytest.mark.slow
 APP, ROUTE = "multinode", "/mn"
 TP = 2
+APP_ARGS: dict = {}  # the app's args, set by the fixture
 REPLICA_CPUS = 1 + TP * 0.5  # the replica's bundle + one per rank (a node has whole CPUs)
 
 
@@ -48,6 +49,7 @@ def app():
                     health_check_timeout_s=scaled(10.0), health_ping_timeout_s=scaled(5.0))
         serve.run(build_app(args), name=APP, route_prefix=ROUTE, blocking=False)
         wait_replicas(APP, 2)
+        APP_ARGS.update(args)
         yield sim, f"http://127.0.0.1:{port}{ROUTE}"
     finally:
         stop_cluster(sim)
@@ -139,13 +141,16 @@ def test_losing_a_node_under_load_loses_no_request(app, time_limit):
 
     # The replica no node can hold now is named with what it asks for
     assert len(replica_nodes(APP)) == 1
+    from ray_attn.serve.app import deployment_options
+    from ray_attn.serve.schemas import ServeAppConfig
     from ray_attn.serve.status import pending_messages
 
+    bundles = deployment_options(ServeAppConfig.model_validate(APP_ARGS))["placement_group_bundles"]
     deadline, messages = time.monotonic() + scaled(60), []
-    while time.monotonic() < deadline and not any("scheduled" in m for m in messages):
-        messages = pending_messages(APP)
+    while time.monotonic() < deadline and not any("wait for a node" in m for m in messages):
+        messages = pending_messages(APP, bundles)
         time.sleep(0.5)
-    assert any("LLMServer" in m and REPLICA_RESOURCE in m for m in messages), messages
+    assert any("LLMServer" in m and REPLICA_RESOURCE in m and "full" in m for m in messages), messages
     # Serve replaces the lost replica once a node can hold it, without a restart of the app
     new = sim.add_replica_node()
     nodes = wait_replicas(APP, 2, timeout=180)

@@ -175,10 +175,10 @@ def test_unexpected_add_error_fails_that_request_only():
     try:
         real_add = eng.add_request
 
-        def add(prompt, params, request_id=None):
+        def add(prompt, params, request_id=None, **kw):
             if prompt == [9, 9, 9]:
                 raise KeyError("boom")
-            return real_add(prompt, params, request_id=request_id)
+            return real_add(prompt, params, request_id=request_id, **kw)
 
         eng.add_request = add
         bad, good = Collect(), Collect()
