@@ -57,7 +57,7 @@ class Resume:
 
     def to_json(self) -> dict:
         return {"head": self.head, "usage_sent": self.usage_sent,
-                "choices": {str(i): [c.token_ids, c.finish_reason, c.stop_reason] for i, c in self.choices.items()}}
+                "choices": {str(i): [list(c.token_ids), c.finish_reason, c.stop_reason] for i, c in self.choices.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Resume":
