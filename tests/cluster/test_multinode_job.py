@@ -1,0 +1,123 @@
+"""``ray job submit`` of the batch job onto a cluster of three ``ray start`` nodes on loopback (a
+head with the dashboard and token auth, two workers with one ``ray_attn_replica`` each), one
+worker node killed mid-job -- its raylet and every process on it, by signalling the process group
+this test started (never ``ray stop``): the job still writes every record exactly once, with the
+tokens a single engine gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.scripts.test_batch_generate import reference, write_prompts
+from tests.scripts.test_submit_job import BIN, REPO, free_port
+from tests.timescale import scaled
+
+pytestmark = pytest.mark.slow
+FAST_FAILURE = json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                           "health_check_timeout_ms": 1000})
+
+
+def start_group(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture
+def three_nodes():
+    tmp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's socket paths are limited
+    token = tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    gcs, dash = free_port(), free_port()
+    head = start_group([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                        f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
+                        f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=2",
+                        f"--system-config={FAST_FAILURE}", f"--temp-dir={tmp / 'ray'}",
+                        "--disable-usage-stats"], env, tmp / "head.log")
+    procs, workers = [head], []
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + scaled(90)
+        while True:
+            assert head.poll() is None, (tmp / "head.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{address}/api/version", timeout=scaled(2)).status_code in (200, 401, 403):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "dashboard did not come up"
+            time.sleep(0.5)
+        for i in range(2):
+            w = start_group([str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{gcs}",
+                             "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                             '--resources={"ray_attn_replica": 1}', f"--dashboard-agent-listen-port={free_port()}",
+                             "--disable-usage-stats"], env, tmp / f"worker{i}.log")
+            procs.append(w)
+            workers.append(w)
+        wait_nodes(gcs, env, 3)
+        yield address, env, workers
+    finally:
+        for p in reversed(procs):
+            kill_group(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def wait_nodes(gcs: int, env: dict, n: int) -> None:
+    code = (f"import ray, time; ray.init(address='127.0.0.1:{gcs}', log_to_driver=False)\n"
+            f"t = time.monotonic()\n"
+            f"while sum(x['Alive'] for x in ray.nodes()) < {n}:\n"
+            f"    assert time.monotonic() - t < {scaled(90)}, ray.nodes(); time.sleep(0.5)\n")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=scaled(150))
+
+
+def test_a_node_killed_mid_job_loses_and_repeats_no_record(three_nodes, tmp_path):
+    address, env, workers = three_nodes
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    bodies = write_prompts(inp, n=60, seed=41)
+    want = reference(bodies)
+    job = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "submit_job.py"), "--address", address, "--working-dir",
+         str(REPO), "--python", str(BIN / "python"), "--timeout", str(int(scaled(300))), "--poll", "0.5",
+         "--", "--input", str(inp), "--output", str(out), "--replicas", "2", "--executor", "in_process",
+         "--replica-cpus", "1", "--replica-resource", "ray_attn_replica", "--max-in-flight", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    deadline = time.monotonic() + scaled(240)
+    while not (out.exists() and len(out.read_text().splitlines()) >= 3):
+        assert job.poll() is None, job.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the job wrote no records"
+        time.sleep(0.1)
+    os.killpg(workers[0].pid, signal.SIGKILL)  # the node goes, as a crashed machine: raylet and replica at once
+    stdout, _ = job.communicate(timeout=scaled(400))
+    assert job.returncode == 0, stdout[-4000:]
+    assert "replicas_lost" in stdout, stdout[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["index"] for r in rows) == list(range(len(bodies))), "a record lost or written twice"
+    assert [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])] == want
