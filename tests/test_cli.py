@@ -110,3 +110,20 @@ def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path)
             proc.wait(scaled(90))
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_serve_flags_for_replicas_resumption_and_spreading():
+    import argparse
+
+    from ray_attn.serve.cli import add_arguments, serve_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    plain = serve_config(p.parse_args([]))
+    assert (plain.num_replicas, plain.resume_requests, plain.replica_resource) == (None, False, None)
+    cfg = serve_config(p.parse_args(["--num-replicas", "3", "--resume-requests",
+                                     "--replica-resource", "ray_attn_replica"]))
+    assert (cfg.num_replicas, cfg.resume_requests, cfg.replica_resource) == (3, True, "ray_attn_replica")
+    from ray_attn.serve.app import deployment_options
+
+    assert deployment_options(cfg)["placement_group_bundles"][0]["ray_attn_replica"] == 1

@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--num-replicas", type=int, default=None, help="engine replicas (each with its TP ranks)")
+    p.add_argument("--resume-requests", action="store_true", default=None,
+                   help="resume a request whose replica was lost on another one (resume_requests)")
+    p.add_argument("--replica-resource", default=None,
+                   help="a custom node resource each replica takes one unit of, to spread replicas over nodes")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
@@ -53,7 +58,9 @@ def serve_config(args):
         engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
         app.setdefault("replica_num_cpus", 0.5)
     app["engine"] = engine
-    for key, value in (("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name)):
+    for key, value in (("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name),
+                       ("num_replicas", args.num_replicas), ("resume_requests", args.resume_requests),
+                       ("replica_resource", args.replica_resource)):
         if value:
             app[key] = value
     return ServeAppConfig.model_validate(app)
