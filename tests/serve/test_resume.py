@@ -32,7 +32,7 @@ def resume_urls(served):
     from ray_attn.serve.app import build_app
     from tests.serve.helpers import engine_config
 
-    base = dict(LIMITS, max_tokens_limit=256, executor="in_process", replica_num_cpus=0.5,
+    base = dict(LIMITS, max_tokens_limit=1000, executor="in_process", replica_num_cpus=0.5,
                 tokenizer=served.tokenizer_dir, served_model_name=MODEL_ID,
                 engine=engine_config(tp=1, max_num_seqs=4, eos=True).model_dump(mode="json"),
                 resume_requests=True, health_check_timeout_s=scaled(10.0))
@@ -136,37 +136,44 @@ def test_non_streaming_request_is_retried_on_the_other_replica(resume_urls):
     import threading
 
     url, _ = resume_urls
-    body = generate_body(stream=False, max_tokens=250)
+    # long enough (about a second or more) that it is still running when its replica is found
+    body = generate_body(stream=False, max_tokens=1000)
     clean = httpx.post(url + "/v1/generate", json=body, timeout=scaled(120))
     assert clean.status_code == 200
+    actors = replica_actors(APP)  # looked up first: the poll below must be quick
     result = {}
     t = threading.Thread(target=lambda: result.update(
         r=httpx.post(url + "/v1/generate", json=body, timeout=scaled(120))))
     t.start()
-    victim = wait_busy_replica(APP)  # the replica that holds it, killed while it runs
+    victim = wait_busy_replica(actors)  # the replica that holds it, killed while it runs
     kill_replica(APP, victim)
     t.join(scaled(120))
     r = result["r"]
     assert r.status_code == 200, r.text
     assert r.json()["token_ids"] == clean.json()["token_ids"]
-    assert r.headers["x-replica-id"] != victim
+    assert r.headers["x-replica-id"] != victim, "the request ended before its replica was killed"
     wait_running(APP, 2)
 
 
-def wait_busy_replica(app: str) -> str:
-    """The unique id of the app's replica with a request in hand (asked of each replica actor:
-    /stats would be routed to the idle one)."""
+def replica_actors(app: str) -> dict:
+    """The app's replica actors by unique id."""
     import ray
 
     prefix = f"SERVE_REPLICA::{app}#LLMServer#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    actors = {n[len(prefix):]: ray.get_actor(n, namespace="serve") for n in names}
+    return {n[len(prefix):]: ray.get_actor(n, namespace="serve") for n in names}
+
+
+def wait_busy_replica(actors: dict) -> str:
+    """The unique id of the replica with a request in hand (asked of each replica actor: /stats
+    would be routed to the idle one)."""
+    import ray
+
     deadline = time.monotonic() + scaled(60)
     while time.monotonic() < deadline:
         for uid, actor in actors.items():
             if ray.get(actor.get_num_ongoing_requests.remote(), timeout=scaled(10)) > 0:
                 return uid
-        time.sleep(0.01)
     raise TimeoutError("no replica took the request")
 
 
