@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -17,11 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.scripts.test_batch_generate import reference, write_prompts
-from tests.scripts.test_submit_job import BIN, REPO, free_port
+from tests.scripts.test_submit_job import BIN, REPO, free_port, kill_group, start_group, start_head, token_env
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
@@ -29,52 +27,14 @@ FAST_FAILURE = json.dumps({"health_check_period_ms": 500, "health_check_failure_
                            "health_check_timeout_ms": 1000})
 
 
-def start_group(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 @pytest.fixture
 def three_nodes():
     tmp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's socket paths are limited
-    token = tmp / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
-               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    gcs, dash = free_port(), free_port()
-    head = start_group([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                        f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                        f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
-                        f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=2",
-                        f"--system-config={FAST_FAILURE}", f"--temp-dir={tmp / 'ray'}",
-                        "--disable-usage-stats"], env, tmp / "head.log")
-    procs, workers = [head], []
-    address = f"http://127.0.0.1:{dash}"
+    env = token_env(tmp)
+    procs, workers = [], []
     try:
-        deadline = time.monotonic() + scaled(90)
-        while True:
-            assert head.poll() is None, (tmp / "head.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{address}/api/version", timeout=scaled(2)).status_code in (200, 401, 403):
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "dashboard did not come up"
-            time.sleep(0.5)
+        head, address, gcs = start_head(tmp, env, 2, f"--system-config={FAST_FAILURE}")
+        procs.append(head)
         # One worker at a time, each joined before the next starts (two raylets starting at once
         # on one host lost one in a CI run), and a worker that does not join is started again once.
         for i in range(2):

@@ -32,26 +32,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def head_node():
-    """``ray start --head --block`` in its own process group; stopped by signalling that group
-    (only the processes this test started -- not ``ray stop``, which stops every Ray on the host)."""
-    tmp = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))  # short: Ray's socket paths are limited
+def token_env(tmp: Path) -> dict:
+    """This process's environment without Ray's settings, with a fresh auth token in ``tmp``."""
     token = tmp / "auth_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
+def start_group(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """``cmd`` in a process group of its own, its output to ``log_path``."""
+    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """Stop the group ``proc`` leads: SIGTERM, then SIGKILL for whatever is left.  A node's
+    daemons (gcs_server, raylet, dashboard) share the group and may outlive ``ray start`` on
+    SIGTERM; the SIGKILL round ends them."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start_head(tmp: Path, env: dict, num_cpus: int, *extra: str) -> tuple[subprocess.Popen, str, int]:
+    """``ray start --head --block`` (dashboard on) in its own process group, once its dashboard
+    answers: (process, dashboard address, GCS port).  A head that does not come up is stopped."""
     gcs, dash = free_port(), free_port()
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
-           f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=4",
-           f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats"]
-    log = open(tmp / "head.log", "w")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_group([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                        f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
+                        f"--dashboard-agent-listen-port={free_port()}", f"--num-cpus={num_cpus}",
+                        f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats", *extra], env, tmp / "head.log")
     address = f"http://127.0.0.1:{dash}"
     try:
         deadline = time.monotonic() + scaled(90)
@@ -64,23 +85,29 @@ def head_node():
                 pass
             assert time.monotonic() < deadline, "dashboard did not come up"
             time.sleep(0.5)
+    except BaseException:
+        kill_group(proc)
+        raise
+    return proc, address, gcs
+
+
+@pytest.fixture(scope="module")
+def head_node():
+    """A head node in its own process group; stopped by signalling that group (only the
+    processes this test started -- not ``ray stop``, which stops every Ray on the host)."""
+    tmp = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))  # short: Ray's socket paths are limited
+    env = token_env(tmp)
+    t0 = time.perf_counter()
+    try:
+        proc, address, _ = start_head(tmp, env, num_cpus=4)
         print(f"\nhead node up in {time.perf_counter() - t0:.1f}s at {address}")
-        yield address, env
+        try:
+            yield address, env
+        finally:
+            t0 = time.perf_counter()
+            kill_group(proc)
+            print(f"head node stopped in {time.perf_counter() - t0:.1f}s")
     finally:
-        t0 = time.perf_counter()
-        for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-            # The head's daemons (gcs_server, raylet, dashboard) share the group and may outlive
-            # ``ray start`` on SIGTERM; the SIGKILL round ends whatever is left of the group.
-        log.close()
-        print(f"head node stopped in {time.perf_counter() - t0:.1f}s")
         shutil.rmtree(tmp, ignore_errors=True)
 
 
