@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Literal, Optional, get_args
+from typing import Callable, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -126,6 +126,15 @@ class ModelConfig(_Strict):
         "Llama 4: on NoPE layers scale q by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))."))
     floor_scale: float = Field(8192.0, gt=0, description="Llama 4 temperature tuning: positions per step.")
     attn_scale: float = Field(0.1, description="Llama 4 temperature tuning: strength.")
+    quantization: Optional[Union[str, dict]] = Field(None, description=(
+        "FP8 (e4m3) weights for the linear layers of attention and the dense MLP; the embedding, LM head "
+        "and norms stay in dtype. 'fp8': quantize a full-precision checkpoint (or the random weights) "
+        "when it loads, per output channel, with dynamic per-token activation scales (vLLM's "
+        "--quantization fp8). A mapping is a quantized checkpoint's quantization_config, read from its "
+        "config.json: compressed-tensors FP8 (per-channel weight_scale with dynamic per-token activations, "
+        "or per-tensor weight_scale with a static input_scale) or block-wise fp8 (weight_block_size "
+        "[128, 128], weight_scale_inv). Other formats are refused by name. Unset: unquantized weights. "
+        "Independent of CacheConfig.kv_cache_dtype."))
     seed: int = Field(0, description="Seed for random weights when no checkpoint is given.")
     eos_token_ids: list[int] = Field(default_factory=list, description=(
         "Token ids that end generation (finish_reason 'stop') unless a request sets ignore_eos; "
@@ -208,6 +217,12 @@ class ModelConfig(_Strict):
             raise ValueError(f"softmax_scale={self.softmax_scale} and query_pre_attn_scalar="
                              f"{self.query_pre_attn_scalar} both set the attention scale; set one")
         self._check_moe_and_llama4()
+        if self.quantization is not None:
+            # Lazily: only a quantized config pays for the model package (and torch).
+            from ray_attn.model.quantization import check_model, parse_quantization
+
+            check_model(parse_quantization(self.quantization), self.architecture,
+                        self.num_local_experts is not None or self.architecture in MOE_ARCHITECTURES)
         values = dict(self)
         for name, (value, why) in FAMILY_FIXED.get(self.architecture, {}).items():
             if values[name] != value(values):
@@ -339,12 +354,20 @@ class EngineConfig(_Strict):
         model = data.get("model")
         if model is not None and not isinstance(model, dict):
             return data  # a ModelConfig: compared with config.json once validated
-        return data | {"model": _checkpoint_fields(data["checkpoint"]) | (model or {})}
+        fields = _checkpoint_fields(data["checkpoint"])
+        own = fields.get("quantization")
+        if (model or {}).get("quantization") == "fp8" and isinstance(own, dict) and own.get("quant_method") == "fp8":
+            model = {k: v for k, v in model.items() if k != "quantization"}  # vLLM's --quantization fp8 on an fp8 checkpoint
+        return data | {"model": fields | (model or {})}
 
     @model_validator(mode="after")
     def _check(self):
         if self.checkpoint is not None:
             check_matches_checkpoint(self.model, self.checkpoint)
+        elif isinstance(self.model.quantization, dict):
+            raise ValueError(f"model.quantization (quant_method={self.model.quantization.get('quant_method')!r}) "
+                             "describes a quantized checkpoint's tensors, and no checkpoint is given; random "
+                             "weights take quantization='fp8'")
         check_runnable(self.model, self.cache, self.parallel)
         return self
 
@@ -365,6 +388,15 @@ def check_matches_checkpoint(model: ModelConfig, folder: str) -> None:
     if diff:
         raise ValueError(f"model disagrees with checkpoint {folder!r}: {', '.join(diff)}; leave model unset "
                          "(or give only overrides such as dtype) to take the checkpoint's own config")
+    # A quantized checkpoint runs its own scheme; an unquantized one runs unquantized or 'fp8'.
+    if own.quantization is not None and model.quantization != own.quantization:
+        raise ValueError(f"model.quantization={model.quantization!r} differs from checkpoint {folder!r}'s "
+                         f"quantization_config (quant_method={own.quantization.get('quant_method')!r}): its "
+                         "stored tensors run only their own scheme; leave quantization unset")
+    if own.quantization is None and isinstance(model.quantization, dict):
+        raise ValueError(f"model.quantization (quant_method={model.quantization.get('quant_method')!r}) describes "
+                         f"a quantized checkpoint, but {folder!r}'s config.json has no quantization_config; "
+                         "use quantization='fp8' to quantize it when it loads")
 
 
 def check_runnable(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig) -> None:
@@ -384,6 +416,10 @@ def check_runnable(model: ModelConfig, cache: CacheConfig, parallel: ParallelCon
     for name, width in widths.items():
         if width is not None and width % tp:  # each rank holds a slice of every MLP's / expert's width
             raise ValueError(f"tensor_parallel_size={tp} must divide {name}={width}")
+    if isinstance(model.quantization, dict) and model.quantization.get("quant_method") == "fp8":
+        from ray_attn.model.layers import check_fp8_tp_slices  # block-wise FP8: TP slices on 128-blocks
+
+        check_fp8_tp_slices(model, tp)
     if model.attention_chunk_size and model.attention_chunk_size % cache.block_size:
         raise ValueError(f"attention_chunk_size={model.attention_chunk_size} must be a multiple of "
                          f"block_size={cache.block_size}")

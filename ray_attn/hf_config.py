@@ -257,14 +257,21 @@ def fields_from_hf(hf: dict, folder: str = "") -> dict:
     arch = architecture_of(hf, folder)
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
     eos = hf.get("eos_token_id")
+    quant = hf.get("quantization_config")  # a multimodal checkpoint's is at the top level
     if arch in TEXT_PART_OF:
         text = hf.get("text_config")
         if not isinstance(text, dict):
             raise ValueError(f"{folder}: {arch} config.json lacks its text_config")
         eos = text.get("eos_token_id", eos)
+        quant = text.get("quantization_config", quant)
         hf, arch = text, TEXT_PART_OF[arch]
-    return READERS[arch](hf) | dict(architecture=arch, dtype=dtype if dtype in DTYPES else "bfloat16",
-                                    eos_token_ids=eos_token_ids(eos, f"{folder}/config.json"))
+    fields = dict(architecture=arch, dtype=dtype if dtype in DTYPES else "bfloat16",
+                  eos_token_ids=eos_token_ids(eos, f"{folder}/config.json"))
+    if quant is not None:  # its scheme is checked (and refused by name) by ModelConfig
+        if not isinstance(quant, dict):
+            raise ValueError(f"{folder}/config.json: quantization_config must be a mapping, got {type(quant).__name__}")
+        fields["quantization"] = quant
+    return READERS[arch](hf) | fields
 
 
 # -- writers: ModelConfig -> config.json ----------------------------------------------------------
@@ -273,12 +280,12 @@ def _only(c: "ModelConfig", held: set[str]) -> None:
     has no place for them, so a checkpoint would silently compute something else."""
     fields = type(c).model_fields
     for name in fields:
-        if name not in held | {"architecture", "dtype", "seed", "eos_token_ids"} and getattr(c, name) != fields[name].default:
+        if name not in held | {"architecture", "dtype", "seed", "eos_token_ids", "quantization"} and getattr(c, name) != fields[name].default:
             raise ValueError(f"a {c.architecture} config.json cannot hold {name}={getattr(c, name)!r}")
 
 
 def _llama_out(c: "ModelConfig") -> dict:
-    exclude = {"seed", "dtype", "architecture", "eos_token_ids"} | (set() if c.use_alibi else {"alibi_bias_max"})
+    exclude = {"seed", "dtype", "architecture", "eos_token_ids", "quantization"} | (set() if c.use_alibi else {"alibi_bias_max"})
     d = c.model_dump(exclude=exclude, exclude_none=True)
     d.update(architectures=[c.architecture],
              model_type="mistral" if c.architecture == "MistralForCausalLM" else "llama",
@@ -402,6 +409,11 @@ WRITERS: dict[str, Callable[["ModelConfig"], dict]] = {
 def hf_config_dict(config: "ModelConfig") -> dict:
     """The config.json HF transformers loads ``config``'s family from."""
     ids = config.eos_token_ids
+    if isinstance(config.quantization, dict):
+        # Its tensors are the quantizing tool's; a config.json written here would describe weights
+        # we did not write.  (Online 'fp8' is a loading option: nothing of it goes in config.json.)
+        raise ValueError("a quantized checkpoint's config.json comes from the tool that quantized it; "
+                         f"cannot write quantization={config.quantization.get('quant_method')!r}")
     # transformers 5 reads dtype, 4 torch_dtype
     return WRITERS[config.architecture](config) | dict(
         dtype=config.dtype, torch_dtype=config.dtype, eos_token_id=ids[0] if len(ids) == 1 else ids or None)

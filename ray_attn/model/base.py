@@ -27,7 +27,8 @@ from ray_attn.metadata import FlashAttentionMetadata
 from ray_attn.model import weights
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.gemv import linear
-from ray_attn.model.layers import RMSNorm, RotaryEmbedding, Shard, new_param, replicated
+from ray_attn.model.layers import Fp8Linear, RMSNorm, RotaryEmbedding, Shard, new_param, replicated
+from ray_attn.model.quantization import check_model, parse_quantization
 from ray_attn.model.tp import TPGroup
 
 
@@ -64,10 +65,14 @@ class CausalLM(nn.Module):
         self.cache_dtype = FP8_DTYPE if is_fp8_kv_cache(kv_cache_dtype) else self.dtype
         dd = dict(dtype=self.dtype, device=self.device)
         V, E = config.vocab_size, config.hidden_size
+        # FP8 weights (ModelConfig.quantization): the layers' linears, each converted as soon as
+        # its layer is built, so that at most one layer's full-precision weights are ever allocated.
+        self.quant_config = parse_quantization(config.quantization)
+        check_model(self.quant_config, config.architecture, config.num_local_experts is not None)
         self.embed_tokens = new_param(V, E, **dd)
         self.layers = nn.ModuleList(
-            self.layer_class(config, i, self.tp, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                             kernel=kernel, **dd)
+            self._quantize_layer(i, self.layer_class(config, i, self.tp, block_size=block_size,
+                                                     kv_cache_dtype=kv_cache_dtype, kernel=kernel, **dd))
             for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(E, config.rms_norm_eps, **dd)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else new_param(V, E, **dd)
@@ -85,6 +90,15 @@ class CausalLM(nn.Module):
         return RotaryEmbedding(c.head_size, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                device=self.device)
 
+    def _quantize_layer(self, i: int, layer: nn.Module) -> nn.Module:
+        """qkv, o_proj, gate_up and down_proj in FP8; the embedding, norms and LM head stay in the
+        model dtype (as vLLM keeps them)."""
+        if self.quant_config is not None:
+            for name, m in layer.named_modules():
+                if isinstance(m, Fp8Linear):
+                    m.quantize_(self.quant_config, f"layers.{i}.{name}")
+        return layer
+
     # -- weights ----------------------------------------------------------------------------
     def layer_shards(self, i: int, layer: nn.Module, layout: str = "default") -> dict[str, Shard]:
         raise NotImplementedError
@@ -100,7 +114,29 @@ class CausalLM(nn.Module):
         s[self.final_norm_name] = self.norm.shard()
         if not self.config.tie_word_embeddings:
             s["lm_head.weight"] = replicated(self.lm_head)
-        return s
+        return self._with_scales(s)
+
+    def _with_scales(self, shards: dict) -> dict:
+        """Each stored FP8 weight's scales under the checkpoint names beside it (``x.weight`` ->
+        ``x.weight_scale`` / ``x.weight_scale_inv``, ``x.input_scale``)."""
+        out = {}
+        for name, shard in shards.items():
+            out[name] = shard
+            if shard.companions:
+                module = name.rpartition(".")[0]
+                if self.quant_config.is_layer_skipped(module):
+                    raise ValueError(f"quantization_config ignores {module}, which this model runs in FP8 "
+                                     "(checkpoints with some of qkv/o/gate/up/down unquantized are not implemented)")
+                out.update({f"{module}.{suffix}": c for suffix, c in shard.companions.items()})
+        return out
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's hook of that name: quantize online-FP8 weights, settle fused static input scales.
+        Every rank runs it in the same module order (a row-parallel online weight's scales are
+        reduced over the TP group)."""
+        for m in self.modules():
+            if isinstance(m, Fp8Linear):
+                m.process_weights_after_loading()
 
     def load_weights(self, folder: str) -> None:
         """Load the first (layout, prefix) whose every name the checkpoint holds; with none, the
@@ -112,13 +148,17 @@ class CausalLM(nn.Module):
             shards = self.weight_shards(layout)
             for prefix in self.checkpoint_prefixes:
                 if all(prefix + n in names for n in shards):
-                    return weights.load_checkpoint({prefix + n: s for n, s in shards.items()}, folder,
-                                                   prefix=prefix, **kw)
+                    weights.load_checkpoint({prefix + n: s for n, s in shards.items()}, folder, prefix=prefix, **kw)
+                    return self.process_weights_after_loading()
         weights.load_checkpoint(self.weight_shards(), folder, **kw)  # raises, naming the missing tensors
 
     def init_random_weights(self, seed: int, std: float | None = None) -> None:
         """The model ``save_random_checkpoint(config, folder, seed)`` writes (on CPU; see
         ``random_full_tensor`` for the scales), sliced to this rank."""
+        q = self.quant_config
+        if q is not None and q.is_checkpoint_fp8_serialized:
+            raise ValueError(f"random weights cannot stand for a quantized checkpoint ({q.describe()}); "
+                             "use quantization='fp8' to quantize random weights")
         tied = self.config.tie_word_embeddings
         for name, shard in self.weight_shards().items():
             full = weights.random_full_tensor(name, shard.full_shape, seed, init=shard.init, std=std,
@@ -126,6 +166,7 @@ class CausalLM(nn.Module):
             for piece in shard.pieces():
                 piece.dest.copy_(full[piece.index()])
             del full  # one full tensor at a time, so an 8B model initialises in place on the GPU
+        self.process_weights_after_loading()
 
     # -- KV cache ---------------------------------------------------------------------------
     def set_calculate_kv_scales(self, on: bool = True) -> None:

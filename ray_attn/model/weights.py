@@ -62,6 +62,11 @@ def write_random_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, 
     """The full tensors of ``shards`` (a model's ``weight_shards()``, on any device: only names,
     shapes and inits are read) as seeded random safetensors, sharded with an index file when
     ``num_shards > 1``."""
+    fixed = [n for n, s in shards.items() if s.dtype is not None]
+    if fixed:
+        raise ValueError(f"random weights cannot fill a checkpoint of stored FP8 tensors ({fixed[0]}, ...): "
+                         "write the full-precision model and use quantization='fp8', or quantize it with "
+                         "its tool")
     os.makedirs(folder, exist_ok=True)
     names = list(shards.items())
     per = -(-len(names) // num_shards)
@@ -124,6 +129,12 @@ def load_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, *, tied:
                 if got != tuple(shards[n].full_shape):
                     raise ValueError(f"checkpoint tensor {n!r} has shape {got}, but the model config "
                                      f"expects {tuple(shards[n].full_shape)}")
+                # A stored FP8 weight must be one: a bf16 tensor copied into an fp8 one would be
+                # cast without its scale, and a float8_e5m2 one would be read as e4m3.
+                want, dtype = shards[n].dtype, f.get_slice(n).get_dtype()
+                if want is not None and dtype != want:
+                    raise ValueError(f"checkpoint tensor {n!r} has dtype {dtype}, but the model's quantization "
+                                     f"expects {want}")
     for fname, names in by_file.items():
         with safe_open(os.path.join(folder, fname), framework="pt") as f:
             for n in names:
