@@ -37,6 +37,7 @@ from ray_attn.sampling_inputs import (
     token_logprobs,
 )
 from ray_attn.scheduler import Scheduler
+from ray_attn.structured_output import GrammarSync
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
 
@@ -125,6 +126,7 @@ class LLMEngine:
         # ray_attn.structured_output.GrammarCompiler for the served tokenizer, set by whoever
         # has one (a server, a script): requests with structured_outputs need it.
         self.grammar_compiler = None
+        self.grammar_sync = GrammarSync()  # what rank 0 holds of the requests' grammars
 
     # The scheduler's queues, read by servers (ray_attn/serve/loop.py) and tests.
     @property
@@ -187,7 +189,8 @@ class LLMEngine:
             if self.grammar_compiler is None:
                 raise ValueError("structured_outputs: this engine has no grammar compiler (it needs the "
                                  "tokenizer: set LLMEngine.grammar_compiler)")
-            grammar = self.grammar_compiler.matcher(self.grammar_compiler.compile(params.structured_outputs))
+            spec = params.structured_outputs
+            grammar = self.grammar_compiler.matcher(self.grammar_compiler.compile(spec), spec)
             bad = [t for t in resumed if not grammar.accept(t)]
             if bad or (resumed and grammar.terminated):
                 raise ValueError(f"output_token_ids: they do not continue the request's grammar "
@@ -317,7 +320,7 @@ class LLMEngine:
             prev_token_index=prev_index, prev_token_rows=prev_rows,
             # before this step's placeholders are appended (see build_sampling_inputs)
             sampling=build_sampling_inputs(reqs, samples, sample_index, self._eos,
-                                           self.config.model.vocab_size))
+                                           self.config.model.vocab_size, self.grammar_sync))
         step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):
@@ -396,6 +399,7 @@ class LLMEngine:
         # The running requests go first in line again, in their old order.
         self.scheduler.requeue_running()
         self.planner.reset_prefix_cache()
+        self.grammar_sync.reset()  # new ranks hold no matchers
         if len(self._failures) >= MAX_FAILURES_PER_MINUTE:
             self.dead = str(failure)
             msg = (f"{len(self._failures)} worker failures within a minute; last: {failure}")
@@ -415,6 +419,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
         req.drop_pending()
+        if req.grammar is not None:
+            self.grammar_sync.drop(req.request_id)
         self.scheduler.remove(req)
 
     # -- batch API ----------------------------------------------------------------------------

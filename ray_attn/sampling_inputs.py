@@ -13,15 +13,17 @@ import numpy as np
 
 from ray_attn.request import PLACEHOLDER, Request, TokenLogprobs
 from ray_attn.runtime.messages import LogprobsArrays, PromptLogprobsInputs, SamplingInputs
-from ray_attn.structured_output import fill_bitmask
+from ray_attn.structured_output import GrammarSync
 
 
 def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], sample_index: np.ndarray,
-                          eos_token_ids: frozenset[int], vocab_size: int) -> SamplingInputs | None:
+                          eos_token_ids: frozenset[int], vocab_size: int,
+                          grammars: GrammarSync | None = None) -> SamplingInputs | None:
     """The step's ``SamplingInputs`` (None when no sampling row needs any), built before the
     step's placeholders are appended: a row's history then ends in at most one placeholder, the
     previous step's token (async scheduling), which rank 0 fills from that step's ``sampled_row``.
-    ``sample_index[i]`` is the index of the token row i draws (tokens generated so far)."""
+    ``sample_index[i]`` is the index of the token row i draws (tokens generated so far).
+    ``grammars``: what rank 0 holds of the constrained rows' grammars (needed when any row has one)."""
     if all(r.params.plain for r in reqs):
         return None
     rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and not r.params.plain]
@@ -55,8 +57,9 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
         si.logit_bias_values = np.array([b for _, _, b in pairs], np.float32)
     constrained = [i for i in rows if reqs[i].grammar is not None]
     if constrained:
-        si.grammar_rows = np.array(constrained, np.int32)
-        si.grammar_bitmask = fill_bitmask([reqs[i].grammar for i in constrained])
+        if grammars is None:
+            raise ValueError("a constrained row needs the engine's GrammarSync")
+        grammars.fill(si, constrained, [reqs[i] for i in constrained])
     wants = [i for i in rows if reqs[i].params.logprobs is not None]
     if wants:
         si.logprobs = np.full(B, -1, np.int32)

@@ -60,8 +60,8 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            if req.last_token_in_flight or (req.grammar is not None and req.pending):
-                continue  # a grammar's next mask waits for its token (see structured_output.py)
+            if req.last_token_in_flight:
+                continue
             n = min(len(req.token_ids) - planner.num_computed_tokens(req.request_id), budget)
             reqs.append(req)
             num_new.append(n)

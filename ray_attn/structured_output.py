@@ -9,15 +9,21 @@ The pieces sit where the rest of the engine puts them:
   reaches the engine (``GrammarCompiler.compile`` caches by spec), and a spec it cannot compile is
   a ``ValueError`` naming it.
 - **The driver** keeps one ``GrammarMatcher`` per constrained request, advanced by each token the
-  request gets back, and fills the step's bitmask rows from them (``fill_bitmask``): one bit per
-  vocabulary id, int32 words, only for the rows that have a grammar.
-- **Rank 0** unpacks those rows on the device and sets the disallowed logits to -inf before the
-  penalties and the draw (``runtime/logits_processors.apply_token_bitmask``).
+  request gets back: it checks each token and ends the request when its grammar is complete.
+- **Rank 0** keeps a matcher of its own per constrained request (``runtime/grammars.py``) and
+  fills the step's bitmask rows from them (``fill_bitmask``: one bit per vocabulary id, int32
+  words, only for the rows that have a grammar), then sets the disallowed logits to -inf before
+  the penalties and the draw (``runtime/logits_processors.apply_token_bitmask_inplace``).
+  ``GrammarSync`` is the driver's record of what rank 0 holds: the tokenizer, the compiled
+  grammars and the matchers, each sent once (and again after the ranks are restarted).
 
-Under async scheduling step N+1 is planned before step N's tokens are back, so a constrained row's
-mask for N+1 is not known yet.  Such a row sits out step N+1 (the scheduler skips a constrained
-request with a token in flight) and runs again in N+2 with its mask; every other row keeps
-running every step, and none of them waits for it.
+Why the mask is filled on rank 0: under async scheduling step N+1 is planned and sent before
+step N's tokens are back on the driver, so the driver cannot know a constrained row's mask for
+N+1.  Rank 0 can: it queues N+1's forward on the GPU, then reads N's tokens (their copy to the
+host was queued before that forward), advances its matchers and fills the mask while the forward
+runs, and only then queues N+1's sampling.  So a constrained row runs every step, the mask for
+N+1 waits for N's token and nothing else does, and the fill's cost hides behind the forward
+whenever the forward takes longer (``scripts/bench_structured.py`` measures both).
 """
 
 from __future__ import annotations
@@ -79,7 +85,9 @@ class GrammarCompiler:
         # xgrammar's own cache is off: ``_cache`` (by spec, bounded) is the one cache
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.vocab_size = vocab_size
+        self._info, self._info_json = info, None
         self._cache: dict[StructuredOutputsParams, object] = {}
+        self._serialized: dict[StructuredOutputsParams, str] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -112,16 +120,37 @@ class GrammarCompiler:
             self._cache[spec] = compiled
         return compiled
 
-    def matcher(self, compiled) -> "GrammarState":
-        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+    def matcher(self, compiled, spec: StructuredOutputsParams | None = None) -> "GrammarState":
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size, spec, self)
+
+    def serialized(self, spec: StructuredOutputsParams) -> str:
+        """The spec's compiled grammar as xgrammar's JSON (what rank 0 builds its matcher from)."""
+        with self._lock:
+            hit = self._serialized.get(spec)
+        if hit is None:
+            hit = self.compile(spec).serialize_json()
+            with self._lock:
+                if len(self._serialized) >= self._cache_size:
+                    self._serialized.pop(next(iter(self._serialized)))
+                self._serialized[spec] = hit
+        return hit
+
+    def tokenizer_info_json(self) -> str:
+        """The tokenizer's vocabulary as xgrammar's JSON: sent to rank 0 once (~4 MB at 128k ids)."""
+        if self._info_json is None:
+            self._info_json = self._info.serialize_json()
+        return self._info_json
 
 
 class GrammarState:
-    """One request's place in its grammar, on the driver."""
+    """One request's place in its grammar, on the driver; ``spec`` and ``compiler`` say what
+    rank 0 rebuilds it from."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, spec: StructuredOutputsParams | None = None,
+                 compiler: GrammarCompiler | None = None):
         self.matcher = matcher
         self.words = (vocab_size + BITS - 1) // BITS
+        self.spec, self.compiler = spec, compiler
 
     def accept(self, token_id: int) -> bool:
         return self.matcher.accept_token(int(token_id))
@@ -145,3 +174,53 @@ def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
         _BATCH.append(xgr.BatchGrammarMatcher(max_threads="auto"))
     _BATCH[0].batch_fill_next_token_bitmask([s.matcher for s in states], out)
     return out
+
+
+class GrammarSync:
+    """What rank 0 holds of the driver's grammars, so that each thing travels once: the
+    tokenizer's vocabulary, each compiled grammar, each request's matcher (its output tokens so
+    far, once), and the matchers to drop.  ``reset`` when the ranks are restarted."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokenizer_sent = False
+        self.specs: set[StructuredOutputsParams] = set()
+        self.matchers: set[str] = set()
+        self.drops: list[str] = []
+
+    def drop(self, request_id: str) -> None:
+        if request_id in self.matchers:
+            self.matchers.discard(request_id)
+            self.drops.append(request_id)
+
+    def fill(self, si, rows: list[int], reqs: list) -> None:
+        """Set ``si``'s grammar fields for the constrained sampling ``rows`` (``reqs`` theirs),
+        before this step's placeholders are appended: ``grammar_counts`` are the output tokens
+        each row's matcher must have taken before its mask (the newest of them is the row's last
+        input token, which rank 0 takes itself when its matcher is one behind)."""
+        new, specs = {}, {}
+        for r in reqs:
+            g = r.grammar
+            if r.request_id in self.matchers:
+                continue
+            if g.spec is None or g.compiler is None:
+                raise ValueError(f"request {r.request_id!r}: its GrammarState has no spec to rebuild on rank 0")
+            if not self.tokenizer_sent:
+                si.grammar_tokenizer = g.compiler.tokenizer_info_json()
+                self.tokenizer_sent = True
+            if g.spec not in self.specs:
+                specs[g.spec] = g.compiler.serialized(g.spec)
+                self.specs.add(g.spec)
+            new[r.request_id] = (g.spec, [t for t in r.output_token_ids if t >= 0])
+            self.matchers.add(r.request_id)
+        si.grammar_rows = np.array(rows, np.int32)
+        si.grammar_keys = [r.request_id for r in reqs]
+        si.grammar_counts = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32)
+        si.grammar_new, si.grammar_specs = new or None, specs or None
+        self.take_drops(si)
+
+    def take_drops(self, si) -> None:
+        if self.drops:
+            si.grammar_drop, self.drops = self.drops, []

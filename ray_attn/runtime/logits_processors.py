@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU machines without triton
+    triton = None
+
 
 def apply_penalties(logits: torch.Tensor, history: torch.Tensor, history_lens: torch.Tensor,
                     num_history: int, presence: torch.Tensor, frequency: torch.Tensor,
@@ -87,6 +93,24 @@ def compute_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor,
     return ids.to(torch.int32), lps, ranks
 
 
+def apply_token_bitmask_inplace(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place, at the disallowed ids of ``logits[rows]`` (``logits`` [B, V] float32,
+    ``rows`` [G] long, ``bitmask`` int32 [G, >= ceil(V/32)]).  On a GPU one Triton kernel reads
+    each word once per 32 ids and writes only the disallowed logits: no [G, V] temporary, no
+    gather and scatter of the rows.  Elsewhere the torch unpacking below."""
+    G, V = len(rows), logits.shape[1]
+    if G == 0:
+        return
+    if bitmask.shape[0] != G or bitmask.shape[1] * 32 < V:
+        raise ValueError(f"grammar_bitmask is {tuple(bitmask.shape)}, want [{G}, >= {(V + 31) // 32}] "
+                         f"for {G} rows of {V} logits")
+    if _triton_ok(logits, bitmask):
+        grid = (G, triton.cdiv(V, _BLOCK))
+        _bitmask_kernel[grid](logits, rows, bitmask, V, logits.stride(0), bitmask.stride(0), BLOCK=_BLOCK)
+        return
+    logits[rows] = apply_token_bitmask(logits[rows], bitmask)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` [G, V] with every id whose bit is clear in ``bitmask`` (int32 [G, ceil(V/32)],
     bit ``id % 32`` of word ``id // 32``: xgrammar's layout) set to -inf.  Plain tensor ops, so
@@ -110,3 +134,29 @@ def _bit_table(device) -> torch.Tensor:
         b = torch.arange(256, dtype=torch.int32)
         t = _TABLES[device] = (((b[:, None] >> torch.arange(8, dtype=torch.int32)) & 1) == 0).to(device)
     return t
+
+
+# Ids per program: 4096 ids read 128 words (512 bytes) of one row's mask and write at most 16 KiB
+# of logits, so a 128k vocabulary is 32 programs a row.
+_BLOCK = 4096
+
+
+def _triton_ok(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    return (triton is not None and logits.is_cuda and logits.dtype == torch.float32
+            and logits.stride(1) == 1 and bitmask.is_cuda and bitmask.dtype == torch.int32
+            and bitmask.stride(1) == 1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bitmask_kernel(logits_ptr, rows_ptr, mask_ptr, V, logits_stride, mask_stride, BLOCK: tl.constexpr):
+        g = tl.program_id(0)
+        ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = ids < V
+        row = tl.load(rows_ptr + g).to(tl.int64)
+        # 32 lanes read each word; they share one cache line, so the mask is read once
+        words = tl.load(mask_ptr + g.to(tl.int64) * mask_stride + ids // 32, mask=inside, other=-1)
+        clear = ((words >> (ids % 32)) & 1) == 0  # an arithmetic shift keeps bit 0 right for bit 31
+        tl.store(logits_ptr + row * logits_stride + ids, tl.full([BLOCK], float("-inf"), tl.float32),
+                 mask=inside & clear)

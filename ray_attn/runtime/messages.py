@@ -83,8 +83,18 @@ class SamplingInputs:
     logit_bias_rows: np.ndarray | None = None  # int32 [E]
     logit_bias_ids: np.ndarray | None = None  # int32 [E]
     logit_bias_values: np.ndarray | None = None  # float32 [E]
-    # Rows with a grammar and their allowed next tokens: bit id % 32 of word id // 32.
+    # Rows with a grammar.  Rank 0 keeps a matcher per request (``runtime/grammars.py``) and fills
+    # their masks itself, from what ``structured_output.GrammarSync`` sends it once each: the
+    # tokenizer, compiled grammars by spec, and a new matcher's spec and output tokens so far.
     grammar_rows: np.ndarray | None = None  # int32 [G]
+    grammar_keys: list[str] | None = None  # [G] the rows' request ids
+    grammar_counts: np.ndarray | None = None  # int32 [G] output tokens its matcher takes first
+    grammar_new: dict | None = None  # request id -> (spec, output token ids)
+    grammar_specs: dict | None = None  # spec -> xgrammar's JSON of the compiled grammar
+    grammar_tokenizer: str | None = None  # xgrammar's JSON of the TokenizerInfo
+    grammar_drop: list[str] | None = None  # request ids whose matchers rank 0 forgets
+    # The allowed next tokens (bit id % 32 of word id // 32), when the caller fills them itself
+    # (benchmarks, tests); rank 0 sets it from its matchers otherwise.
     grammar_bitmask: np.ndarray | None = None  # int32 [G, ceil(vocab / 32)]
 
 

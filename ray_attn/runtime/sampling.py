@@ -24,7 +24,7 @@ import torch
 from ray_attn.runtime.logits_processors import (
     apply_min_p,
     apply_penalties,
-    apply_token_bitmask,
+    apply_token_bitmask_inplace,
     apply_top_k_only,
     apply_top_k_top_p,
     compute_logprobs,
@@ -45,13 +45,18 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def hash_uniform(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 [R, vocab] in (0, 1), a pure function of (seed, index, column): splitmix64's
-    finaliser over a per-row counter.  int64 products wrap, which is the arithmetic we want."""
+    finaliser over a per-row counter.  int64 products wrap, which is the arithmetic we want.
+
+    23 bits, not 24: (2**24 - 1 + 0.5) / 2**24 rounds to exactly 1.0 in float32, and a u of 1
+    makes that token's Gumbel score +inf (NaN where it was filtered to -inf, which argmax also
+    takes) -- a 2**-24 chance per entry, i.e. about one seeded draw in 128 at a 128k vocabulary
+    drew a token regardless of its probability, its mask or top-k/top-p."""
     col = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
     x = (seeds * _GOLDEN + index * _STEP)[:, None] + col[None, :]
     x = (x ^ _shr(x, 30)) * _M1
     x = (x ^ _shr(x, 27)) * _M2
     x = x ^ _shr(x, 31)
-    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
 class _Pack:
@@ -170,10 +175,12 @@ class SamplingTensors:
                 f["logit_bias_values"] = floats.add(inputs.logit_bias_values)
             if inputs.grammar_rows is not None and len(inputs.grammar_rows):
                 i["grammar_rows"] = ints.add(inputs.grammar_rows)
-                # int32 words, in a copy of their own (the shared int part becomes long)
+                # int32 words, in a copy of their own (the shared int part becomes long); None
+                # here when rank 0 fills them after the forward (``worker._stage_grammar``)
                 bm = inputs.grammar_bitmask
-                extra["grammar_bitmask"] = (put("grammar_bitmask", bm) if put is not None
-                                            else torch.from_numpy(np.ascontiguousarray(bm)).to(device))
+                if bm is not None:
+                    extra["grammar_bitmask"] = (put("grammar_bitmask", bm) if put is not None
+                                                else torch.from_numpy(np.ascontiguousarray(bm)).to(device))
             if inputs.logprobs is not None:
                 rows = np.nonzero(inputs.logprobs >= 0)[0].astype(np.int32)
                 if rows.size:
@@ -242,8 +249,10 @@ def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
 
 
 def apply_grammar(logits: torch.Tensor, st: SamplingTensors) -> None:
-    """-inf, in place, at each constrained row's disallowed ids (``apply_token_bitmask``)."""
-    logits[st.grammar_rows] = apply_token_bitmask(logits[st.grammar_rows], st.grammar_bitmask)
+    """-inf, in place, at each constrained row's disallowed ids (``apply_token_bitmask_inplace``)."""
+    if st.grammar_bitmask is None:
+        raise RuntimeError("constrained rows without a grammar_bitmask: it is filled before sampling")
+    apply_token_bitmask_inplace(logits, st.grammar_rows, st.grammar_bitmask)
 
 
 def apply_hot_processors(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -25,6 +25,7 @@ from ray_attn.config import EngineConfig
 from ray_attn.runtime import messages, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.deferred import DeferredOutput, TokenStaging, pack_output, unpack_output
+from ray_attn.runtime.grammars import RankGrammars
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.profiling import time_by_kernel_kind
 from ray_attn.runtime.sampling import SamplingTensors, prompt_logprobs_on_device, sample_on_device
@@ -64,6 +65,7 @@ class AttentionWorker:
         self.last_tokens: torch.Tensor | None = None
         self.deferred: DeferredOutput | None = None
         self.token_staging = TokenStaging(self.device)
+        self.grammars = RankGrammars(self.config.model.vocab_size)  # rank 0's matchers
 
     # -- set-up -----------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -200,6 +202,7 @@ class AttentionWorker:
         with torch.inference_mode():
             hidden = self._forward(step)
             self.steps += 1
+            previous = self._stage_grammar(step, sampling)
             tokens, logits, logprobs = self._sample(hidden, logits_indices, sampling)
             if step.defer and self.tp > 1:
                 tokens = self._broadcast_tokens(tokens, step.plan.attn.num_reqs)
@@ -210,7 +213,7 @@ class AttentionWorker:
             if prompt_rows is not None:
                 prompt_lp = prompt_logprobs_on_device(self.model.compute_logits, hidden, *prompt_rows,
                                                       step.prompt_logprobs.num_logprobs)
-            return self._answer(step, tokens, logits, logprobs, prompt_lp)
+            return self._answer(step, tokens, logits, logprobs, prompt_lp, previous)
 
     def _check(self, step: StepInput) -> None:
         """Refuse a step that would lose an answer or read outside the cache, before any of it
@@ -266,6 +269,20 @@ class AttentionWorker:
         buf.end()
         return self.model(ids, pos, dm)
 
+    def _stage_grammar(self, step: StepInput, sampling: SamplingTensors | None) -> list | None:
+        """Rank 0, with constrained rows: their bitmask, filled from this rank's matchers now that
+        the forward is queued (``runtime/grammars.py`` says why here).  A deferred step first
+        collects the previous step's output, whose tokens the matchers take; returned as
+        ``[output]`` for ``_answer``, None when nothing was collected."""
+        si = step.sampling
+        if sampling is None or si is None or si.grammar_keys is None:
+            return None
+        previous = [self._collect_deferred()] if step.defer else None
+        bitmask = self.grammars.bitmask(step, previous[0] if previous else None)
+        sampling.grammar_bitmask = self.buffers.put("grammar_bitmask", bitmask)
+        self.buffers.end()  # the next step's begin() waits for this copy too
+        return previous
+
     def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens into this step's placeholder inputs, on the
         device: the driver planned this step without them, and need not wait for them."""
@@ -300,16 +317,17 @@ class AttentionWorker:
         return tokens
 
     def _answer(self, step: StepInput, tokens: torch.Tensor, logits: torch.Tensor,
-                logprobs, prompt_logprobs=None) -> StepOutput | None:
+                logprobs, prompt_logprobs=None, previous: list | None = None) -> StepOutput | None:
         """Rank 0's answer: this step's output, or, for a deferred step, the previous deferred
-        step's, waited for only now that this step is queued behind it."""
+        step's, waited for only now that this step is queued behind it (``previous``: already
+        collected, as ``[output]``)."""
         logits_np = logits.float().cpu().numpy() if step.return_logits else None
         if not step.defer:
             packed, layout = pack_output(tokens, logprobs)  # one copy to the host
             token_ids, lp = unpack_output(packed.cpu().numpy(), len(tokens), layout)
             return StepOutput(token_ids=token_ids, step_id=step.step_id, logits=logits_np, logprobs=lp,
                               prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs.to_numpy())
-        previous = self._collect_deferred()
+        previous = previous[0] if previous is not None else self._collect_deferred()
         self.deferred = self.token_staging.defer(tokens, step.step_id, logits_np, logprobs, prompt_logprobs)
         return previous
 

@@ -20,6 +20,19 @@ def test_hash_uniform_is_uniform_and_keyed():
     assert not torch.equal(hash_uniform(torch.tensor([1]), torch.tensor([1]), 100)[0], u[0, :100])
 
 
+def test_a_seeded_draw_never_takes_a_filtered_token():
+    """Seed 1234 at index 2657 hashes column 730 to the largest value the hash makes.  When that
+    mapped to u = 1.0 exactly (24 bits in float32), the column's Gumbel score was +inf, or NaN
+    where it was filtered out (-inf), and argmax took it anyway: masked and top-k tokens leaked."""
+    seeds, idx = torch.tensor([1234]), torch.tensor([2657])
+    u = hash_uniform(seeds, idx, 1000)
+    assert u.max() < 1 and u.argmax() == 730
+    logits = torch.zeros(1, 1000)
+    logits[0, 730] = float("-inf")
+    tok = sample(logits, np.ones(1, np.float32), np.array([1234], np.int64), np.array([2657], np.int32))
+    assert tok[0] != 730
+
+
 def test_seeded_draws_follow_softmax():
     """Many seeded draws (one per index) against the exact distribution: chi-square."""
     gen = torch.Generator().manual_seed(0)

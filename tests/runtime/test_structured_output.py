@@ -54,6 +54,7 @@ def engine(tok, asyn):
     return eng
 
 
+LONG = StructuredOutputsParams(regex=r"[a-c ]{200}")  # never complete within max_tokens
 SPECS = [StructuredOutputsParams(json=json.dumps(SCHEMA)), StructuredOutputsParams(regex=r"[a-c]{3}-\d\d"),
          StructuredOutputsParams(choice=("yes", "no", "maybe"))]
 
@@ -82,7 +83,9 @@ def test_grammars_hold_and_async_gives_what_sync_gives(tok):
         assert oa.output_token_ids == o.output_token_ids
 
 
-def test_async_a_constrained_row_waits_for_its_token_and_no_other_row_does(tok):
+def test_async_every_row_runs_every_step(tok):
+    """Under async scheduling a constrained row's mask for step N+1 is filled on rank 0 from step
+    N's token, so it gets a token every step like a plain row, and its grammar still holds."""
     eng = engine(tok, True)
     prompt = tok("hello world")["input_ids"]
     plain = eng.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
@@ -94,17 +97,70 @@ def test_async_a_constrained_row_waits_for_its_token_and_no_other_row_does(tok):
         steps += 1
         for o in outs:
             seen[o.request_id].append(steps)
-    gaps = np.diff(seen[plain])
-    assert (gaps == 1).all(), "the plain row must get a token every step"
-    assert (np.diff(seen[bound]) >= 2).all(), "the constrained row runs only once its token is back"
+    assert (np.diff(seen[plain]) == 1).all(), "the plain row must get a token every step"
+    assert (np.diff(seen[bound]) == 1).all(), "the constrained row must get a token every step"
+    check(tok, SPECS[1], eng.output(bound).output_token_ids)
+
+
+class RestartingExecutor(InProcessExecutor):
+    """Its rank "dies" on chosen step calls and comes back as a fresh one (no matchers, an
+    empty KV cache, the same seeded weights), as a restarted Ray actor would."""
+
+    def __init__(self, cfg, fail_on: set[int]):
+        super().__init__(cfg)
+        self.fail_on, self.calls = fail_on, 0
+
+    def step(self, step):
+        from ray_attn.runtime import WorkerFailure
+
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise WorkerFailure(0, RuntimeError("rank 0 died"))
+        return super().step(step)
+
+    def recover(self) -> float:
+        self.worker = self.worker_cls(self.config, 0)
+        self.worker.load_model()
+        return 0.0
+
+
+@pytest.mark.parametrize("asyn", [False, True])
+@pytest.mark.parametrize("trouble", ["restart", "preempt"])
+def test_rank_matchers_survive_restarts_and_preemption(tok, asyn, trouble):
+    """A restarted rank gets every matcher again (the driver's GrammarSync is reset), and a
+    preempted request's matcher goes on where it was: the same outputs as an untroubled run."""
+    prompt = tok("hello world")["input_ids"]
+    specs = SPECS + [LONG] * 3  # long outputs: a pool of 6 blocks cannot hold them all
+    params = [SamplingParams(max_tokens=40, structured_outputs=sp, temperature=1.0, seed=i)
+              for i, sp in enumerate(specs)]
+    reference = engine(tok, asyn).generate([prompt] * len(params), params)
+    cfg = config(eos_token_ids=[EOS_ID], num_blocks=6 if trouble == "preempt" else 96)
+    cfg = cfg.model_copy(update={"async_scheduling": asyn})
+    ex = RestartingExecutor(cfg, fail_on={5, 9} if trouble == "restart" else set())
+    eng = LLMEngine(cfg, ex)
+    eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
+    outs = eng.generate([prompt] * len(params), params)
+    if trouble == "restart":
+        assert eng.stats.recoveries == 2
+    else:
+        assert eng.stats.preemptions > 0
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
+    for sp, o in zip(params, outs):
+        if o.finish_reason == "stop":
+            check(tok, sp.structured_outputs, o.output_token_ids)
+        else:  # cut by max_tokens: still inside the grammar's alphabet
+            assert o.finish_reason == "length" and sp is not None
+            assert set(tok.decode(o.output_token_ids, skip_special_tokens=True)) <= set("abc ")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_apply_grammar_masks_just_the_constrained_rows(device, rng):
-    """The sampler's path: the constrained rows masked exactly, every other row untouched."""
+@pytest.mark.parametrize("V", [31, 1000, 2 * 4096 + 33])  # the GPU kernel's blocks are 4096 ids
+def test_apply_grammar_masks_just_the_constrained_rows(device, V, rng):
+    """The sampler's path (on a GPU, the Triton kernel): the constrained rows masked exactly,
+    every other row untouched, rows given out of order."""
     from ray_attn.runtime.sampling import SamplingTensors, apply_grammar
 
-    B, V, rows = 6, 1000, np.array([1, 4], np.int32)
+    B, rows = 6, np.array([4, 1, 5], np.int32)
     W = (V + 31) // 32
     allowed = torch.rand(len(rows), V, generator=rng) < 0.2
     words = np.zeros((len(rows), W), np.int64)
@@ -118,3 +174,48 @@ def test_apply_grammar_masks_just_the_constrained_rows(device, rng):
     want = logits.cpu().numpy().copy()
     want[rows] = np.where(allowed.numpy(), want[rows], -np.inf)
     np.testing.assert_array_equal(out.cpu().numpy(), want)
+
+
+def test_a_bitmask_of_the_wrong_shape_is_refused_by_name():
+    from ray_attn.runtime.logits_processors import apply_token_bitmask_inplace
+
+    logits = torch.zeros(4, 100)
+    with pytest.raises(ValueError, match="grammar_bitmask"):
+        apply_token_bitmask_inplace(logits, torch.tensor([0, 2]), torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="grammar_bitmask"):
+        apply_token_bitmask_inplace(logits, torch.tensor([0, 2]), torch.zeros(1, 4, dtype=torch.int32))
+
+
+def test_rank_grammars_refuse_a_matcher_out_of_step(tok):
+    """Rank 0 raises, naming the request, rather than fill a mask from a matcher that is behind
+    or ahead of the driver's, or from one it was never sent."""
+    from types import SimpleNamespace
+
+    from ray_attn.runtime.grammars import RankGrammars
+    from ray_attn.runtime.messages import SamplingInputs
+    from ray_attn.structured_output import GrammarSync
+
+    compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
+    spec = SPECS[1]
+    req = SimpleNamespace(request_id="r1", grammar=compiler.matcher(compiler.compile(spec), spec),
+                          token_ids=[5, 6, 7], num_prompt_tokens=3, output_token_ids=[])
+    plan = SimpleNamespace(attn=SimpleNamespace(query_start_loc=np.array([0, 3], np.int32)),
+                           input_token_ids=np.array([5, 6, 7], np.int32))
+    sync, rank = GrammarSync(), RankGrammars(VOCAB)
+
+    def step(count=None):
+        si = SamplingInputs()
+        sync.fill(si, [0], [req])
+        if count is not None:
+            si.grammar_counts[:] = count
+        return SimpleNamespace(plan=plan, sampling=si, prev_token_index=None, prev_token_rows=None)
+
+    first = rank.bitmask(step(), None)
+    assert first.shape == (1, (VOCAB + 31) // 32) and (first != -1).any()  # a real mask
+    with pytest.raises(RuntimeError, match="'r1'.* taken 0 tokens, the step expects 2"):
+        rank.bitmask(step(count=2), None)
+    sync.reset()  # the driver believes the rank is new; the rank is not told: a fresh rank is
+    rank = RankGrammars(VOCAB)
+    sync.matchers.add("r1")  # ... but here the driver wrongly thinks it sent the matcher
+    with pytest.raises(RuntimeError, match="no grammar matcher for request 'r1'"):
+        rank.bitmask(step(), None)

@@ -1,0 +1,92 @@
+"""Rank 0's grammar matchers: the structured-output masks of a step, filled on the rank.
+
+The driver plans step N+1 before step N's tokens are back (async scheduling), so it cannot fill
+a constrained row's mask for N+1; rank 0 can, once N+1's forward is queued (``worker._run``):
+N's tokens are on their way to the host by then, and the fill runs while the GPU works.  The
+matchers here mirror the driver's (``structured_output.GrammarSync`` sends each one's spec and
+output tokens once); each step a row's matcher takes the row's newest token, which is its last
+input token -- on the host in the plan, or, for a placeholder, in step N's output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ray_attn.runtime.messages import StepInput, StepOutput
+from ray_attn.structured_output import BITS, fill_bitmask
+
+MAX_COMPILED = 256  # compiled grammars kept (by spec); a matcher keeps its own alive
+
+
+class _Row:
+    """A matcher and how many output tokens it has taken (``words`` for ``fill_bitmask``)."""
+
+    def __init__(self, matcher, words: int):
+        self.matcher, self.words, self.count = matcher, words, 0
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class RankGrammars:
+    def __init__(self, vocab_size: int):
+        self.words = (vocab_size + BITS - 1) // BITS
+        self.info = None
+        self.compiled: dict = {}
+        self.rows: dict[str, _Row] = {}
+
+    def bitmask(self, step: StepInput, previous: StepOutput | None) -> np.ndarray:
+        """int32 [G, words]: the allowed next tokens of the step's constrained rows.  ``previous``
+        is the output of the step before (async scheduling), whose tokens fill placeholders."""
+        import xgrammar as xgr
+
+        si = step.sampling
+        for key in si.grammar_drop or ():
+            self.rows.pop(key, None)
+        if si.grammar_tokenizer is not None:
+            self.info = xgr.TokenizerInfo.deserialize_json(si.grammar_tokenizer)
+        for spec, text in (si.grammar_specs or {}).items():
+            if len(self.compiled) >= MAX_COMPILED:
+                self.compiled.pop(next(iter(self.compiled)))
+            self.compiled[spec] = xgr.CompiledGrammar.deserialize_json(text, self.info)
+        for key, (spec, tokens) in (si.grammar_new or {}).items():
+            if spec not in self.compiled:
+                raise RuntimeError(f"rank 0: request {key!r} needs a grammar it was never sent")
+            row = self.rows[key] = _Row(xgr.GrammarMatcher(self.compiled[spec]), self.words)
+            for t in tokens:
+                row.matcher.accept_token(int(t))
+            row.count = len(tokens)
+        newest = self._newest_tokens(step, previous)
+        live, out = [], np.full((len(si.grammar_keys), self.words), -1, np.int32)
+        for g, (key, want) in enumerate(zip(si.grammar_keys, si.grammar_counts.tolist())):
+            row = self.rows.get(key)
+            if row is None:
+                raise RuntimeError(f"rank 0: no grammar matcher for request {key!r}")
+            if row.count == want - 1:
+                if not row.terminated:  # a finished grammar's row is dropped by the driver
+                    row.matcher.accept_token(int(newest[g]))  # a refusal: the driver ends it
+                row.count += 1
+            elif row.count != want:
+                raise RuntimeError(f"rank 0: request {key!r}'s matcher has taken {row.count} tokens, "
+                                   f"the step expects {want}")
+            if not row.terminated:
+                live.append(g)
+        if live:
+            out[live] = fill_bitmask([self.rows[k] for k in (si.grammar_keys[g] for g in live)])
+        return out
+
+    @staticmethod
+    def _newest_tokens(step: StepInput, previous: StepOutput | None) -> np.ndarray:
+        """Each constrained row's last input token, from the plan or from step N's output."""
+        plan, rows = step.plan, step.sampling.grammar_rows
+        pos = plan.attn.query_start_loc[rows + 1] - 1
+        tokens = plan.input_token_ids[pos].astype(np.int64)
+        holes = np.flatnonzero(tokens < 0)
+        if len(holes):
+            if previous is None or step.prev_token_index is None:
+                raise RuntimeError("rank 0: a constrained row reads the previous step's token, "
+                                   "but that step's output is not here")
+            where = dict(zip(step.prev_token_index.tolist(), step.prev_token_rows.tolist()))
+            tokens[holes] = previous.token_ids[[where[p] for p in pos[holes].tolist()]]
+        return tokens
