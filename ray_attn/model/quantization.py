@@ -128,7 +128,7 @@ def _block_fp8(q: dict) -> Fp8Config:
 def _fp8_args(where: str, args: dict) -> None:
     for key, ok in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
         if args.get(key, ok) != ok:
-            _refuse(f"{where}.{key}", args.get(key), f"only symmetric 8-bit float (FP8 e4m3) is implemented")
+            _refuse(f"{where}.{key}", args.get(key), "only symmetric 8-bit float (FP8 e4m3) is implemented")
 
 
 def _compressed_tensors(q: dict) -> Fp8Config:

@@ -281,18 +281,22 @@ def test_checkpoint_matches_hf_dequantized(kind, family, tmp_path):
 
 def test_static_fused_scales_take_the_largest(tmp_path):
     """ct_static: q/k/v (and gate/up) keep each part's weight scale per row; their input scale is
-    the largest of the parts' (all equal here: the parts see the same calibration input)."""
+    the largest of the parts' (the parts see the same input, so calibration gives them one scale;
+    here k's is doubled and v's halved in the checkpoint to tell max from any other choice)."""
     folder = write("ct_static", "llama", tmp_path)
+    path, p = os.path.join(folder, "model.safetensors"), "model.layers.1.self_attn."
+    tensors = load_file(path)
+    tensors[p + "k_proj.input_scale"] *= 2
+    tensors[p + "v_proj.input_scale"] /= 2
+    save_file(tensors, path, metadata={"format": "pt"})
     model, _, _, _ = ours(folder)
     qkv = model.layers[1].self_attn.qkv_proj
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        p = "model.layers.1.self_attn."
-        ws = [f.get_tensor(p + n + "_proj.weight_scale").float() for n in "qkv"]
-        ins = [f.get_tensor(p + n + "_proj.input_scale").float() for n in "qkv"]
+    ws = [tensors[p + n + "_proj.weight_scale"].float() for n in "qkv"]
+    ins = [tensors[p + n + "_proj.input_scale"].float() for n in "qkv"]
     assert all(torch.isfinite(t).all() and (t > 0).all() for t in ws + ins)
     want = torch.cat([s.expand(rows) for s, rows in zip(ws, qkv.sizes)])
     assert torch.equal(qkv.weight_scale, want)
-    assert torch.equal(qkv.input_scale, torch.stack(ins).amax().view(1))
+    assert torch.equal(qkv.input_scale, ins[1].view(1))
 
 
 # -- online fp8 -----------------------------------------------------------------------------------
@@ -668,15 +672,18 @@ def _gpu_case(scheme_name: str, m: int, n: int, k: int, dtype=torch.bfloat16):
 def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
     """Every CUDA path that can run the case (the dispatch's pick and the others) against the CPU
     reference of the same quantized tensors: the same codes (IEEE division everywhere), float32
-    accumulation, one bf16 rounding of y: |y - ref| <= 2^-8 |ref| + 1e-5 sum |terms|."""
+    accumulation (fp8 tensor cores keep fewer bits inside one MMA chain; the kernels promote to
+    float32 every 128-group or, for cuBLAS, without fast accumulation), one bf16 rounding of y:
+    |y - ref| <= 2^-8 |ref| + 3e-5 sum |terms|."""
     x, wq, ws, scheme = _gpu_case(scheme_name, m, n, k)
     ref = F8.apply_fp8_linear(x.float(), wq, ws, scheme, kernel="dequant").double()
     terms = F8.dequantize_activation(*F8.quantize_activation(x.float(), scheme, None), scheme.group_size).abs() \
         @ F8.dequantize_weight(wq, ws, scheme).abs().T
-    bound = 2 ** -8 * ref.abs() + 1e-5 * terms.double() + 1e-6
+    bound = 2 ** -8 * ref.abs() + 3e-5 * terms.double() + 1e-6
     xc, wc, sc = x.cuda(), wq.cuda(), ws.cuda()
     pick = F8.select_fp8_kernel(xc, wc, scheme)
-    assert pick == ("block_triton" if scheme_name == "block" else "gemv" if m <= F8.GEMV_MAX_M else "scaled_mm")
+    gemm = "scaled_mm" if F8._scaled_mm_ok(xc, n, k) else "dequant"
+    assert pick == ("block_triton" if scheme_name == "block" else "gemv" if m <= F8.GEMV_MAX_M else gemm)
     paths = ["block_triton", "block_dequant"] if scheme_name == "block" else ["gemv", "dequant"] + (
         ["scaled_mm"] if F8._scaled_mm_ok(xc, n, k) else [])
     for path in paths:
