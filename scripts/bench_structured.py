@@ -167,18 +167,31 @@ def engine_costs(batches: list[int], vocab: int, pieces: list[bytes], model: str
             ids = bl.start_decoding(eng, [rng.integers(1, vocab, 64).tolist() for _ in range(batch)], params)
             for _ in range(5):  # warm-up
                 eng.step()
-            times, tokens = [], 0
+            times, tokens, parts = [], 0, {"call": [], "worker": [], "grammar": []}
+            call = eng.executor.step
+
+            def timed_call(s):  # the rank's answer carries its own times (worker_s, grammar_s)
+                t0 = time.perf_counter()
+                out = call(s)
+                parts["call"].append(time.perf_counter() - t0)
+                for k in ("worker", "grammar"):
+                    parts[k].append(out.timings.get(f"{k}_s", 0.0) if out is not None else 0.0)
+                return out
+
+            eng.executor.step = timed_call
             for _ in range(steps):
                 t0 = time.perf_counter()
                 tokens += len(eng.step())
                 times.append(time.perf_counter() - t0)
+            eng.executor.step = call
             bl.end_requests(eng, ids)
             us = float(np.median(times) * 1e6)
+            med = {f"{k}_us": round(float(np.median(v)) * 1e6, 1) for k, v in parts.items()}
             base = us if base is None else base
             rows.append(dict(part="engine step", batch=batch, constrained=g, temperature=1.0, us=us,
                              added_us=us - base, pct_of_own_step=round(100 * (us - base) / base, 2),
                              tokens_per_row_step=round(tokens / (steps * batch), 3), vocab=vocab, model=model,
-                             executor=executor))
+                             executor=executor, **med))
     eng.shutdown()
     if executor == "ray":
         ray.shutdown()
@@ -226,7 +239,8 @@ def main() -> None:
         if r["part"] != "engine step":
             r["pct_of_8b_step_b64"] = None if ref is None else round(100 * cost / ref, 2)
     bl.print_table(rows, ["part", "executor", "batch", "constrained", "temperature", "us", "added_us",
-                          "pct_of_8b_step_b64", "pct_of_own_step", "tokens_per_row_step"],
+                          "pct_of_8b_step_b64", "pct_of_own_step", "tokens_per_row_step", "call_us", "worker_us",
+                          "grammar_us"],
                    title=f"structured outputs per step ({dev}, vocab {vocab}; 8B step at b64: {ref} us)")
     print("saved", bl.save(args.name, rows, step_reference_us=ref, device=str(dev),
                            vocabulary="tekken_240911" if args.tekken else "synthetic"))

@@ -108,3 +108,29 @@ class TokenStaging:
         event = torch.cuda.Event()
         event.record()
         return DeferredOutput(event, view, step_id, logits, len(tokens), layout, plp)
+
+
+class SamplingThread:
+    """A step's sampling on a thread of its own (``AttentionWorker._run``: a deferred step with constrained rows): CUDA work it queues
+    goes on the same stream as the main thread's, so it stays in order with the next step, which
+    is queued only after ``join``."""
+
+    def __init__(self, fn, *args, **kwargs):
+        import threading
+
+        self.error: BaseException | None = None
+
+        def run():
+            try:
+                with torch.inference_mode():
+                    fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 -- raised again by join, on the next call
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="rank-sample", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error

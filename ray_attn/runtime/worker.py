@@ -24,7 +24,7 @@ from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
 from ray_attn.runtime import messages, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
-from ray_attn.runtime.deferred import DeferredOutput, TokenStaging, pack_output, unpack_output
+from ray_attn.runtime.deferred import DeferredOutput, SamplingThread, TokenStaging, pack_output, unpack_output
 from ray_attn.runtime.grammars import RankGrammars
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.profiling import time_by_kernel_kind
@@ -66,6 +66,8 @@ class AttentionWorker:
         self.deferred: DeferredOutput | None = None
         self.token_staging = TokenStaging(self.device)
         self.grammars = RankGrammars(self.config.model.vocab_size)  # rank 0's matchers
+        self.grammar_s: float | None = None
+        self._tail: SamplingThread | None = None  # a deferred constrained step's sampling, on its thread
 
     # -- set-up -----------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -188,11 +190,14 @@ class AttentionWorker:
             return None  # the driver reads rank 0's answer only
         if out is not None:
             out.timings["worker_s"] = time.perf_counter() - t0
+            if self.grammar_s is not None:  # this step's mask fill (benchmarks read it)
+                out.timings["grammar_s"], self.grammar_s = self.grammar_s, None
         return messages.dumps(out) if wire else out
 
     def _run(self, step: StepInput) -> StepOutput | None:
         """The step's output -- or, for a deferred step, the previous deferred step's (see
         ``StepInput``): this step is queued on the device before we wait for that one."""
+        self._join_tail()
         if step.plan is None:
             return self._collect_deferred()  # a flush: nothing to run
         self._check(step)
@@ -202,18 +207,42 @@ class AttentionWorker:
         with torch.inference_mode():
             hidden = self._forward(step)
             self.steps += 1
-            previous = self._stage_grammar(step, sampling)
-            tokens, logits, logprobs = self._sample(hidden, logits_indices, sampling)
-            if step.defer and self.tp > 1:
-                tokens = self._broadcast_tokens(tokens, step.plan.attn.num_reqs)
-            self.last_tokens = tokens
-            if self.rank != 0:
-                return None
-            prompt_lp = None
-            if prompt_rows is not None:
-                prompt_lp = prompt_logprobs_on_device(self.model.compute_logits, hidden, *prompt_rows,
-                                                      step.prompt_logprobs.num_logprobs)
-            return self._answer(step, tokens, logits, logprobs, prompt_lp, previous)
+            rest = (step, hidden, logits_indices, sampling, prompt_rows)
+            if not self._fills_grammar(step, sampling):
+                return self._finish(*rest)
+            if not step.defer:
+                return self._finish(*rest, previous=None)
+            # Rank 0 with constrained rows under async scheduling: answer the previous step now,
+            # and fill this step's masks from its tokens, sample and defer on a thread of ours
+            # while the driver plans the next step (``_join_tail`` waits for it first).
+            previous = [self._collect_deferred()]
+            self._tail = SamplingThread(self._finish, *rest, previous=previous)
+            return previous[0]
+
+    def _finish(self, step: StepInput, hidden, logits_indices, sampling, prompt_rows,
+                previous: list | None | bool = False) -> StepOutput | None:
+        """The step after its forward: its constrained rows' masks (``previous`` is not False:
+        ``[output]`` of the step before, or None when there is none to wait for), sampling, the
+        tokens broadcast for the next step's inputs, and rank 0's answer."""
+        if previous is not False:
+            self._fill_grammar(step, sampling, previous[0] if previous else None)
+        tokens, logits, logprobs = self._sample(hidden, logits_indices, sampling)
+        if step.defer and self.tp > 1:
+            tokens = self._broadcast_tokens(tokens, step.plan.attn.num_reqs)
+        self.last_tokens = tokens
+        if self.rank != 0:
+            return None
+        prompt_lp = None
+        if prompt_rows is not None:
+            prompt_lp = prompt_logprobs_on_device(self.model.compute_logits, hidden, *prompt_rows,
+                                                  step.prompt_logprobs.num_logprobs)
+        return self._answer(step, tokens, logits, logprobs, prompt_lp, previous or None)
+
+    def _join_tail(self) -> None:
+        """Wait for the last step's thread (see ``_run``); what it raised is raised here."""
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            tail.join()
 
     def _check(self, step: StepInput) -> None:
         """Refuse a step that would lose an answer or read outside the cache, before any of it
@@ -269,19 +298,18 @@ class AttentionWorker:
         buf.end()
         return self.model(ids, pos, dm)
 
-    def _stage_grammar(self, step: StepInput, sampling: SamplingTensors | None) -> list | None:
-        """Rank 0, with constrained rows: their bitmask, filled from this rank's matchers now that
-        the forward is queued (``runtime/grammars.py`` says why here).  A deferred step first
-        collects the previous step's output, whose tokens the matchers take; returned as
-        ``[output]`` for ``_answer``, None when nothing was collected."""
-        si = step.sampling
-        if sampling is None or si is None or si.grammar_keys is None:
-            return None
-        previous = [self._collect_deferred()] if step.defer else None
-        bitmask = self.grammars.bitmask(step, previous[0] if previous else None)
+    def _fills_grammar(self, step: StepInput, sampling: SamplingTensors | None) -> bool:
+        return sampling is not None and step.sampling is not None and step.sampling.grammar_keys is not None
+
+    def _fill_grammar(self, step: StepInput, sampling: SamplingTensors, previous: StepOutput | None) -> None:
+        """Rank 0's constrained rows: their bitmask, from this rank's matchers, once the forward
+        is queued (``runtime/grammars.py`` says why here); ``previous`` is the step before's
+        output, whose tokens fill the placeholders."""
+        t0 = time.perf_counter()
+        bitmask = self.grammars.bitmask(step, previous)
         sampling.grammar_bitmask = self.buffers.put("grammar_bitmask", bitmask)
         self.buffers.end()  # the next step's begin() waits for this copy too
-        return previous
+        self.grammar_s = time.perf_counter() - t0
 
     def _fill_previous_tokens(self, ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens into this step's placeholder inputs, on the
@@ -348,4 +376,6 @@ class AttentionWorker:
 
     def read_kv(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """A copy of some KV blocks (tests compare caches across ranks and after recovery)."""
+        self._join_tail()
         return self.model.kv_caches[layer][:, block_ids].float().cpu().numpy()
+

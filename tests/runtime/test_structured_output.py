@@ -219,3 +219,42 @@ def test_rank_grammars_refuse_a_matcher_out_of_step(tok):
     sync.matchers.add("r1")  # ... but here the driver wrongly thinks it sent the matcher
     with pytest.raises(RuntimeError, match="no grammar matcher for request 'r1'"):
         rank.bitmask(step(), None)
+
+
+@pytest.mark.slow
+def test_tp2_ray_ranks_give_the_single_process_outputs(tok, ray_local):
+    """Two Ray ranks under async scheduling: rank 0 fills the masks and samples on its thread and
+    broadcasts the tokens from there; the outputs are the in-process ones."""
+    prompt = tok("hello world")["input_ids"]
+    params = [SamplingParams(max_tokens=32, structured_outputs=sp, temperature=t, seed=i)
+              for i, (sp, t) in enumerate((sp, t) for t in (0.0, 1.0) for sp in SPECS)]
+    reference = engine(tok, False).generate([prompt] * len(params), params)
+    cfg = config(tp=2, eos_token_ids=[EOS_ID]).model_copy(update={"async_scheduling": True})
+    eng = LLMEngine(cfg)
+    try:
+        eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
+        outs = eng.generate([prompt] * len(params), params)
+    finally:
+        eng.shutdown()
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
+
+
+def test_an_error_on_the_sampling_thread_is_raised_by_the_next_step(tok, monkeypatch):
+    from ray_attn.runtime.grammars import RankGrammars
+
+    calls = []
+    real = RankGrammars.bitmask
+
+    def failing(self, step, previous):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fill failure")
+        return real(self, step, previous)
+
+    monkeypatch.setattr(RankGrammars, "bitmask", failing)
+    eng = engine(tok, True)
+    eng.add_request(tok("hello world")["input_ids"], SamplingParams(max_tokens=20, structured_outputs=SPECS[1]))
+    with pytest.raises(RuntimeError, match="injected fill failure"):
+        for _ in range(10):
+            eng.step()
+    assert len(calls) == 3
