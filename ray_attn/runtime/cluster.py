@@ -256,6 +256,7 @@ class InProcessExecutor:
                              f"{config.parallel.tensor_parallel_size}")
         self.config = config
         self.worker = self.worker_cls(config, 0)
+        self.worker.sample_on_thread = False  # see AttentionWorker.sample_on_thread
         self.infos = [self.worker.load_model()]
         self.num_blocks = self.infos[0]["num_blocks"]
         self.num_sms = self.infos[0]["num_sms"]

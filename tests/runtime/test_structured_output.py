@@ -47,9 +47,12 @@ def test_bitmask_masks_exactly_the_clear_bits(device, V, rng):
     np.testing.assert_array_equal(got, want)
 
 
-def engine(tok, asyn):
+def engine(tok, asyn, thread=False):
+    """An in-process engine; ``thread``: its rank samples a deferred constrained step on a thread
+    of its own, as a rank in its own process (a Ray actor) does."""
     cfg = config(eos_token_ids=[EOS_ID]).model_copy(update={"async_scheduling": asyn})
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    eng.executor.worker.sample_on_thread = thread
     eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
     return eng
 
@@ -72,21 +75,23 @@ def check(tok, spec, ids):
         assert text in spec.choice
 
 
-def test_grammars_hold_and_async_gives_what_sync_gives(tok):
+@pytest.mark.parametrize("thread", [False, True])
+def test_grammars_hold_and_async_gives_what_sync_gives(tok, thread):
     prompt = tok("hello world")["input_ids"]
     params = [SamplingParams(max_tokens=48, structured_outputs=s, temperature=t, seed=i)
               for i, (s, t) in enumerate((s, t) for t in (0.0, 1.0) for s in SPECS)]
-    outs = {a: engine(tok, a).generate([prompt] * len(params), params) for a in (False, True)}
+    outs = {a: engine(tok, a, thread).generate([prompt] * len(params), params) for a in (False, True)}
     for sp, o, oa in zip(params, outs[False], outs[True]):
         assert o.finish_reason == "stop" and o.output_token_ids[-1] == EOS_ID
         check(tok, sp.structured_outputs, o.output_token_ids)
         assert oa.output_token_ids == o.output_token_ids
 
 
-def test_async_every_row_runs_every_step(tok):
+@pytest.mark.parametrize("thread", [False, True])
+def test_async_every_row_runs_every_step(tok, thread):
     """Under async scheduling a constrained row's mask for step N+1 is filled on rank 0 from step
     N's token, so it gets a token every step like a plain row, and its grammar still holds."""
-    eng = engine(tok, True)
+    eng = engine(tok, True, thread)
     prompt = tok("hello world")["input_ids"]
     plain = eng.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
     bound = eng.add_request(prompt, SamplingParams(max_tokens=20, structured_outputs=SPECS[1]))
@@ -239,7 +244,9 @@ def test_tp2_ray_ranks_give_the_single_process_outputs(tok, ray_local):
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in reference]
 
 
-def test_an_error_on_the_sampling_thread_is_raised_by_the_next_step(tok, monkeypatch):
+@pytest.mark.parametrize("thread", [False, True])
+def test_an_error_in_the_fill_is_raised_by_a_step(tok, monkeypatch, thread):
+    """In line, by the step itself; on the rank's thread, by the next step."""
     from ray_attn.runtime.grammars import RankGrammars
 
     calls = []
@@ -252,9 +259,11 @@ def test_an_error_on_the_sampling_thread_is_raised_by_the_next_step(tok, monkeyp
         return real(self, step, previous)
 
     monkeypatch.setattr(RankGrammars, "bitmask", failing)
-    eng = engine(tok, True)
+    eng = engine(tok, True, thread)
     eng.add_request(tok("hello world")["input_ids"], SamplingParams(max_tokens=20, structured_outputs=SPECS[1]))
+    steps = 0
     with pytest.raises(RuntimeError, match="injected fill failure"):
         for _ in range(10):
+            steps += 1
             eng.step()
-    assert len(calls) == 3
+    assert len(calls) == 3 and steps == 3 + thread
