@@ -674,7 +674,9 @@ def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
     reference of the same quantized tensors: the same codes (IEEE division everywhere), float32
     accumulation (fp8 tensor cores keep fewer bits inside one MMA chain; the kernels promote to
     float32 every 128-group or, for cuBLAS, without fast accumulation), one bf16 rounding of y:
-    |y - ref| <= 2^-8 |ref| + 3e-5 sum |terms|."""
+    |y - ref| <= 2^-8 |ref| + 3e-5 sum |terms|.  The dequantizing paths multiply in bf16: their
+    weights (w * scale) and activations are rounded to bf16 first, 2^-9 of each term, so they get
+    2^-8 sum |terms| instead (on the H200 the tighter bound failed them by 0.03-0.06)."""
     x, wq, ws, scheme = _gpu_case(scheme_name, m, n, k)
     ref = F8.apply_fp8_linear(x.float(), wq, ws, scheme, kernel="dequant").double()
     terms = F8.dequantize_activation(*F8.quantize_activation(x.float(), scheme, None), scheme.group_size).abs() \
@@ -689,7 +691,8 @@ def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
     for path in paths:
         y = F8.apply_fp8_linear(xc, wc, sc, scheme, kernel=path)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        excess = ((y.double().cpu() - ref).abs() - bound).max().item()
+        b = bound + 2 ** -8 * terms.double() if path in ("dequant", "block_dequant") else bound
+        excess = ((y.double().cpu() - ref).abs() - b).max().item()
         assert excess <= 0, (path, excess)
 
 
