@@ -107,19 +107,26 @@ def test_recovered_requests_keep_their_order_ahead_of_the_queue():
     assert [engine.output(i).output_token_ids for i in ids] == [o.output_token_ids for o in reference]
 
 
-class SlowRecoveryExecutor(InProcessExecutor):
-    """An in-process executor whose rank "dies" on chosen step calls; a recovery takes
-    ``recovery_s`` on the engine's clock (a fake one: nothing sleeps)."""
+class DyingExecutor(InProcessExecutor):
+    """An in-process executor whose rank "dies" on the chosen step calls (1-based)."""
 
-    def __init__(self, cfg, fail_on: set[int], clock: list[float], recovery_s: float):
+    def __init__(self, cfg, fail_on: set[int]):
         super().__init__(cfg)
-        self.fail_on, self.clock, self.recovery_s, self.calls = fail_on, clock, recovery_s, 0
+        self.fail_on, self.calls = fail_on, 0
 
     def step(self, step):
         self.calls += 1
         if self.calls in self.fail_on:
             raise WorkerFailure(0, RuntimeError("rank 0 died"))
         return super().step(step)
+
+
+class SlowRecoveryExecutor(DyingExecutor):
+    """A recovery takes ``recovery_s`` on the engine's clock (a fake one: nothing sleeps)."""
+
+    def __init__(self, cfg, fail_on: set[int], clock: list[float], recovery_s: float):
+        super().__init__(cfg, fail_on)
+        self.clock, self.recovery_s = clock, recovery_s
 
     def recover(self) -> float:
         self.clock[0] += self.recovery_s

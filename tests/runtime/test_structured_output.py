@@ -15,6 +15,7 @@ from ray_attn.runtime import InProcessExecutor
 from ray_attn.runtime.logits_processors import apply_token_bitmask
 from ray_attn.structured_output import GrammarCompiler, StructuredOutputsParams
 from tests.runtime.test_engine_tp import config
+from tests.runtime.test_faults import DyingExecutor
 from tests.tokenizer_fixture import EOS_ID, build_tokenizer
 
 VOCAB = 384
@@ -107,24 +108,13 @@ def test_async_every_row_runs_every_step(tok, thread):
     check(tok, SPECS[1], eng.output(bound).output_token_ids)
 
 
-class RestartingExecutor(InProcessExecutor):
-    """Its rank "dies" on chosen step calls and comes back as a fresh one (no matchers, an
-    empty KV cache, the same seeded weights), as a restarted Ray actor would."""
-
-    def __init__(self, cfg, fail_on: set[int]):
-        super().__init__(cfg)
-        self.fail_on, self.calls = fail_on, 0
-
-    def step(self, step):
-        from ray_attn.runtime import WorkerFailure
-
-        self.calls += 1
-        if self.calls in self.fail_on:
-            raise WorkerFailure(0, RuntimeError("rank 0 died"))
-        return super().step(step)
+class RestartingExecutor(DyingExecutor):
+    """Its rank comes back from each death as a fresh one (no matchers, an empty KV cache, the
+    same seeded weights), as a restarted Ray actor would."""
 
     def recover(self) -> float:
         self.worker = self.worker_cls(self.config, 0)
+        self.worker.sample_on_thread = False
         self.worker.load_model()
         return 0.0
 
