@@ -111,9 +111,9 @@ class TokenStaging:
 
 
 class SamplingThread:
-    """A step's sampling on a thread of its own (``AttentionWorker._run``: a deferred step with constrained rows): CUDA work it queues
-    goes on the same stream as the main thread's, so it stays in order with the next step, which
-    is queued only after ``join``."""
+    """A step's sampling on a thread of its own (``AttentionWorker._run``: a deferred step with
+    constrained rows).  The CUDA work it queues goes on the same stream as the main thread's, so
+    it stays in order with the next step, which is queued only after ``join``."""
 
     def __init__(self, fn, *args, **kwargs):
         import threading

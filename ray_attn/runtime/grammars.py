@@ -13,28 +13,19 @@ from __future__ import annotations
 import numpy as np
 
 from ray_attn.runtime.messages import StepInput, StepOutput
-from ray_attn.structured_output import BITS, fill_bitmask
+from ray_attn.structured_output import BITS, GrammarState, fill_bitmask
 
 MAX_COMPILED = 256  # compiled grammars kept (by spec); a matcher keeps its own alive
 
 
-class _Row:
-    """A matcher and how many output tokens it has taken (``words`` for ``fill_bitmask``)."""
-
-    def __init__(self, matcher, words: int):
-        self.matcher, self.words, self.count = matcher, words, 0
-
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
-
-
 class RankGrammars:
     def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
         self.words = (vocab_size + BITS - 1) // BITS
         self.info = None
         self.compiled: dict = {}
-        self.rows: dict[str, _Row] = {}
+        self.rows: dict[str, GrammarState] = {}
+        self.taken: dict[str, int] = {}  # output tokens each matcher has taken
 
     def bitmask(self, step: StepInput, previous: StepOutput | None) -> np.ndarray:
         """int32 [G, words]: the allowed next tokens of the step's constrained rows.  ``previous``
@@ -44,6 +35,7 @@ class RankGrammars:
         si = step.sampling
         for key in si.grammar_drop or ():
             self.rows.pop(key, None)
+            self.taken.pop(key, None)
         if si.grammar_tokenizer is not None:
             self.info = xgr.TokenizerInfo.deserialize_json(si.grammar_tokenizer)
         for spec, text in (si.grammar_specs or {}).items():
@@ -53,27 +45,28 @@ class RankGrammars:
         for key, (spec, tokens) in (si.grammar_new or {}).items():
             if spec not in self.compiled:
                 raise RuntimeError(f"rank 0: request {key!r} needs a grammar it was never sent")
-            row = self.rows[key] = _Row(xgr.GrammarMatcher(self.compiled[spec]), self.words)
+            row = self.rows[key] = GrammarState(xgr.GrammarMatcher(self.compiled[spec]), self.vocab_size)
             for t in tokens:
-                row.matcher.accept_token(int(t))
-            row.count = len(tokens)
+                row.accept(t)
+            self.taken[key] = len(tokens)
         newest = self._newest_tokens(step, previous)
-        live, out = [], np.full((len(si.grammar_keys), self.words), -1, np.int32)
+        live: dict[int, GrammarState] = {}  # row -> its matcher, for the rows not yet finished
         for g, (key, want) in enumerate(zip(si.grammar_keys, si.grammar_counts.tolist())):
             row = self.rows.get(key)
             if row is None:
                 raise RuntimeError(f"rank 0: no grammar matcher for request {key!r}")
-            if row.count == want - 1:
+            if self.taken[key] == want - 1:
                 if not row.terminated:  # a finished grammar's row is dropped by the driver
-                    row.matcher.accept_token(int(newest[g]))  # a refusal: the driver ends it
-                row.count += 1
-            elif row.count != want:
-                raise RuntimeError(f"rank 0: request {key!r}'s matcher has taken {row.count} tokens, "
+                    row.accept(newest[g])  # a refusal: the driver ends the request
+                self.taken[key] += 1
+            elif self.taken[key] != want:
+                raise RuntimeError(f"rank 0: request {key!r}'s matcher has taken {self.taken[key]} tokens, "
                                    f"the step expects {want}")
             if not row.terminated:
-                live.append(g)
-        if live:
-            out[live] = fill_bitmask([self.rows[k] for k in (si.grammar_keys[g] for g in live)])
+                live[g] = row
+        out = np.full((len(si.grammar_keys), self.words), -1, np.int32)
+        if live:  # a finished row allows anything: the driver drops its token
+            out[list(live)] = fill_bitmask(list(live.values()))
         return out
 
     @staticmethod

@@ -176,7 +176,7 @@ class SamplingTensors:
             if inputs.grammar_rows is not None and len(inputs.grammar_rows):
                 i["grammar_rows"] = ints.add(inputs.grammar_rows)
                 # int32 words, in a copy of their own (the shared int part becomes long); None
-                # here when rank 0 fills them after the forward (``worker._stage_grammar``)
+                # here when rank 0 fills them after the forward (``worker._fill_grammar``)
                 bm = inputs.grammar_bitmask
                 if bm is not None:
                     extra["grammar_bitmask"] = (put("grammar_bitmask", bm) if put is not None

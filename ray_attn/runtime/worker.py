@@ -212,10 +212,8 @@ class AttentionWorker:
             hidden = self._forward(step)
             self.steps += 1
             rest = (step, hidden, logits_indices, sampling, prompt_rows)
-            if not self._fills_grammar(step, sampling):
+            if not step.defer or not self._fills_grammar(step, sampling):
                 return self._finish(*rest)
-            if not step.defer:
-                return self._finish(*rest, previous=None)
             # Rank 0 with constrained rows under async scheduling: answer the previous step now,
             # and fill this step's masks from its tokens, sample and defer on a thread of ours
             # while the driver plans the next step (``_join_tail`` waits for it first).
@@ -226,11 +224,11 @@ class AttentionWorker:
             return previous[0]
 
     def _finish(self, step: StepInput, hidden, logits_indices, sampling, prompt_rows,
-                previous: list | None | bool = False) -> StepOutput | None:
-        """The step after its forward: its constrained rows' masks (``previous`` is not False:
-        ``[output]`` of the step before, or None when there is none to wait for), sampling, the
-        tokens broadcast for the next step's inputs, and rank 0's answer."""
-        if previous is not False:
+                previous: list | None = None) -> StepOutput | None:
+        """The step after its forward: its constrained rows' masks (``previous``: ``[output]`` of
+        the step before, already collected, whose tokens fill placeholders), sampling, the tokens
+        broadcast for the next step's inputs, and rank 0's answer."""
+        if self._fills_grammar(step, sampling):
             self._fill_grammar(step, sampling, previous[0] if previous else None)
         tokens, logits, logprobs = self._sample(hidden, logits_indices, sampling)
         if step.defer and self.tp > 1:
@@ -242,7 +240,7 @@ class AttentionWorker:
         if prompt_rows is not None:
             prompt_lp = prompt_logprobs_on_device(self.model.compute_logits, hidden, *prompt_rows,
                                                   step.prompt_logprobs.num_logprobs)
-        return self._answer(step, tokens, logits, logprobs, prompt_lp, previous or None)
+        return self._answer(step, tokens, logits, logprobs, prompt_lp, previous)
 
     def _join_tail(self) -> None:
         """Wait for the last step's thread (see ``_run``); what it raised is raised here."""
@@ -384,4 +382,3 @@ class AttentionWorker:
         """A copy of some KV blocks (tests compare caches across ranks and after recovery)."""
         self._join_tail()
         return self.model.kv_caches[layer][:, block_ids].float().cpu().numpy()
-
