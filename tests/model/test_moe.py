@@ -84,7 +84,7 @@ def test_loop_matches_dense_reference_in_float64(T, E, k, on_input):
     got = fused_moe_loop(x, w13, w2, w, ids, on_input)
     want = ref_experts(x, w13, w2, ref_routing(logits, k, scoring, not on_input), on_input)
     assert (got - want).abs().max() < F64
-    assert want.std() > 0.1
+    assert want.abs().max() > 1e3 * F64  # not ~0 (a std floor flaked at T=1)
 
 
 @pytest.mark.parametrize("on_input", [False, True])
@@ -104,7 +104,7 @@ def test_grouped_matches_loop_and_reference_in_float32(T, E, k, on_input):
     want = ref_experts(x, w13, w2, ref_routing(logits, k, scoring, renorm), on_input)
     assert (grouped.double() - want).abs().max() < F32
     assert (loop.double() - want).abs().max() < F32
-    assert want.std() > 0.1
+    assert want.abs().max() > 1e3 * F32  # the check means something, far above the tolerance
 
 
 def test_empty_step():
