@@ -302,9 +302,25 @@ class CacheConfig(_Strict):
         "With an fp8 KV cache: set each layer's q/k/v scales from the first batch it sees "
         "(absolute maximum over 200 for q and k, 100 for v, as vLLM's calculate_kv_scales), "
         "instead of 1.0. The scales are per rank and fixed after that batch."))
+    host_cache_gib: float = Field(0.0, ge=0, description=(
+        "Host-memory tier per rank (GiB, pinned on GPUs): a cached block evicted from the device cache "
+        "is copied there, and a later prefix hit on it is copied back instead of recomputed. 0: off."))
+    kv_sharing: bool = Field(False, description=(
+        "Publish each full block computed to the KV store of the rank's node, and fetch prefixes "
+        "another replica with the same model and TP layout computed (on any node) instead of "
+        "recomputing them, when fetching pays (kv_share_min_tokens)."))
+    kv_store_gib: float = Field(4.0, gt=0, description="Capacity of each node's shared KV store (GiB); full, it drops "
+                                "its least recently used blocks.")
+    kv_share_min_tokens: int = Field(64, ge=0, description=(
+        "Fewest prefix tokens a shared-store fetch must cover to be taken (else they are recomputed): "
+        "the break-even of a fetch's fixed cost against prefill, scripts/bench_kv_tiers.py."))
 
     @model_validator(mode="after")
     def _check(self):
+        if self.kv_sharing and not self.enable_prefix_caching:
+            raise ValueError("kv_sharing needs enable_prefix_caching (blocks are found by their prefix hashes)")
+        if self.host_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_cache_gib needs enable_prefix_caching (blocks are found by their prefix hashes)")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}")
         return self

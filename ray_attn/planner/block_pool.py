@@ -104,6 +104,10 @@ class BlockPool:
         self._key_of: dict[int, int] = {}  # block id -> chain hash (used or cached)
         self.num_evictions = 0
         self.num_shared_blocks = 0  # blocks with two or more holders (cascade is possible)
+        # The KV tiers (tiers.py) follow content leaving and entering the index: called with
+        # (block ids, chain hashes) of blocks evicted, and of blocks newly indexed.
+        self.on_evict = None
+        self.on_index = None
 
     # ----------------------------------------------------------------------------- counts
     @property
@@ -147,9 +151,12 @@ class BlockPool:
             evicted = list(islice(self._evictable, n - take))
             for b in evicted:
                 del self._evictable[b]
-            for h in map(self._key_of.pop, evicted):
+            hashes = list(map(self._key_of.pop, evicted))
+            for h in hashes:
                 del self._block_of[h]
             self.num_evictions += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted, hashes)
             ids += evicted
         out = np.asarray(ids, dtype=np.int32)
         self.ref_cnt[out] = 1
@@ -213,18 +220,25 @@ class BlockPool:
             return dups
         block_of, key_of = self._block_of, self._key_of
         known = list(map(block_of.get, hashes))
-        if known.count(None) == len(known) and len(set(hashes)) == len(hashes):
+        if known.count(None) == len(known) and len(set(hashes)) == len(hashes) \
+                and not any(map(key_of.__contains__, block_ids)):
             block_of.update(zip(hashes, block_ids))  # the common case, all new: two C-level updates
             key_of.update(zip(block_ids, hashes))
+            if self.on_index is not None:
+                self.on_index(list(block_ids), list(hashes))
             return dups
+        new = []
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
             c = block_of.get(h)
             if c is None:
                 if b not in key_of:
                     block_of[h] = b
                     key_of[b] = h
+                    new.append((b, h))
             elif c != b:
                 dups.append((i, c))
+        if new and self.on_index is not None:
+            self.on_index(*map(list, zip(*new)))
         return dups
 
     def reset_prefix_cache(self) -> int:

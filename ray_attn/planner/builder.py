@@ -30,6 +30,7 @@ from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
 from .kv_cache import KVCacheManager
 from .plan import ScheduledRequest, StepPlan
 from .step_prefix import StepPrefixIndex
+from .tiers import KVTiers
 from .step import (
     CascadeMemo,
     LastBatch,
@@ -83,6 +84,7 @@ class Planner:
         max_model_len: int | None = None,
         token_buckets: Sequence[int] | None = None,
         max_num_reqs_hint: int = 256,
+        tiers: KVTiers | None = None,
     ):
         self.block_size = _positive("block_size", block_size)
         self.num_query_heads = _positive("num_query_heads", num_query_heads)
@@ -114,7 +116,7 @@ class Planner:
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
         self.kv = KVCacheManager(_positive("num_blocks", num_blocks), self.block_size, enable_prefix_caching,
-                                 _positive("max_num_reqs_hint", max_num_reqs_hint), max_model_len)
+                                 _positive("max_num_reqs_hint", max_num_reqs_hint), max_model_len, tiers)
         # the manager's objects, never rebound: the step path reads the table; ``pool`` is public
         self.pool, self.table, self._freed = self.kv.pool, self.kv.table, self.kv.freed
         self._ones = np.ones(0, dtype=np.int32)  # a decode step's query lengths
@@ -261,6 +263,8 @@ class Planner:
 
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block; returns how many."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.reset()
         return self.pool.reset_prefix_cache()
 
     def plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
@@ -272,7 +276,19 @@ class Planner:
 
         Raises, with no state change, InvalidRequestError for bad lengths or duplicate ids and
         OutOfBlocksError when the pool cannot hold the step (the engine then preempts).
+
+        With KV tiers (tiers.py) the plan also carries the copies the step makes first
+        (``StepPlan.kv_transfers``).
         """
+        tiers = self.kv.tiers
+        if tiers is None:
+            return self._plan(scheduled)
+        tiers.begin_plan()
+        plan = self._plan(scheduled)
+        plan.kv_transfers = tiers.take_transfers()
+        return plan
+
+    def _plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         ids, slots = self._same_batch(scheduled)
         if ids is None:
             ids = list(map(_get_id, scheduled))

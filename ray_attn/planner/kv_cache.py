@@ -36,6 +36,7 @@ from .block_pool import ROOT_HASH, BlockPool, chain_hashes, content_hashes
 from .errors import DoubleFreeError, InvalidRequestError, OutOfBlocksError, UnknownRequestError
 from .slots import RequestTable
 from .step_prefix import StepPrefixIndex
+from .tiers import KVTiers
 
 _get_id = attrgetter("req_id")
 _get_toks = attrgetter("token_ids")
@@ -62,6 +63,8 @@ class PreparedBatch:
         "hit_tokens",  # tokens the new rows take from the prefix cache
         "input_ids",  # [num tokens] this step's tokens, request after request (with ``gather``)
         "index",  # the StepPrefixIndex of the new rows' hits (None: none built), its hashes reused
+        "tier_hits",  # per new row, (column, tier, source, chain hash) of each lower-tier hit (tiers.py)
+        "num_tier_blocks",  # fresh blocks those hits are copied into
     )
 
 
@@ -70,10 +73,13 @@ class KVCacheManager:
     on input ``prepare`` (or, for decode, the planner's fast path) already validated."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 max_num_reqs_hint: int, max_model_len: int | None):
+                 max_num_reqs_hint: int, max_model_len: int | None, tiers: KVTiers | None = None):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.pool.on_evict, self.pool.on_index = self.tiers.evicted, self.tiers.indexed
         self.table = RequestTable(max_num_reqs_hint)
         self.freed: OrderedDict[Hashable, None] = OrderedDict()
         self.prefix_cache_queries = 0  # prompt tokens of new requests looked up
@@ -126,6 +132,7 @@ class KVCacheManager:
         computed = self.table.num_computed[slots]  # new rows read slot -1: overwritten below
         nblocks = self.table.num_blocks[slots]
         b.hits, b.hit_hashes, b.hit_tokens, b.step_hits, b.index = [], [], 0, [], None
+        b.tier_hits, b.num_tier_blocks = [], 0
         try:
             lens = np.fromiter(map(len, toks), np.int64, B)
         except TypeError as e:
@@ -158,6 +165,11 @@ class KVCacheManager:
                 index.add_new(i, m, int(lens[i]) - m.num_tokens if nn is None else nn)
                 hit, last_hash = m.blocks, m.last_hash
                 b.step_hits += [(i, *src) for src in m.step_hits]
+                if m.tier_hits:
+                    b.tier_hits.append([(c, kind, src, int(m.hashes[c])) for c, kind, src in m.tier_hits])
+                    b.num_tier_blocks += len(m.tier_hits)
+                else:
+                    b.tier_hits.append(())
             b.hits.append(hit)
             b.hit_hashes.append(last_hash)
             computed[i] = len(hit) * self.block_size
@@ -184,7 +196,7 @@ class KVCacheManager:
             except (TypeError, ValueError, OverflowError) as e:
                 raise InvalidRequestError(f"token ids must be ints: {e}") from None
         if check_capacity:
-            total = b.num_new_blocks
+            total = b.num_new_blocks + b.num_tier_blocks
             available = self.pool.num_free_blocks
             if b.new_rows and total:
                 # hits on evictable blocks take them out of the allocatable set
@@ -223,6 +235,8 @@ class KVCacheManager:
                 for slot, hit in zip(slots, b.hits):
                     if hit:
                         T.block_table[slot, : len(hit)] = hit
+            if b.num_tier_blocks:
+                self._claim_tier_hits(b, slots)
             self.prefix_cache_queries += int(np.fromiter(map(len, [b.toks[i] for i in b.new_rows]),
                                                          np.int64, len(new)).sum())
             self.prefix_cache_hits += int(n_hit.sum()) * self.block_size
@@ -241,6 +255,18 @@ class KVCacheManager:
             shared = T.block_table[b.slots[src], src_col]
             T.block_table[b.slots[row], col] = shared
             self.pool.acquire(shared.tolist())
+
+    def _claim_tier_hits(self, b: PreparedBatch, slots) -> None:
+        """Fresh blocks for the new rows' lower-tier hits, which the step copies in before its
+        forward (``KVTiers.claim``); indexed at once, so that later steps hit them as usual."""
+        flat = [(slot, *t) for slot, hits in zip(slots, b.tier_hits) for t in hits]
+        self.tiers.pin([(kind, src) for _, _, kind, src, _ in flat])  # before evictions pick host slots
+        fresh = self.pool.allocate(b.num_tier_blocks)  # what it evicts may go to the host tier
+        slot_col = np.array([(slot, col) for slot, col, _, _, _ in flat], np.int64)
+        self.table.block_table[slot_col[:, 0], slot_col[:, 1]] = fresh
+        hashes = [h for *_, h in flat]
+        self.tiers.claim([(kind, src) for _, _, kind, src, _ in flat], fresh.tolist(), hashes)
+        self.pool.cache_blocks(fresh.tolist(), hashes)
 
     def allocate_decode_blocks(self, slots: np.ndarray, computed: np.ndarray, nblocks: np.ndarray) -> int:
         """The decode fast path's allocation: a block for each request whose last block is full

@@ -83,6 +83,7 @@ class StepPlan:
     cascade_group_ids: np.ndarray | None = None  # [B] group of each request when cascading
     num_prefix_cache_hit_tokens: int = 0  # tokens new requests took from the prefix cache
     num_new_blocks: int = 0  # blocks allocated for this step
+    kv_transfers: object = None  # planner.tiers.KVTransfers: copies between KV tiers before the forward
 
     @property
     def num_reqs(self) -> int:

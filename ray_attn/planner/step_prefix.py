@@ -43,6 +43,9 @@ class PrefixMatch:
     blocks: list  # per hit block, its pool block id, or -1 where a row of this step computes it
     step_hits: list  # (column, computing row, that row's column) for each -1 of ``blocks``
     num_tokens: int  # the hit in tokens: whole blocks
+    # (column, tier, source) for each -2 of ``blocks``: a block a lower tier holds (tiers.py),
+    # copied into a fresh device block when the row is admitted; always the run's last columns
+    tier_hits: list = None
 
     @property
     def num_blocks(self) -> int:
@@ -103,7 +106,7 @@ class StepPrefixIndex:
         limit = min(self.kv.max_hit_blocks(n, num_new_tokens), full) if read else 0
         keys = hashes[:limit].tolist()
         filled = self._filled
-        blocks, step_hits = [], []
+        blocks, step_hits, tier_hits = [], [], []
         for col, (key, b) in enumerate(zip(keys, self.kv.pool.cached_blocks(keys))):
             if b is None:
                 src = filled.get(key)
@@ -112,17 +115,24 @@ class StepPrefixIndex:
                 b = -1
                 step_hits.append((col, *src))
             blocks.append(b)
-        return PrefixMatch(hashes, blocks, step_hits, len(blocks) * bs)
+        tiers = self.kv.tiers
+        if tiers is not None and len(blocks) < len(keys):  # the lower tiers go on where it stopped
+            for col, (kind, src) in enumerate(tiers.leading(keys[len(blocks):]), len(blocks)):
+                tier_hits.append((col, kind, src))
+                blocks.append(-2)
+        return PrefixMatch(hashes, blocks, step_hits, len(blocks) * bs, tier_hits)
 
     def add_new(self, row: int, m: PrefixMatch, num_new_tokens: int) -> None:
         """Batch row ``row``, admitted with the hit ``m`` and computing ``num_new_tokens`` past it:
         the blocks it fills become hits for the rows after it."""
+        filled = self._filled
+        for col, _, _ in m.tier_hits or ():  # a later row takes what this one copies in
+            filled.setdefault(int(m.hashes[col]), (row, col))
         end = min((m.num_tokens + int(num_new_tokens)) // self.block_size, len(m.hashes))
         if end <= m.num_blocks:
             return
         h = m.hashes[m.num_blocks: end]
         self._parts.append((np.full(len(h), row, np.int64), np.arange(m.num_blocks, end), h))
-        filled = self._filled
         for col, key in enumerate(h.tolist(), m.num_blocks):
             filled.setdefault(key, (row, col))
 
