@@ -29,6 +29,7 @@ from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts impo
 )
 from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams, TokenLogprobs  # noqa: F401
 from ray_attn.runtime.cluster import WorkerFailure
+from ray_attn.runtime.kv_tiers import planner_tiers
 from ray_attn.runtime.messages import StepInput
 from ray_attn.sampling_inputs import (
     apply_prompt_logprobs,
@@ -80,6 +81,7 @@ class EngineStats:
     recoveries: int = 0
     last_recovery_s: float | None = None
     busy_s: float = 0.0
+    kv_copy_s: float = 0.0  # rank 0's time copying between KV tiers (planner/tiers.py)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -105,7 +107,7 @@ class LLMEngine:
             num_sms=config.num_sms or executor.num_sms or 132,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_cascade=config.enable_cascade, max_model_len=m.max_position_embeddings,
-            max_num_reqs_hint=config.max_num_seqs,
+            max_num_reqs_hint=config.max_num_seqs, tiers=planner_tiers(config, executor),
             cascade_min_saved_kv_tokens=config.cascade_min_saved_kv_tokens
             if config.cascade_min_saved_kv_tokens is not None else cascade_threshold(
                 config, executor.kernel_name, _workers_use_graphs(executor)))
@@ -272,6 +274,8 @@ class LLMEngine:
             out = self.executor.step(step_in)
         except WorkerFailure as e:
             return self._on_worker_failure(e)
+        if out is not None and "kv_copy_s" in out.timings:
+            self.stats.kv_copy_s = out.timings["kv_copy_s"]
         if self.async_scheduling:
             done, self._submitted = self._submitted, sub
         else:

@@ -231,7 +231,7 @@ class Planner:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_evictions": self.pool.num_evictions,
-        }
+        } | ({} if self.kv.tiers is None else self.kv.tiers.stats_dict())
 
     # ------------------------------------------------------------------------------------ engine API
     def can_schedule(self, scheduled: Sequence[ScheduledRequest]) -> bool:

@@ -166,6 +166,13 @@ class KVTiers:
         self._publish: list[tuple[int, int]] = []
         self._no_publish: set[int] = set()  # blocks filled from a tier this step
 
+    def stats_dict(self) -> dict:
+        """The counters, and what the host tier holds now (for the planner's ``stats``)."""
+        from dataclasses import asdict
+
+        return asdict(self.stats) | {"host_tier_blocks": 0 if self.host is None else len(self.host),
+                                     "host_tier_slots": 0 if self.host is None else self.host.num_slots}
+
     # -- lookups (read-only for the host tier; the store pins what it answers under a lease) ----
     def leading(self, hashes: list[int]) -> list[tuple[str, object]]:
         """The tier hits continuing a device run: ``(HOST, slot)`` then ``(SHARED, store)`` per

@@ -57,6 +57,7 @@ class AttentionWorker:
         self.seen_refs: collections.deque[str] = collections.deque(maxlen=1024)
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
+        self.tiers = None  # RankKVTiers: the host pool and the copies a step carries, when on
         self.memory_profile = None  # how the KV cache was sized, when sized on a GPU
         self.graph_pool_bytes: int | None = None  # what the decode graphs' capture took
         self.steps = 0
@@ -102,6 +103,12 @@ class AttentionWorker:
             self.model.init_random_weights(cfg.model.seed)
         self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.model.allocate_kv_cache(self.num_blocks)
+        c = cfg.cache
+        if c.host_cache_gib or c.kv_sharing:  # below the device cache: planner/tiers.py
+            from ray_attn.runtime.kv_tiers import RankKVTiers
+
+            self.tiers = RankKVTiers(self.model, c.host_cache_gib, self.rank, self.tp, self.device,
+                                     int(c.kv_store_gib * (1 << 30)))
         self.graphs = self._capture_graphs()
         if cfg.cache.calculate_kv_scales:
             self.model.set_calculate_kv_scales()  # after capture: its warm-ups must not set them
@@ -159,7 +166,8 @@ class AttentionWorker:
         info = {"rank": self.rank, "device": str(self.device), "pid": os.getpid(),
                 "kernel": self.model.kernel_name if self.model else None,
                 "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None,
-                "memory": None}
+                "memory": None, "host_slots": self.tiers.num_host_slots if self.tiers else 0,
+                "kv_block_bytes": self.tiers.block_bytes if self.tiers else None}
         if self.memory_profile is not None:
             info["memory"] = self.memory_profile.as_dict() | {"graph_pool_bytes": self.graph_pool_bytes}
         if self.device.type == "cuda":
@@ -194,6 +202,8 @@ class AttentionWorker:
             return None  # the driver reads rank 0's answer only
         if out is not None:
             out.timings["worker_s"] = time.perf_counter() - t0
+            if self.tiers is not None:  # the copies between KV tiers so far
+                out.timings["kv_copy_s"] = self.tiers.moved["copy_s"]
             if self.grammar_s is not None:  # this step's mask fill (benchmarks read it)
                 out.timings["grammar_s"], self.grammar_s = self.grammar_s, None
         return messages.dumps(out) if wire else out
@@ -205,6 +215,8 @@ class AttentionWorker:
         if step.plan is None:
             return self._collect_deferred()  # a flush: nothing to run
         self._check(step)
+        if step.plan.kv_transfers is not None:  # before the forward: it may reuse those blocks
+            self.tiers.apply(step.plan.kv_transfers)
         self.buffers.begin()  # ended by _forward, once the last input is on its way
         logits_indices, sampling = self._stage_sampling_inputs(step)
         prompt_rows = self._stage_prompt_logprobs(step)
@@ -256,6 +268,12 @@ class AttentionWorker:
                                f"of deferred step {self.deferred.step_id} was never collected")
         m = step.plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        t = step.plan.kv_transfers
+        if t is not None:
+            if self.tiers is None:
+                raise ValueError(f"rank {self.rank}: step {step.step_id} carries kv_transfers, but this rank "
+                                 "has no KV tiers (cache.host_cache_gib and cache.kv_sharing are off)")
+            self.tiers.check(t, self.num_blocks)
         p = step.prompt_logprobs
         if p is not None and len(p.indices):  # an index past the step would fail on the device
             if len(p.indices) != len(p.targets):

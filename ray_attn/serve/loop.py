@@ -303,8 +303,29 @@ class EngineLoop:
             "engine_waiting": len(eng.waiting),
             "uptime_s": now - self._started,
         }
+        if "host_hit_blocks" in ps:
+            snap.update(kv_tier_stats(ps, eng))
         self._snapshot = snap
         self.hooks.on_snapshot(self.stats())
+
+
+def kv_tier_stats(ps: dict, eng) -> dict:
+    """Hits per KV tier (tokens), bytes moved each way, and rank 0's copy time (planner/tiers.py)."""
+    bs = eng.config.cache.block_size
+    infos = getattr(eng.executor, "infos", None) or [{}]
+    block_bytes = infos[0].get("kv_block_bytes") or 0  # one rank's shard of a block, all layers
+    tiered = (ps["host_hit_blocks"] + ps["shared_hit_blocks"]) * bs
+    return {
+        "kv_hit_tokens_device": ps["prefix_cache_hits"] - tiered,
+        "kv_hit_tokens_host": ps["host_hit_blocks"] * bs,
+        "kv_hit_tokens_shared": ps["shared_hit_blocks"] * bs,
+        "kv_offload_bytes": ps["offloaded_blocks"] * block_bytes,
+        "kv_onload_bytes": ps["onloaded_blocks"] * block_bytes,
+        "kv_publish_bytes": ps["published_blocks"] * block_bytes,
+        "kv_fetch_bytes": ps["fetched_blocks"] * block_bytes,
+        "kv_copy_s": eng.stats.kv_copy_s,
+        "host_tier_blocks": ps["host_tier_blocks"],
+    }
 
 
 def drive_blocking(loop: EngineLoop, prompts: Sequence[Sequence[int]], params,

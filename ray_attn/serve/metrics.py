@@ -51,6 +51,18 @@ class RayMetricsHooks(LoopHooks):
                   self.queue_depth, self.running, self.finished, self.rejected, self.prefix_hits,
                   self.prefix_queries):
             m.set_default_tags({"replica": replica})
+        # KV tiers (when on): counters fed from the snapshot's running totals
+        self.kv_tier_hits = metrics.counter("ray_attn_kv_tier_hit_tokens",
+                                            description="Prompt tokens found in the KV cache, by tier "
+                                            "(device, host, shared).", tag_keys=tags + ("tier",))
+        self.kv_tier_bytes = metrics.counter("ray_attn_kv_tier_bytes",
+                                             description="Bytes rank 0 moved between KV tiers, by direction "
+                                             "(offload, onload, publish, fetch).", tag_keys=tags + ("direction",))
+        self.kv_copy_s = metrics.counter("ray_attn_kv_copy_seconds",
+                                         description="Rank 0's time copying between KV tiers.", tag_keys=tags)
+        for m in (self.kv_tier_hits, self.kv_tier_bytes, self.kv_copy_s):
+            m.set_default_tags({"replica": replica})
+        self._tier_seen: dict[str, float] = {}
         self.min_gauge_interval_s = min_gauge_interval_s
         self._last_gauges = 0.0
         self._prefix_seen = (0, 0)  # (hits, queries) already counted
@@ -76,6 +88,19 @@ class RayMetricsHooks(LoopHooks):
         if queries > self._prefix_seen[1]:
             self.prefix_queries.inc(queries - self._prefix_seen[1])
         self._prefix_seen = (max(hits, self._prefix_seen[0]), max(queries, self._prefix_seen[1]))
+        if "kv_copy_s" in snap:
+            self._count_tiers(snap)
+
+    def _count_tiers(self, snap: dict) -> None:
+        feeds = [(f"kv_hit_tokens_{t}", self.kv_tier_hits, {"tier": t}) for t in ("device", "host", "shared")]
+        feeds += [(f"kv_{d}_bytes", self.kv_tier_bytes, {"direction": d})
+                  for d in ("offload", "onload", "publish", "fetch")]
+        feeds.append(("kv_copy_s", self.kv_copy_s, None))
+        for key, counter, tags in feeds:
+            grew = snap[key] - self._tier_seen.get(key, 0)
+            if grew > 0:
+                counter.inc(grew, tags=tags)
+                self._tier_seen[key] = snap[key]
 
     def on_request_done(self, finish_reason: str) -> None:
         self.finished.inc(tags={"finish_reason": finish_reason})

@@ -1,0 +1,147 @@
+"""KV tiers on the ranks (ray_attn/runtime/kv_tiers.py) and through the engine: the host tier's
+copies are byte-identical both ways (fp8 caches too), bad copies are refused by name, and a
+multi-turn workload whose prefixes no longer fit the device cache gets the same greedy tokens
+with the host tier on as off -- having taken hits from it -- in sync and async scheduling and at
+TP=2.  The shared tier's own tests are in test_kv_store.py and tests/serve."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ray_attn.config import CacheConfig, EngineConfig
+from ray_attn.engine import LLMEngine, SamplingParams
+from ray_attn.model import build_model
+from ray_attn.planner.tiers import KVTransfers
+from ray_attn.runtime import AttentionCluster, InProcessExecutor
+from ray_attn.runtime.kv_tiers import RankKVTiers
+from tests.runtime.test_engine_tp import config as base_config
+
+
+def rank_tiers(kv_cache_dtype="auto", num_blocks=12, host_gib=0.002):
+    cfg = base_config()
+    model = build_model(cfg.model, block_size=16, kv_cache_dtype=kv_cache_dtype, kernel="torch")
+    model.allocate_kv_cache(num_blocks)
+    g = torch.Generator().manual_seed(0)
+    for c in model.kv_caches:  # random bytes, fp8 or not: copies must not care what they mean
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    return model, RankKVTiers(model, host_gib, 0, 1, torch.device("cpu"))
+
+
+def block_bytes(model, b):
+    return torch.stack([c.view(torch.uint8)[:, b] for c in model.kv_caches]).clone()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_offload_then_onload_is_byte_identical(kv_cache_dtype):
+    model, tiers = rank_tiers(kv_cache_dtype)
+    assert tiers.num_host_slots >= 4
+    before = {b: block_bytes(model, b) for b in (2, 5, 7)}
+    i32 = lambda *x: np.array(x, np.int32)  # noqa: E731
+    # offload 2, 5, 7 to slots 3, 0, 1 and, in the same step, copy slot 3 back into block 5: the
+    # offloads read first, so block 5 ends up holding what block 2 held
+    tiers.apply(KVTransfers(offload_blocks=i32(2, 5, 7), offload_slots=i32(3, 0, 1),
+                            onload_slots=i32(3), onload_blocks=i32(5)))
+    assert torch.equal(block_bytes(model, 5), before[2])
+    tiers.apply(KVTransfers(onload_slots=i32(0, 1), onload_blocks=i32(9, 10)))
+    assert torch.equal(block_bytes(model, 9), before[5]) and torch.equal(block_bytes(model, 10), before[7])
+    assert torch.equal(block_bytes(model, 7), before[7])  # a source block is left as it was
+    assert tiers.moved["offload_bytes"] == 3 * tiers.block_bytes == 3 * model.kv_cache_bytes_per_block()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("offload_blocks", [12], r"offload_blocks must lie in \[0, 12\)"),
+    ("onload_slots", [10**6], r"onload_slots must lie in"),
+    ("publish_blocks", [-1], r"publish_blocks must lie in"),
+])
+def test_bad_copies_are_refused_by_name(field, value, match):
+    model, tiers = rank_tiers()
+    t = KVTransfers()
+    setattr(t, field, np.array(value, np.int32))
+    pair = {"offload_blocks": "offload_slots", "onload_slots": "onload_blocks", "publish_blocks": "publish_hashes"}
+    setattr(t, pair[field], np.zeros(1, np.int32) if field != "publish_blocks" else [1])
+    with pytest.raises(ValueError, match=match):
+        tiers.check(t, 12)
+
+
+def test_no_host_tier_refuses_host_copies():
+    model, tiers = rank_tiers(host_gib=0)
+    t = KVTransfers(offload_blocks=np.array([1], np.int32), offload_slots=np.array([0], np.int32))
+    with pytest.raises(ValueError, match="no host tier"):
+        tiers.check(t, 12)
+
+
+# -- through the engine --------------------------------------------------------------------------
+def conversations(users=6, turns=3, doc_len=96, vocab=384, seed=11):
+    """Each user's turns: a long document, then a question per turn (answers appended later)."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, vocab, doc_len).tolist() for _ in range(users)]
+    questions = [[rng.integers(0, vocab, 10).tolist() for _ in range(turns)] for _ in range(users)]
+    return docs, questions
+
+
+def run_turns(engine, users=6, turns=3, max_tokens=6):
+    docs, questions = conversations(users, turns)
+    history = [list(d) for d in docs]
+    answers = []
+    for t in range(turns):
+        prompts = [h + questions[u][t] for u, h in enumerate(history)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+        for u, o in enumerate(outs):
+            history[u] = prompts[u] + o.output_token_ids
+        answers.append([o.output_token_ids for o in outs])
+    return answers
+
+
+def tier_config(host_gib, tp=1, asyn=False, num_blocks=40):
+    cfg = base_config(tp=tp, num_blocks=num_blocks)
+    return cfg.model_copy(update={"cache": CacheConfig(num_blocks=num_blocks, host_cache_gib=host_gib),
+                                  "async_scheduling": asyn})
+
+
+@pytest.fixture(scope="module")
+def reference_answers():
+    cfg = tier_config(0.0, num_blocks=400)  # everything fits: no eviction, no tiers
+    return run_turns(LLMEngine(cfg, InProcessExecutor(cfg)))
+
+
+@pytest.mark.parametrize("asyn", [False, True])
+def test_host_tier_hits_give_the_same_tokens(reference_answers, asyn):
+    cfg = tier_config(0.02, asyn=asyn)
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    assert run_turns(eng) == reference_answers
+    st = eng.planner.stats()
+    # the later turns found their documents in the host tier, not recomputed them
+    assert st["host_hit_blocks"] >= 10 and st["onloaded_blocks"] == st["host_hit_blocks"]
+    assert st["offloaded_blocks"] > 0 and eng.stats.kv_copy_s > 0
+    off = LLMEngine(tier_config(0.0), InProcessExecutor(tier_config(0.0)))
+    assert run_turns(off) == reference_answers
+    assert off.planner.stats()["prefix_cache_hits"] < st["prefix_cache_hits"]
+
+
+def test_a_full_host_tier_evicts_and_never_refuses(reference_answers):
+    cfg = tier_config(0.0008)  # a handful of slots for 6 documents of 6 blocks
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    assert 0 < eng.executor.infos[0]["host_slots"] < 20
+    assert run_turns(eng) == reference_answers
+    assert eng.planner.kv.tiers.host.num_evictions > 0
+
+
+@pytest.mark.slow
+def test_host_tier_at_tp2(ray_local, reference_answers):
+    cfg = tier_config(0.02, tp=2)
+    cluster = AttentionCluster(cfg)
+    try:
+        eng = LLMEngine(cfg, cluster)
+        assert run_turns(eng) == reference_answers
+        assert eng.planner.stats()["host_hit_blocks"] >= 10
+    finally:
+        cluster.shutdown()
+
+
+def test_config_refuses_tiers_without_prefix_caching():
+    with pytest.raises(ValueError, match="host_cache_gib needs enable_prefix_caching"):
+        EngineConfig(cache=CacheConfig(host_cache_gib=1, enable_prefix_caching=False))
+    with pytest.raises(ValueError, match="kv_sharing needs enable_prefix_caching"):
+        EngineConfig(cache=CacheConfig(kv_sharing=True, enable_prefix_caching=False))
