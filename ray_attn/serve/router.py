@@ -21,6 +21,11 @@ stack is built the same way (an OpenAI ingress calling LLMServer handles).
 The table is per router instance, i.e. per front-deployment replica: with one front replica (as
 shipped) it sees every request.  It is a model of the replicas' caches, not a copy: a replica may
 have evicted a block the table still lists (a wasted preference, never a wrong answer).
+
+With a shared KV tier (``cache.kv_sharing``) every block a replica computes is also published to
+the stores every replica fetches from, so the table keeps those blocks under one more key,
+``SHARED``.  When the shared tier holds a longer run of a prompt than any replica's own cache, no
+replica is better placed than another (each fetches the same run), and the request goes by load.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ray.serve.request_router import (
 )
 
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 65536
+SHARED = "shared-kv-tier"  # the table's key for the blocks every replica can fetch
 
 
 class PrefixIndex:
@@ -80,7 +86,7 @@ class PrefixIndex:
         self._blocks.pop(replica, None)
 
     def keep_only(self, replicas: Iterable) -> None:
-        alive = set(replicas)
+        alive = set(replicas) | {SHARED}
         for r in [r for r in self._blocks if r not in alive]:
             del self._blocks[r]
 
@@ -106,7 +112,8 @@ class PrefixAwareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     the oldest one waiting (the base class matches by request id)."""
 
     def initialize_state(self, imbalanced_threshold: int = 8, min_match_blocks: int = 1,
-                         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA):
+                         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
+                         shared_tier: bool = False):
         if int(imbalanced_threshold) < 0:
             raise ValueError(f"imbalanced_threshold: must be >= 0, got {imbalanced_threshold}")
         if int(min_match_blocks) < 1:
@@ -114,8 +121,9 @@ class PrefixAwareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.imbalanced_threshold = int(imbalanced_threshold)
         self.min_match_blocks = int(min_match_blocks)
         self.index = PrefixIndex(max_blocks_per_replica)
+        self.shared_tier = bool(shared_tier)
         # How each request with a prompt was decided (read by tests and logs).
-        self.decisions = {"prefix": 0, "imbalanced": 0, "no_match": 0}
+        self.decisions = {"prefix": 0, "imbalanced": 0, "no_match": 0, "shared": 0}
 
     # -- replica set ---------------------------------------------------------------------------
     def update_replicas(self, replicas: List[RunningReplica]):
@@ -142,6 +150,9 @@ class PrefixAwareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [two]
         matched = {r.replica_id: self.index.match(r.replica_id, hashes) for r in candidates}
         best = max(matched.values())
+        if self.shared_tier and self.index.match(SHARED, hashes) > max(best, self.min_match_blocks - 1):
+            self.decisions["shared"] += 1  # any replica fetches the same run: go by load
+            return [two]
         if best < self.min_match_blocks:
             self.decisions["no_match"] += 1
             return [two]
@@ -175,7 +186,9 @@ class PrefixAwareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         hashes = request_block_hashes(pending_request)
         if hashes:
             self.index.record(replica_id, hashes)
+            if self.shared_tier:
+                self.index.record(SHARED, hashes)
 
 
-__all__ = ["DEFAULT_MAX_BLOCKS_PER_REPLICA", "PrefixAwareRequestRouter", "PrefixIndex",
+__all__ = ["DEFAULT_MAX_BLOCKS_PER_REPLICA", "PrefixAwareRequestRouter", "PrefixIndex", "SHARED",
            "request_block_hashes"]

@@ -41,6 +41,7 @@ def scaling_options(cfg: ServeAppConfig) -> dict[str, Any]:
                 # prefixes it has already evicted.
                 "max_blocks_per_replica": (pr.max_blocks_per_replica or cfg.engine.cache.num_blocks
                                            or DEFAULT_MAX_BLOCKS_PER_REPLICA),
+                "shared_tier": cfg.engine.cache.kv_sharing,
             },
         }
     return out

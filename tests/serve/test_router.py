@@ -226,7 +226,25 @@ def test_min_match_blocks_and_forgotten_replicas():
         router.update_replicas([reps[1]])  # replica a went away: its blocks are forgotten
         router.update_replicas(reps)
         assert len(await router.choose_replicas(reps, pending([1, 2]))) == 1
-        assert router.decisions == {"prefix": 1, "imbalanced": 0, "no_match": 2}
+        assert router.decisions == {"prefix": 1, "imbalanced": 0, "no_match": 2, "shared": 0}
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+@pytest.mark.parametrize("shared_tier", [False, True])
+def test_shared_tier_blocks_count_for_every_replica(shared_tier):
+    """With a shared KV tier, the prefix a lost replica computed is still fetchable by all: the
+    request goes by load as a 'shared' decision; a live holder of the longest run still wins."""
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+        router = make_router(reps, shared_tier=shared_tier)
+        router.on_request_routed(pending([1, 2, 3]), reps[0].replica_id, None)
+        assert ids(await router.choose_replicas(reps, pending([1, 2, 3, 4])))[0] == ["a"]
+        router.update_replicas(reps[1:])  # a is gone; with sharing, its blocks are not
+        ranks = await router.choose_replicas(reps[1:], pending([1, 2, 3, 4]))
+        assert ids(ranks) == [["b", "c"]]
+        want = {"prefix": 1, "imbalanced": 0, "no_match": 0, "shared": 0}
+        want["shared" if shared_tier else "no_match"] += 1
+        assert router.decisions == want
     asyncio.run(asyncio.wait_for(go(), 30))
 
 
