@@ -109,7 +109,8 @@ def test_replicas_yaml_is_two_prefix_routed_replicas_on_two_cores():
     router = opts["request_router_config"]
     assert import_attr(router["request_router_class"]) is PrefixAwareRequestRouter
     assert router["request_router_kwargs"] == {"imbalanced_threshold": 8, "min_match_blocks": 1,
-                                               "max_blocks_per_replica": cfg.engine.cache.num_blocks}
+                                               "max_blocks_per_replica": cfg.engine.cache.num_blocks,
+                                               "shared_tier": False}
     assert build_app(args) is not None
 
 
