@@ -281,8 +281,27 @@ class LLMEngine:
         else:
             done = sub
         outputs = [] if done is None else self._apply(done, out)
+        tiers = self.planner.kv.tiers
+        if tiers is not None and tiers.has_pending_publish() and not self.scheduler.has_unfinished():
+            outputs += self.flush()
+            self._publish_idle()
         self.stats.busy_s += time.perf_counter() - t0
         return outputs
+
+    def _publish_idle(self) -> None:
+        """With no step to come, publish the blocks the last steps filled (the shared KV tier,
+        planner/tiers.py) in a step of their own: nothing else would carry them."""
+        tiers = self.planner.kv.tiers
+        tiers.begin_plan()
+        transfers = tiers.take_transfers()
+        if transfers is not None and self._submitted is None:
+            step = StepInput.flush(self._step_id)
+            step.kv_transfers = transfers
+            self._step_id += 1
+            try:
+                self.executor.step(step)
+            except WorkerFailure as e:
+                self._on_worker_failure(e)
 
     def flush(self) -> list[RequestOutput]:
         """Collect the step still out under async scheduling (a no-op otherwise), so that the

@@ -238,6 +238,9 @@ class KVTiers:
         if self.shared is not None:
             self._pending_publish += [(b, h) for b, h in zip(blocks, hashes) if b not in self._no_publish]
 
+    def has_pending_publish(self) -> bool:
+        return bool(self._pending_publish or self._publish)
+
     def take_transfers(self) -> KVTransfers | None:
         """The copies of the plan just built (None: none); the step's pins and store answers end."""
         t = None

@@ -146,6 +146,9 @@ class StepInput:
     prev_token_rows: np.ndarray | None = None  # int32 [K] rows of the previous step's tokens
     sampling: SamplingInputs | None = None  # top-k/p, min-p, penalties, min_tokens, logprobs
     prompt_logprobs: PromptLogprobsInputs | None = None  # when a row asked for them
+    # Copies between KV tiers with no step to ride on (a flush: the blocks an idle engine's last
+    # steps filled, published); a planned step carries its own in ``plan.kv_transfers``.
+    kv_transfers: Any = None
 
     @classmethod
     def flush(cls, step_id: int) -> "StepInput":

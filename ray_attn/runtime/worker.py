@@ -212,8 +212,11 @@ class AttentionWorker:
         """The step's output -- or, for a deferred step, the previous deferred step's (see
         ``StepInput``): this step is queued on the device before we wait for that one."""
         self._join_tail()
-        if step.plan is None:
-            return self._collect_deferred()  # a flush: nothing to run
+        if step.plan is None:  # a flush: nothing to run, but maybe copies to make
+            if step.kv_transfers is not None and self.tiers is not None:
+                self.tiers.check(step.kv_transfers, self.num_blocks)
+                self.tiers.apply(step.kv_transfers)
+            return self._collect_deferred()
         self._check(step)
         if step.plan.kv_transfers is not None:  # before the forward: it may reuse those blocks
             self.tiers.apply(step.plan.kv_transfers)

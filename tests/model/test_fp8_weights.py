@@ -39,6 +39,7 @@ from ray_attn.model.quantization import parse_quantization
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 from tests.model.test_families import qwen_config, reinit
 from tests.model.test_tensor_parallel import free_port
+from tests.ray_start import init_local_ray
 
 transformers = pytest.importorskip("transformers")
 
@@ -488,7 +489,7 @@ def test_engine_tp2_greedy_tokens_match_single_process(tmp_path):
     assert len({tuple(t) for t in single}) > 1
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     eng = LLMEngine(cfg(2))
     try:
         assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == single

@@ -1,12 +1,14 @@
 import pytest
 import ray
 
+from tests.ray_start import init_local_ray
+
 
 @pytest.fixture(scope="session")
 def ray_local():
     """One embedded Ray instance for the runtime tests (starting one costs ~5 s)."""
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -145,3 +145,60 @@ def test_config_refuses_tiers_without_prefix_caching():
         EngineConfig(cache=CacheConfig(host_cache_gib=1, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="kv_sharing needs enable_prefix_caching"):
         EngineConfig(cache=CacheConfig(kv_sharing=True, enable_prefix_caching=False))
+
+
+# -- the shared tier: replicas of one model fetch what another computed ---------------------------
+def sharing_config(tp=1, seed=7, num_blocks=40):
+    cfg = base_config(tp=tp, num_blocks=num_blocks, seed=seed)
+    cache = CacheConfig(num_blocks=num_blocks, kv_sharing=True, kv_store_gib=0.05, kv_share_min_tokens=16)
+    return cfg.model_copy(update={"cache": cache})
+
+
+@pytest.fixture
+def clean_store(ray_local):
+    import ray
+
+    from ray_attn.runtime.kv_store import node_store
+
+    store = node_store()
+    ray.get(store.clear.remote())
+    yield store
+    ray.get(store.clear.remote())
+
+
+def test_a_prefix_computed_by_one_replica_is_a_hit_on_another(clean_store, reference_answers):
+    import ray
+
+    a_cfg = sharing_config()
+    a = LLMEngine(a_cfg, InProcessExecutor(a_cfg))
+    assert run_turns(a) == reference_answers
+    assert a.planner.stats()["published_blocks"] > 0
+    assert ray.get(clean_store.stats.remote())["complete"] > 0
+    b = LLMEngine(a_cfg, InProcessExecutor(a_cfg))
+    assert run_turns(b) == reference_answers
+    st = b.planner.stats()
+    assert st["shared_hit_blocks"] >= 6 * 5 and st["fetched_blocks"] == st["shared_hit_blocks"]
+    # another model (another seed: other weights) shares nothing with these
+    c_cfg = sharing_config(seed=8)
+    c = LLMEngine(c_cfg, InProcessExecutor(c_cfg))
+    c.generate([conversations()[0][0] + [1]], SamplingParams(max_tokens=2))
+    assert c.planner.stats()["shared_hit_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_shared_blocks_outlive_the_replica_that_computed_them_tp2(clean_store, reference_answers):
+    """Replica A (two Ray ranks) computes and publishes, then is shut down (its actors killed);
+    replica B, on ranks of its own, fetches A's blocks and gets the same tokens."""
+    cfg = sharing_config(tp=2)
+    a = AttentionCluster(cfg)
+    try:
+        assert run_turns(LLMEngine(cfg, a)) == reference_answers
+    finally:
+        a.shutdown()
+    b = AttentionCluster(cfg)
+    try:
+        eng = LLMEngine(cfg, b)
+        assert run_turns(eng) == reference_answers
+        assert eng.planner.stats()["shared_hit_blocks"] >= 6 * 5
+    finally:
+        b.shutdown()

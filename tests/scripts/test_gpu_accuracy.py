@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import gpu_accuracy as ga  # noqa: E402
+from tests.ray_start import init_local_ray
 from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def ray_cpu():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ray_start import init_local_ray
 from tests.timescale import scaled
 from tests.tokenizer_fixture import build_tokenizer
 
@@ -66,7 +67,7 @@ def ray_session():
         # Replicas and workers import `ray_attn` from this checkout.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+        init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  _system_config={"metrics_report_interval_ms": 1000})
         started = True
     yield
