@@ -19,24 +19,28 @@ from ray_attn.runtime.kv_tiers import RankKVTiers
 from tests.runtime.test_engine_tp import config as base_config
 
 
-def rank_tiers(kv_cache_dtype="auto", num_blocks=12, host_gib=0.002):
+def rank_tiers(kv_cache_dtype="auto", num_blocks=12, host_gib=0.002, device="cpu"):
     cfg = base_config()
-    model = build_model(cfg.model, block_size=16, kv_cache_dtype=kv_cache_dtype, kernel="torch")
+    dev = torch.device(device)
+    with dev:
+        model = build_model(cfg.model, block_size=16, kv_cache_dtype=kv_cache_dtype, kernel="torch", device=dev)
     model.allocate_kv_cache(num_blocks)
     g = torch.Generator().manual_seed(0)
     for c in model.kv_caches:  # random bytes, fp8 or not: copies must not care what they mean
-        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
-    return model, RankKVTiers(model, host_gib, 0, 1, torch.device("cpu"))
+        v = c.view(torch.uint8)
+        v.copy_(torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8).to(dev))
+    return model, RankKVTiers(model, host_gib, 0, 1, dev)
 
 
 def block_bytes(model, b):
     return torch.stack([c.view(torch.uint8)[:, b] for c in model.kv_caches]).clone()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_offload_then_onload_is_byte_identical(kv_cache_dtype):
-    model, tiers = rank_tiers(kv_cache_dtype)
-    assert tiers.num_host_slots >= 4
+def test_offload_then_onload_is_byte_identical(kv_cache_dtype, device):
+    model, tiers = rank_tiers(kv_cache_dtype, device=device)
+    assert tiers.num_host_slots >= 4 and tiers.host.is_pinned() == (device == "cuda")
     before = {b: block_bytes(model, b) for b in (2, 5, 7)}
     i32 = lambda *x: np.array(x, np.int32)  # noqa: E731
     # offload 2, 5, 7 to slots 3, 0, 1 and, in the same step, copy slot 3 back into block 5: the
@@ -202,3 +206,19 @@ def test_shared_blocks_outlive_the_replica_that_computed_them_tp2(clean_store, r
         assert eng.planner.stats()["shared_hit_blocks"] >= 6 * 5
     finally:
         b.shutdown()
+
+
+@pytest.mark.gpu
+def test_host_tier_on_a_gpu_gives_the_tokens_of_no_tier():
+    """On CUDA (bf16, the auto kernel, CUDA graphs, async scheduling): the same multi-turn workload
+    with the host tier on (pinned slots) and off gives the same greedy tokens, with host hits."""
+    def engine(host_gib):
+        cfg = base_config(num_blocks=40, dtype="bfloat16")
+        cfg = cfg.model_copy(update={
+            "cache": CacheConfig(num_blocks=40, host_cache_gib=host_gib),
+            "parallel": cfg.parallel.model_copy(update={"device": "cuda"})})
+        return LLMEngine(cfg, InProcessExecutor(cfg))
+    off = run_turns(engine(0.0))
+    eng = engine(0.02)
+    assert run_turns(eng) == off
+    assert eng.planner.stats()["host_hit_blocks"] >= 10
