@@ -198,9 +198,77 @@ def moe():
     print()
 
 
+def kv_tiers():
+    """The KV tiers section (issue 26) from scripts/bench_kv_tiers.py: the host tier on a multi-turn
+    workload, two replicas sharing a store, the tiers' copies against a bare copy, and the shared
+    fetch's break-even against prefill."""
+    k = load("bench_kv_tiers")
+    if not k:
+        return
+    parts, rows = k.get("parts", {}), k.get("rows", [])
+    gpu = k["machine"].get("gpu") or f"{k['machine']['cpus']}-core CPU"
+    print(f"### KV tiers ({gpu}, {k['machine']['date']}; {k.get('model_desc', k.get('model'))}; "
+          "`python scripts/bench_kv_tiers.py`)\n")
+    s = lambda v: f"{v:.3f}"  # noqa: E731
+    mb = lambda v: f"{v:,.1f}"  # noqa: E731
+    h = parts.get("host")
+    if h:
+        print(f"Host tier: {h['users']} users x {h['turns']} turns over {h['doc_tokens']}-token documents, "
+              f"{h['concurrency']} in flight; device KV {h['num_blocks']} blocks, the working set "
+              f"{h['working_set_over_cache']:.1f}x that; host tier {h['host_cache_gib']:.3g} GiB per rank.\n")
+        print(table([r for r in rows if r["part"] == "host"],
+                    ["run", "num_blocks", "out_tok_s", "req_s", "cpu_s", "ttft_p50_s", "ttft_p99_s",
+                     "ttft_p50_later_turns_s", "hit_rate", "hit_tokens_device", "hit_tokens_host", "offloaded_MB",
+                     "onloaded_MB", "copy_s"],
+                    {"out_tok_s": num, "req_s": lambda v: f"{v:.2f}", "cpu_s": lambda v: f"{v:.1f}",
+                     "ttft_p50_s": s, "ttft_p99_s": s, "ttft_p50_later_turns_s": s, "hit_rate": pct,
+                     "offloaded_MB": mb, "onloaded_MB": mb, "copy_s": s}))
+        same = "identical" if h["tokens_identical"] else "**different**"
+        cpu = h.get("fit_cpu_time_ratio")
+        cpu = f"; CPU time tier off / on {cpu:.3f} (the ranks ran in the driver's process)" if cpu else ""
+        print(f"\nGreedy tokens {same} across the runs ({h['compared_requests']} requests, "
+              f"{h['compared_tokens']} tokens). Working set fits: throughput tier on / off "
+              f"{h['fit_throughput_ratio']:.3f}, best of {h.get('fit_repeats', 1)} runs each (goal >= 0.98){cpu}.\n")
+    sh = parts.get("share")
+    if sh:
+        print(f"Two replicas, turn t of user u on replica (u + t) % 2 ({sh['users']} users x {sh['turns']} turns, "
+              f"{sh['concurrency_per_replica']} in flight per replica, {sh['num_blocks']} device blocks each, "
+              f"kv_share_min_tokens {sh['kv_share_min_tokens']}):\n")
+        print(table([r for r in rows if r["part"] == "share"],
+                    ["run", "out_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_p50_later_turns_s", "hit_rate",
+                     "hit_tokens_device", "hit_tokens_shared", "published_MB", "fetched_MB"],
+                    {"out_tok_s": num, "ttft_p50_s": s, "ttft_p99_s": s, "ttft_p50_later_turns_s": s,
+                     "hit_rate": pct, "published_MB": mb, "fetched_MB": mb}))
+        same = "identical" if sh["tokens_identical"] else "**different**"
+        print(f"\nGreedy tokens {same} ({sh['compared_requests']} requests).\n")
+    c = [r for r in rows if r["part"] == "copy"]
+    if c:
+        bare = "pinned host <-> device" if parts["copy"]["pinned"] else "host tensor copy"
+        print(f"Copies of n blocks ({parts['copy']['block_bytes'] / 1024:,.0f} KiB each) through RankKVTiers against a "
+              f"bare copy of the same bytes ({bare}; goal on the H200: >= 80%):\n")
+        gb = lambda v: f"{v:,.2f}"  # noqa: E731
+        print(table(c, ["blocks", "gather_GBps", "bare_out_GBps", "gather_frac_of_bare", "offload_frac_of_bare",
+                        "scatter_GBps", "bare_in_GBps", "scatter_frac_of_bare", "onload_frac_of_bare"],
+                    {"gather_GBps": gb, "bare_out_GBps": gb, "scatter_GBps": gb, "bare_in_GBps": gb,
+                     "gather_frac_of_bare": pct, "offload_frac_of_bare": pct, "scatter_frac_of_bare": pct,
+                     "onload_frac_of_bare": pct}))
+        print()
+    b = parts.get("breakeven")
+    if b:
+        timed = ("lookup", "get", "scatter", "fetch", "prefill", "prefill_ttft", "fetched_ttft")
+        br = [{"tokens": r["tokens"], **{f"{c}_ms": r[f"{c}_s"] * 1e3 for c in timed}}
+              for r in rows if r["part"] == "breakeven"]
+        print("Shared fetch (lookup + get + scatter) vs prefill (TTFT with nothing cached less a 1-token prompt's); "
+              f"median of {b['reps']}:\n")
+        print(table(br, ["tokens"] + [f"{c}_ms" for c in timed], {f"{c}_ms": lambda v: f"{v:,.1f}" for c in timed}))
+        print(f"\nFetching wins from {b['measured_kv_share_min_tokens']} tokens (the measured kv_share_min_tokens); "
+              f"end to end (TTFT fetched vs computed) from {b['measured_kv_share_min_tokens_end_to_end']} tokens.\n")
+
+
 def main():
     accuracy()
     moe()
+    kv_tiers()
     serving()
     serving_http()
     a = load("bench_attention")

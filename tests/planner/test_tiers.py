@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 from ray_attn.planner import Planner, ScheduledRequest

@@ -1,0 +1,100 @@
+"""scripts/bench_kv_tiers.py at a tiny size on CPU, each part in a subprocess: the JSON's shape,
+greedy tokens identical between the runs of a part, and the tiers hit where they should be (the
+device cache is capped below the working set, so the tier-off runs recompute what the tier-on
+runs copy back or fetch).  The report renders the section from what the script wrote."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.timescale import scaled
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--users", "6", "--turns", "2", "--doc-tokens", "64", "--question-tokens", "8", "--answer-tokens", "4",
+        "--concurrency", "2", "--quiet"]
+
+
+def run_script(out: Path, *args) -> str:
+    cmd = [sys.executable, "scripts/bench_kv_tiers.py", *TINY, "--output", str(out), *args]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(400))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def rows_of(data: dict, part: str) -> dict:
+    return {r.get("run", r.get("blocks")): r for r in data["rows"] if r["part"] == part}
+
+
+def test_host_and_copy_parts(tmp_path, monkeypatch):
+    out = tmp_path / "kv.json"
+    stdout = run_script(out, "--part", "host,copy", "--copy-blocks", "1,8", "--iters", "2", "--fit-repeats", "1")
+    data = json.loads(out.read_text())
+    assert set(data["parts"]) == {"host", "copy"} and data["machine"]["cpus"] >= 1
+    h = data["parts"]["host"]
+    assert h["tokens_identical"] and h["compared_requests"] == 12 and h["compared_tokens"] == 48
+    assert "greedy tokens identical (12 requests, 48 tokens compared)" in stdout
+    assert 2 <= h["working_set_over_cache"] <= 4 and h["fit_num_blocks"] >= h["working_set_blocks"]
+    runs = rows_of(data, "host")
+    assert set(runs) == {"capped, tier off", "capped, tier on", "fits, tier off", "fits, tier on"}
+    for r in runs.values():
+        assert r["requests"] == 12 and r["out_tok_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+        assert r["hit_tokens"] == r["hit_tokens_device"] + r["hit_tokens_host"] + r["hit_tokens_shared"]
+    off, on = runs["capped, tier off"], runs["capped, tier on"]
+    # every turn's document left the device cache before the user came back: only the tier has it
+    assert off["hit_tokens_host"] == 0 and off["offloaded_MB"] == 0
+    assert on["hit_tokens_host"] >= 6 * 64 and on["onloaded_MB"] > 0 and on["offloaded_MB"] > 0 and on["copy_s"] > 0
+    assert on["hit_tokens"] > off["hit_tokens"]
+    assert runs["fits, tier on"]["hit_tokens_host"] == 0  # nothing evicted: the tier is idle
+    assert h["fit_throughput_ratio"] > 0 and set(h["ttft_s"]) == {"capped, tier off", "capped, tier on"}
+    assert all(len(v) == 12 for v in h["ttft_s"].values())
+    copies = rows_of(data, "copy")
+    assert set(copies) == {1, 8}
+    for r in copies.values():
+        for k in ("gather", "scatter", "offload", "onload"):
+            assert r[f"{k}_GBps"] > 0 and r[f"{k}_frac_of_bare"] > 0
+        assert r["bytes"] == r["blocks"] * data["parts"]["copy"]["block_bytes"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import report
+
+    monkeypatch.setattr(report, "R", tmp_path)
+    (tmp_path / "bench_kv_tiers.json").write_text(out.read_text())
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        report.kv_tiers()
+    assert "### KV tiers" in text.getvalue() and "| capped, tier on |" in text.getvalue()
+    assert "Copies of n blocks" in text.getvalue()
+
+
+@pytest.mark.slow
+def test_share_and_breakeven_parts(tmp_path):
+    """Starts a Ray of its own (the stores are actors)."""
+    out = tmp_path / "kv.json"
+    stdout = run_script(out, "--part", "share,breakeven", "--share-min-tokens", "16",
+                        "--breakeven-blocks", "1,4", "--reps", "1")
+    data = json.loads(out.read_text())
+    assert set(data["parts"]) == {"share", "breakeven"}
+    sh = data["parts"]["share"]
+    assert sh["tokens_identical"] and sh["compared_requests"] == 12
+    runs = rows_of(data, "share")
+    off, on = runs["sharing off"], runs["sharing on"]
+    assert off["hit_tokens_shared"] == 0 and off["published_MB"] == 0
+    # each later turn goes to the replica that did not compute the one before: only the store has it
+    assert on["hit_tokens_shared"] > 0 and on["fetched_MB"] > 0 and on["published_MB"] > 0
+    assert on["hit_rate"] > off["hit_rate"]
+    be = rows_of(data, "breakeven")
+    assert set(be) == {1, 4}
+    for r in be.values():
+        assert r["fetch_s"] >= r["lookup_s"] > 0 and r["get_s"] > 0 and r["prefill_ttft_s"] > 0
+        assert r["fetched_ttft_s"] > 0 and r["tokens"] == 16 * r["blocks"]
+    b = data["parts"]["breakeven"]
+    assert b["measured_kv_share_min_tokens"] in (None, 16, 64)
+    assert "[breakeven] fetching wins from" in stdout
+    assert out.with_suffix(".png").stat().st_size > 10_000
