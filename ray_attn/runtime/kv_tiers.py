@@ -184,8 +184,13 @@ def planner_tiers(config, executor):
     host_slots = min(int(i.get("host_slots") or 0) for i in infos)
     shared = layout = None
     if c.kv_sharing:
+        import ray
+
         from ray_attn.runtime.kv_store import SharedKVClient
 
+        if not ray.is_initialized():  # the stores are actors: without Ray the first lookup would fail
+            raise RuntimeError("cache.kv_sharing needs a Ray cluster (the shared stores are Ray actors): "
+                               "call ray.init() before building the engine")
         layout = layout_key(config)
         shared = SharedKVClient(layout, config.parallel.tensor_parallel_size, int(c.kv_store_gib * (1 << 30)))
     return KVTiers(host_slots, shared, layout, c.kv_share_min_tokens, c.block_size)

@@ -222,3 +222,13 @@ def test_host_tier_on_a_gpu_gives_the_tokens_of_no_tier():
     eng = engine(0.02)
     assert run_turns(eng) == off
     assert eng.planner.stats()["host_hit_blocks"] >= 10
+
+
+def test_sharing_without_ray_is_refused_by_name(monkeypatch):
+    import ray
+
+    from ray_attn.runtime.kv_tiers import planner_tiers
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="kv_sharing needs a Ray cluster"):
+        planner_tiers(sharing_config(), None)
