@@ -43,6 +43,7 @@ class RankKVTiers:
         pin = device.type == "cuda"
         self.host = torch.zeros((slots,) + self.block_shape, dtype=torch.uint8, pin_memory=pin) if slots else None
         self.num_host_slots = slots
+        self._publisher = None  # a thread that hands published blocks to the store (GPU only)
         self.moved = {"offload_bytes": 0, "onload_bytes": 0, "publish_bytes": 0, "fetch_bytes": 0,
                       "copy_s": 0.0}
 
@@ -79,7 +80,7 @@ class RankKVTiers:
                 self._to_slots(data[:n_off], t.offload_slots)
                 self.moved["offload_bytes"] += n_off * self.block_bytes
             if len(t.publish_blocks):
-                self._publish(t, data[n_off:].cpu())
+                self._publish(t, data[n_off:])
         if len(t.onload_blocks):
             self.scatter(t.onload_blocks, self._from_slots(t.onload_slots))
             self.moved["onload_bytes"] += len(t.onload_blocks) * self.block_bytes
@@ -119,13 +120,26 @@ class RankKVTiers:
         return out
 
     def _publish(self, t, data: torch.Tensor) -> None:
-        """This rank's shard of each block to its node's store; not waited for (a store that is
-        full or gone drops it, and the step never blocks on it)."""
+        """This rank's shard of each block to its node's store, never waited for: a store that is
+        full or gone drops it.  On a GPU the bytes go to pinned memory without a sync, and a
+        thread of ours hands them to the store once they are there, so the step goes on."""
         from ray_attn.runtime.kv_store import node_store
 
-        rows = data.reshape(len(t.publish_blocks), -1).numpy()
-        node_store(capacity_bytes=self.store_bytes).put.remote(t.layout, self.rank, self.tp, list(t.publish_hashes), rows)
-        self.moved["publish_bytes"] += rows.nbytes
+        store = node_store(capacity_bytes=self.store_bytes)
+        args = (t.layout, self.rank, self.tp, list(t.publish_hashes))
+        self.moved["publish_bytes"] += data.numel()
+        if data.device.type != "cuda":
+            store.put.remote(*args, data.reshape(len(args[3]), -1).numpy())
+            return
+        host = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(data, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        if self._publisher is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kv-publish")
+        self._publisher.submit(_put_when_ready, store, args, host, ready)
 
     def _fetch(self, t) -> None:
         import ray
@@ -143,6 +157,11 @@ class RankKVTiers:
             data = torch.from_numpy(np.array(rows)).view((len(sel),) + self.block_shape)
             self.scatter(t.fetch_blocks[sel], data)
             self.moved["fetch_bytes"] += rows.nbytes
+
+
+def _put_when_ready(store, args, host: torch.Tensor, ready) -> None:
+    ready.synchronize()
+    store.put.remote(*args, host.reshape(len(args[3]), -1).numpy())
 
 
 def _runs(slots) -> list[tuple[int, int, int]]:

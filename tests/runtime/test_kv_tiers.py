@@ -208,20 +208,33 @@ def test_shared_blocks_outlive_the_replica_that_computed_them_tp2(clean_store, r
         b.shutdown()
 
 
+def gpu_engine(**cache):
+    cfg = base_config(num_blocks=40, dtype="bfloat16")
+    cfg = cfg.model_copy(update={"cache": CacheConfig(num_blocks=40, **cache),
+                                 "parallel": cfg.parallel.model_copy(update={"device": "cuda"})})
+    return LLMEngine(cfg, InProcessExecutor(cfg))
+
+
 @pytest.mark.gpu
 def test_host_tier_on_a_gpu_gives_the_tokens_of_no_tier():
     """On CUDA (bf16, the auto kernel, CUDA graphs, async scheduling): the same multi-turn workload
     with the host tier on (pinned slots) and off gives the same greedy tokens, with host hits."""
-    def engine(host_gib):
-        cfg = base_config(num_blocks=40, dtype="bfloat16")
-        cfg = cfg.model_copy(update={
-            "cache": CacheConfig(num_blocks=40, host_cache_gib=host_gib),
-            "parallel": cfg.parallel.model_copy(update={"device": "cuda"})})
-        return LLMEngine(cfg, InProcessExecutor(cfg))
-    off = run_turns(engine(0.0))
-    eng = engine(0.02)
+    off = run_turns(gpu_engine())
+    eng = gpu_engine(host_cache_gib=0.02)
     assert run_turns(eng) == off
     assert eng.planner.stats()["host_hit_blocks"] >= 10
+
+
+@pytest.mark.gpu
+def test_shared_tier_on_a_gpu_gives_the_tokens_of_no_tier(clean_store):
+    """On CUDA the published bytes reach the store from pinned memory on a thread (no sync in the
+    step); a second replica fetches them and gets the tokens of a run without sharing."""
+    off = run_turns(gpu_engine())
+    share = dict(kv_sharing=True, kv_store_gib=0.05, kv_share_min_tokens=16)
+    assert run_turns(gpu_engine(**share)) == off
+    eng = gpu_engine(**share)
+    assert run_turns(eng) == off
+    assert eng.planner.stats()["shared_hit_blocks"] >= 6 * 5
 
 
 def test_sharing_without_ray_is_refused_by_name(monkeypatch):
