@@ -18,8 +18,19 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(round(scaled(30))))
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", str(round(scaled(30))))
 
+# Torch's OpenMP threads spin-wait on each other, and beside a CPU hog one descheduled thread
+# stalls the rest: a 256-token prefill took 1.0 s with 2 threads against 0.05 s with 1 on a loaded
+# 2-core box (scripts/bench_kv_tiers.py).  On a busy machine every rank -- in this process or an
+# actor, which inherits the variable -- and this process compute on one thread.
+if TIME_SCALE > 1.5:
+    os.environ.setdefault("RAY_ATTN_CPU_THREADS", "1")
+    torch.set_num_threads(1)
+
+
 def pytest_report_header(config):
-    return f"test time scale: {TIME_SCALE:.2f} (RAY_ATTN_TEST_TIME_SCALE; waits are stretched by it)"
+    threads = os.environ.get("RAY_ATTN_CPU_THREADS", "the ranks' share of the cores")
+    return (f"test time scale: {TIME_SCALE:.2f} (RAY_ATTN_TEST_TIME_SCALE; waits are stretched by it); "
+            f"CPU threads per rank: {threads}")
 
 
 def pytest_collection_modifyitems(config, items):

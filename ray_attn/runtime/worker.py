@@ -49,8 +49,11 @@ class AttentionWorker:
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always device 0 here.
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if not cuda:
-            # Several CPU ranks share few cores: one thread each avoids oversubscription stalls.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.tp, 1)))
+            # Several CPU ranks share few cores: their share each avoids oversubscription stalls.
+            # RAY_ATTN_CPU_THREADS overrides it (beside other work, 1 runs far faster: OpenMP
+            # threads wait on each other, and one descheduled thread stalls the rest).
+            own = max(1, (os.cpu_count() or 1) // max(self.tp, 1))
+            torch.set_num_threads(int(os.environ.get("RAY_ATTN_CPU_THREADS", own)))
         self.model = None
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.model.seed + 7919)
         # Bounded, so that a long-running server does not grow it forever (see ``refs_seen``).
