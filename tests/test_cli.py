@@ -127,3 +127,16 @@ def test_serve_flags_for_replicas_resumption_and_spreading():
     from ray_attn.serve.app import deployment_options
 
     assert deployment_options(cfg)["placement_group_bundles"][0]["ray_attn_replica"] == 1
+
+
+def test_serve_flags_for_kv_tiers():
+    import argparse
+
+    from ray_attn.serve.cli import add_arguments, serve_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    plain = serve_config(p.parse_args([])).engine.cache
+    assert (plain.host_cache_gib, plain.kv_sharing) == (0.0, False)
+    cache = serve_config(p.parse_args(["--host-cache-gib", "2.5", "--kv-sharing"])).engine.cache
+    assert (cache.host_cache_gib, cache.kv_sharing) == (2.5, True)

@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--host-cache-gib", type=float, default=None,
+                   help="host-memory KV tier per rank, GiB (vLLM's --kv-offloading-size, per rank)")
+    p.add_argument("--kv-sharing", action="store_true", default=None,
+                   help="publish KV blocks to a store per node and fetch prefixes other replicas computed")
     p.add_argument("--num-replicas", type=int, default=None, help="engine replicas (each with its TP ranks)")
     p.add_argument("--resume-requests", action="store_true", default=None,
                    help="resume a request whose replica was lost on another one (resume_requests)")
@@ -46,7 +50,8 @@ def serve_config(args):
             raise ValueError(f"model: {args.model!r} is not a checkpoint folder (no config.json in it)")
         engine.pop("model", None)  # the checkpoint's config.json is the model
         engine["checkpoint"] = args.model
-    sections = {"model": {"dtype": args.dtype}, "cache": {"kv_cache_dtype": args.kv_cache_dtype},
+    sections = {"model": {"dtype": args.dtype}, "cache": {"kv_cache_dtype": args.kv_cache_dtype, "host_cache_gib": args.host_cache_gib,
+                                                   "kv_sharing": args.kv_sharing},
                 "parallel": {"tensor_parallel_size": args.tp, "device": args.device}}
     for section, values in sections.items():
         given = {k: v for k, v in values.items() if v is not None}
