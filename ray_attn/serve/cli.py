@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 from ray_attn.serve.schemas import ServeAppConfig, app_args_from_file, default_engine_config
@@ -85,6 +86,11 @@ def run(args) -> int:
     # Without --address, a Ray of our own ("local"): a bare ray.init() joins any cluster another
     # user started on this machine.
     ray.init(address=args.address or "local", include_dashboard=False)
+    # SIGINT and SIGTERM both stop Serve and our Ray cleanly (below).  A process started in the
+    # background by a shell (`ray-attn serve ... &`, a job runner) inherits SIGINT ignored, and
+    # Python then never raises KeyboardInterrupt: a stop that was asked for would wait forever.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         bundles = deployment_options(cfg)["placement_group_bundles"]
