@@ -467,13 +467,20 @@ def test_tp2_matches_tp1(tmp_path):
             assert d.mean().item() < TP_MEAN[case] and d.max().item() < 1.0, (case, rank, d.max().item(), d.mean().item())
 
 
+# Greedy decoding forks where TP=2's logits (above: a mean |diff| of 5e-3, up to ~1 at a forked
+# position) swap a near-tie of TP=1's; the token after a fork has another context, so only the
+# fork itself is compared: TP=2 took TP=1's runner-up there, and TP=1's top two were within
+# FORK_MARGIN nats.  A wrongly sliced or scaled rank forks at confident positions instead.
+FORK_MARGIN = 0.1
+
+
 @pytest.mark.slow
 def test_engine_tp2_greedy_tokens_match_single_process(tmp_path):
     """A block-fp8 checkpoint through the engine: TP=2 Ray actors give the in-process engine's
-    greedy tokens."""
+    greedy tokens, up to forks at near-ties (FORK_MARGIN), which are rare."""
     import ray
 
-    from ray_attn.engine import LLMEngine
+    from ray_attn.engine import LLMEngine, SamplingParams
     from ray_attn.runtime import InProcessExecutor
     from tests.runtime.test_engine_tp import GREEDY, workload
 
@@ -485,18 +492,30 @@ def test_engine_tp2_greedy_tokens_match_single_process(tmp_path):
                             max_num_batched_tokens=256, max_num_seqs=16)
 
     prompts = workload(vocab=SHAPES["vocab_size"])
-    single = [o.output_token_ids for o in LLMEngine(cfg(1), InProcessExecutor(cfg(1))).generate(prompts, GREEDY)]
+    ref = LLMEngine(cfg(1), InProcessExecutor(cfg(1))).generate(
+        prompts, SamplingParams(max_tokens=GREEDY.max_tokens, logprobs=2))
+    single = [o.output_token_ids for o in ref]
     assert len({tuple(t) for t in single}) > 1
     started = not ray.is_initialized()
     if started:
         init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     eng = LLMEngine(cfg(2))
     try:
-        assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == single
+        got = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
     finally:
         eng.shutdown()
         if started:
             ray.shutdown()
+    forks = 0
+    for g, want, r in zip(got, single, ref):
+        k = next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None)
+        if k is None:
+            assert g == want
+            continue
+        forks += 1
+        (first, lp1), (second, lp2) = r.logprobs[k].top[:2]
+        assert g[k] == second and lp1 - lp2 < FORK_MARGIN, (k, g[k], r.logprobs[k].top, lp1 - lp2)
+    assert forks <= 2, f"{forks} of {len(prompts)} sequences forked: more than near-ties"
 
 
 # -- refusals -------------------------------------------------------------------------------------
