@@ -244,7 +244,8 @@ class KVTiers:
     def take_transfers(self) -> KVTransfers | None:
         """The copies of the plan just built (None: none); the step's pins and store answers end."""
         t = None
-        # A block published this step and re-filled from a tier would be copied after the fill.
+        # A block queued for publishing that this step re-fills from a tier is left out: its old
+        # content would still be read first (copies out run first), but it is a share not worth a copy.
         publish = [(b, h) for b, h in self._publish if b not in self._no_publish]
         if self._offload or self._onload or self._fetch or publish:
             t = KVTransfers(layout=self.layout)
