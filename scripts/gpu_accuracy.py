@@ -113,6 +113,11 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: default(s, i) or need(s["prefix_cache_hit_tokens"] > 0, "no in-step prefix hit")),
         Row("preemption", what="preemption by recompute (small KV pool)", cache=dict(num_blocks=200 if gpu else 60),
             expect=lambda s, i: default(s, i) or need(s["preemptions"] > 0, "no preemption")),
+        # the preemption row's small pool with a host tier under it: a preempted request's cached
+        # blocks are evicted to host memory and copied back when it resumes, instead of recomputed
+        Row("host_tier", what="host-memory KV tier under a small pool (evicted prefixes copied back)",
+            cache=dict(num_blocks=200 if gpu else 60, host_cache_gib=1.0), warm_prefix=True,
+            expect=lambda s, i: default(s, i) or need(s.get("host_hit_blocks", 0) > 0, "no host-tier hit")),
         Row("async_off", what="async scheduling off", engine=dict(async_scheduling=False),
             expect=lambda s, i: fa(i) or need(not i["async"], "async still on")),
         Row("graphs_off", what="CUDA graphs off (eager decode)", parallel=dict(cuda_graphs="off"),
@@ -195,7 +200,8 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
         outs = engine.generate(prompts, params)
         info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
                 "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs"))}  # what rank 0 captured
-        return [o.output_token_ids for o in outs], engine.stats.as_dict(), info
+        stats = engine.stats.as_dict() | engine.planner.stats()  # the planner's: KV tier hits
+        return [o.output_token_ids for o in outs], stats, info
     finally:
         engine.shutdown()
 
@@ -283,7 +289,7 @@ class Gate:
             res.update(agreement=agree, control_bf16=ctrl, kernel=info["kernel"], cuda_graphs=info["cuda_graphs"],
                        async_scheduling=info["async"], stats={k: stats[k] for k in (
                            "steps", "cascade_steps", "multi_group_cascade_steps", "local_steps",
-                           "preemptions", "prefix_cache_hit_tokens") if k in stats})
+                           "preemptions", "prefix_cache_hit_tokens", "host_hit_blocks", "onloaded_blocks") if k in stats})
             threshold = ctrl - MARGIN
             if row.fp8:
                 res["control_fp8"] = c.control(folder, attn_ref, c.attention(row, cfg, True), row.prompts, prompts)
