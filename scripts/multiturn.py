@@ -54,9 +54,12 @@ class ClosedLoop:
     ``concurrency`` requests in flight per engine; a user's next turn is queued (at the back) when
     its answer ends."""
 
-    def __init__(self, engines, wl: Workload, concurrency: int, route, desc: str, quiet: bool):
+    def __init__(self, engines, wl: Workload, concurrency: int, route, desc: str, quiet: bool,
+                 tie_gaps: bool = False):
         self.engines, self.wl, self.concurrency, self.route = engines, wl, concurrency, route
-        self.params = SamplingParams(max_tokens=wl.answer_tokens, ignore_eos=True)
+        # tie_gaps: the top two logprobs of every answer token, to tell a fork at a near-tie (bf16
+        # numerics of a different batch) from a wrong cache (same_tokens)
+        self.params = SamplingParams(max_tokens=wl.answer_tokens, ignore_eos=True, logprobs=2 if tie_gaps else None)
         self.cond = threading.Condition()
         self.queues = [deque() for _ in engines]
         for u in range(wl.users):
@@ -120,7 +123,8 @@ class ClosedLoop:
                         raise RuntimeError(f"request {o.request_id} ended {o.finish_reason}: {o.error}")
                     del live[o.request_id]
                     eng.release(o.request_id)
-                    rec.update(end=now, output=list(o.output_token_ids), cached=o.num_cached_tokens)
+                    rec.update(end=now, output=list(o.output_token_ids), cached=o.num_cached_tokens,
+                               gaps=[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] if o.logprobs else None)
                     u = rec["user"]
                     with self.cond:
                         self.history[u] = rec["prompt"] + rec["output"]
@@ -133,9 +137,10 @@ class ClosedLoop:
                     self.bar.update(1)
 
 
-def run_loop(a, name: str, engines, wl: Workload, route) -> tuple[dict, dict, list[float]]:
-    """One run: its row, its answers by (user, turn), its TTFTs."""
-    loop = ClosedLoop(engines, wl, a.concurrency, route, name, a.quiet)
+def run_loop(a, name: str, engines, wl: Workload, route) -> tuple[dict, dict, list[float], dict | None]:
+    """One run: its row, its answers by (user, turn), its TTFTs, and with ``a.tie_margin`` each
+    answer's top-1 minus top-2 logprob per token."""
+    loop = ClosedLoop(engines, wl, a.concurrency, route, name, a.quiet, tie_gaps=bool(a.tie_margin))
     cpu0 = time.process_time()
     wall = loop.run()
     cpu = time.process_time() - cpu0  # this process's CPU time: all of it with in-process ranks
@@ -163,17 +168,41 @@ def run_loop(a, name: str, engines, wl: Workload, route) -> tuple[dict, dict, li
                fetched_MB=d.get("fetched_blocks", 0) * bb / 1e6, copy_s=d["kv_copy_s"],
                evictions=d.get("num_evictions", 0), preemptions=d["preemptions"])
     answers = {(r["user"], r["turn"]): r["output"] for r in recs}
-    return row, answers, sorted(ttft)
+    gaps = {(r["user"], r["turn"]): r["gaps"] for r in recs} if a.tie_margin else None
+    return row, answers, sorted(ttft), gaps
 
 
-def same_tokens(x: dict, y: dict, what: str) -> dict:
-    """Greedy tokens of the requests both runs made (every one, unless one run is a subset)."""
+def same_tokens(x: dict, y: dict, what: str, gaps=(), margin: float = 0.0) -> dict:
+    """Greedy tokens of the requests both runs made (every one, unless one run is a subset).
+
+    On a GPU, bf16 results depend on the batch a token is computed in (a prefix copied back from
+    the host is attention over stored keys; recomputed, it is a different GEMM shape), so two
+    correct runs may pick different tokens where the top two are within rounding of each other;
+    from there the user's conversation differs (its history feeds every later turn).  With
+    ``gaps`` (each run's top-1 minus top-2 logprob per answer token, from ``run_loop``) each
+    user's first differing token is a *fork*; ``forks_at_near_ties`` holds when, at every fork,
+    both runs' gaps were below ``margin`` nats -- a wrong cache shows up as a fork where a run was
+    sure of its token.  Turns after a fork are not compared."""
     keys = sorted(set(x) & set(y))
     differ = [k for k in keys if x[k] != y[k]]
+    fork_gaps = []
+    if gaps:
+        for u in sorted({u for u, _ in differ}):
+            t = min(t for v, t in differ if v == u)
+            p = next((i for i, (s, r) in enumerate(zip(x[(u, t)], y[(u, t)])) if s != r), None)
+            if p is None:  # one answer a prefix of the other: not a fork at a token
+                fork_gaps.append(float("inf"))
+                continue
+            fork_gaps.append(max(g[(u, t)][p] for g in gaps))
+            keys = [k for k in keys if not (k[0] == u and k[1] > t)]
     n = sum(len(x[k]) for k in keys)
     print(f"{what}: greedy tokens {'DIFFER in %d requests' % len(differ) if differ else 'identical'} "
-          f"({len(keys)} requests, {n} tokens compared){'; first (user, turn) %s' % (differ[0],) if differ else ''}")
+          f"({len(keys)} requests, {n} tokens compared){'; first (user, turn) %s' % (differ[0],) if differ else ''}"
+          + (f"; {len(fork_gaps)} users forked, largest top-2 gap at a fork {max(fork_gaps):.4f} nats "
+             f"(near-tie margin {margin})" if fork_gaps else ""))
     return dict(tokens_identical=not differ, compared_requests=len(keys), compared_tokens=n,
-                differing_requests=len(differ))
+                differing_requests=len([k for k in differ if k in keys]), forks=len(fork_gaps),
+                fork_gaps=[round(g, 5) for g in fork_gaps],
+                forks_at_near_ties=all(g < margin for g in fork_gaps) if gaps else not differ)
 
 

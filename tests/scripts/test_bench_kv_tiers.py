@@ -98,3 +98,38 @@ def test_share_and_breakeven_parts(tmp_path):
     assert b["measured_kv_share_min_tokens"] in (None, 16, 64)
     assert "[breakeven] fetching wins from" in stdout
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def multiturn():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import multiturn
+
+    return multiturn
+
+
+def test_same_tokens_allows_a_fork_only_at_a_near_tie():
+    """A user's conversation may fork where both runs' top two logprobs were within the margin;
+    the turns after a fork are not compared (their history differs); a fork where either run was
+    sure of its token fails, as does any difference with no gaps given (exact, as on CPU)."""
+    same = multiturn().same_tokens
+    x = {(0, 0): [1, 2, 3], (0, 1): [4, 5], (1, 0): [7, 8, 9], (1, 1): [6, 6]}
+    y = {(0, 0): [1, 2, 9], (0, 1): [5, 5], (1, 0): [7, 8, 9], (1, 1): [6, 6]}
+    gx = {k: [1.0] * len(v) for k, v in x.items()}
+    gy = {k: [1.0] * len(v) for k, v in y.items()}
+    gx[(0, 0)][2], gy[(0, 0)][2] = 0.01, 0.02  # user 0 forks at its third token, a near-tie
+    c = same(x, y, "t", (gx, gy), 0.1)
+    assert not c["tokens_identical"] and c["forks_at_near_ties"] and c["fork_gaps"] == [0.02]
+    assert c["compared_requests"] == 3 and c["differing_requests"] == 1  # (0, 1) follows the fork
+    gy[(0, 0)][2] = 0.5  # run y was sure of the token it chose: not rounding
+    assert not same(x, y, "t", (gx, gy), 0.1)["forks_at_near_ties"]
+    assert not same(x, y, "t")["forks_at_near_ties"]
+    assert same(x, dict(x), "t")["tokens_identical"]
+
+
+def test_tie_margin_reads_the_top_two_logprobs(tmp_path):
+    """``--tie-margin`` asks each answer token's top two logprobs (the path the GPU default takes)."""
+    out = tmp_path / "kv.json"
+    stdout = run_script(out, "--part", "host", "--fit-repeats", "1", "--tie-margin", "0.1")
+    h = json.loads(out.read_text())["parts"]["host"]
+    assert h["forks_at_near_ties"] and h["tokens_identical"] and h["forks"] == 0
+    assert "greedy tokens identical (12 requests, 48 tokens compared)" in stdout
