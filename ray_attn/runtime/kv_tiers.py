@@ -9,10 +9,19 @@ layer (4,096 separate 64 KiB copies reach 3.6 GB/s on the H200 where one bulk pi
 Everything is copied as bytes (uint8 views of the caches), so an fp8 cache travels as it is
 and every block comes back byte-identical.
 
-A step's copies run before its forward, in the order the planner relies on: copies out of device
-blocks (to host slots, and the blocks published to the node's store), then host slots into
-device blocks, then blocks fetched from a store.  On a GPU they run on the compute stream, so
-stream order places them after the forward before them and before this one; only a publish waits
+A step's copies are made before its forward, in the order the planner relies on: copies out of
+device blocks (to host slots, and the blocks published to the node's store), then host slots into
+device blocks, then blocks fetched from a store.  On a GPU the device side of each (the gather out
+of the cache, the scatter into it) runs on the compute stream, so stream order places it after the
+forward before and before this one; the transfers over the link run on two copy streams of their
+own, one each way, so that they overlap compute:
+- an offload's device -> host transfer starts once its blocks are gathered into a buffer of their
+  own, so this step's forward may overwrite those blocks at once and runs beside the transfer;
+- an onload's host -> device transfer into a buffer starts as soon as the step is sent -- under
+  async scheduling while the step before still computes -- and only the scatter waits for it.
+A host slot written by an offload still in flight is read only after it (``_pending_out``); a slot
+is rewritten only after the step that read it has scattered (the gather that feeds the rewrite is
+later on the compute stream).  Nothing here waits for the device; only a publish's thread waits
 for its bytes to reach the host.
 """
 
@@ -46,6 +55,21 @@ class RankKVTiers:
         self._publisher = None  # a thread that hands published blocks to the store (GPU only)
         self.moved = {"offload_bytes": 0, "onload_bytes": 0, "publish_bytes": 0, "fetch_bytes": 0,
                       "copy_s": 0.0}
+        gpu = self.host is not None and pin
+        # device -> host and host -> device on copy streams of their own (the module's docstring)
+        self._out_stream = torch.cuda.Stream(device) if gpu else None
+        self._in_stream = torch.cuda.Stream(device) if gpu else None
+        self._pending_out: list[tuple[torch.cuda.Event, np.ndarray]] = []  # offloads maybe in flight
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copy-stream spans to read
+
+    def copy_seconds(self) -> float:
+        """Time spent copying: on a GPU the copy streams' busy time of the transfers finished so
+        far (read from events without waiting) plus the host's time issuing them; on CPU the
+        copies' wall time."""
+        while self._timed and self._timed[0][1].query():
+            start, end = self._timed.pop(0)
+            self.moved["copy_s"] += start.elapsed_time(end) / 1e3
+        return self.moved["copy_s"]
 
     def _views(self) -> list[torch.Tensor]:
         """Each layer's cache as bytes, [2, num_blocks, block_size, kv_heads, head_size * itemsize]."""
@@ -86,37 +110,78 @@ class RankKVTiers:
             self.moved["onload_bytes"] += len(t.onload_blocks) * self.block_bytes
         if len(t.fetch_blocks):
             self._fetch(t)
-        self.moved["copy_s"] += time.perf_counter() - t0
+        self.moved["copy_s"] += time.perf_counter() - t0  # on a GPU: issuing them (copy_seconds)
 
     def _wide(self, t: torch.Tensor) -> torch.Tensor:
         """The same bytes as the widest integers that tile the last dimension: an index copy moves
         elements, and byte elements run at 1-2% of a bare copy (measured on CPU)."""
         return t.view(self.wide_dtype)
 
+    def _index(self, blocks) -> torch.Tensor:
+        """Block ids on the device, without a sync: ``torch.as_tensor(..., device=cuda)`` copies
+        from pageable memory and so waits for the stream -- for the step still computing."""
+        idx = torch.from_numpy(np.asarray(blocks, np.int64))
+        if self.device.type != "cuda":
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
     def gather(self, blocks) -> torch.Tensor:
         """Blocks ``blocks`` of every layer, on the device: uint8 [n, L, 2, bs, H, D']."""
-        idx = torch.as_tensor(np.asarray(blocks, np.int64), device=self.device)
+        idx = self._index(blocks)
         stacked = torch.stack([self._wide(v).index_select(1, idx) for v in self._views()])  # [L, 2, n, ...]
         return stacked.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8)
 
     def scatter(self, blocks, data: torch.Tensor) -> None:
         """Write ``data`` [n, L, 2, bs, H, D'] (bytes, host or device) into device blocks ``blocks``."""
-        idx = torch.as_tensor(np.asarray(blocks, np.int64), device=self.device)
+        idx = self._index(blocks)
         dev = self._wide(data.to(self.device, non_blocking=data.is_pinned()))
         for layer, v in enumerate(self._views()):
             self._wide(v).index_copy_(1, idx, dev[:, layer].transpose(0, 1))
 
     def _to_slots(self, data: torch.Tensor, slots) -> None:
         """Device bytes into host slots: one copy per run of consecutive slots, straight into the
-        pinned pool (asynchronous on a GPU, ordered before any later read by the stream)."""
-        for i, s, n in _runs(slots):
-            self.host[s:s + n].copy_(data[i:i + n], non_blocking=self.host.is_pinned())
+        pinned pool; on a GPU on the out-stream, after the gather that made ``data``."""
+        if self._out_stream is None:
+            for i, s, n in _runs(slots):
+                self.host[s:s + n].copy_(data[i:i + n])
+            return
+        stream, start, done = self._out_stream, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather
+        data.record_stream(stream)  # the allocator keeps it until the transfer is done
+        with torch.cuda.stream(stream):
+            start.record()
+            for i, s, n in _runs(slots):
+                self.host[s:s + n].copy_(data[i:i + n], non_blocking=True)
+            done.record()
+        self._timed.append((start, done))
+        self._pending_out.append((done, np.asarray(slots)))
 
     def _from_slots(self, slots) -> torch.Tensor:
-        """Host slots onto the device, one copy per run of consecutive slots."""
-        out = torch.empty((len(slots),) + self.block_shape, dtype=torch.uint8, device=self.device)
-        for i, s, n in _runs(slots):
-            out[i:i + n].copy_(self.host[s:s + n], non_blocking=self.host.is_pinned())
+        """Host slots onto the device, one copy per run of consecutive slots; on a GPU on the
+        in-stream, into a buffer the compute stream reads once the transfer is done."""
+        shape = (len(slots),) + self.block_shape
+        if self._in_stream is None:
+            out = torch.empty(shape, dtype=torch.uint8, device=self.device)
+            for i, s, n in _runs(slots):
+                out[i:i + n].copy_(self.host[s:s + n])
+            return out
+        stream, start, done = self._in_stream, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._pending_out = [(e, w) for e, w in self._pending_out if not e.query()]
+        for written, wslots in self._pending_out:  # a slot an offload may still be writing
+            if np.isin(slots, wslots).any():
+                stream.wait_event(written)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            # from the in-stream's own pool: memory the compute stream freed may still be in use
+            # by the step it has queued, which this transfer does not wait for
+            out = torch.empty(shape, dtype=torch.uint8, device=self.device)
+            out.record_stream(compute)  # the scatter reads it there
+            start.record()
+            for i, s, n in _runs(slots):
+                out[i:i + n].copy_(self.host[s:s + n], non_blocking=True)
+            done.record()
+        compute.wait_event(done)  # the scatter reads ``out``
+        self._timed.append((start, done))
         return out
 
     def _publish(self, t, data: torch.Tensor) -> None:

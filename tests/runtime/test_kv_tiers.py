@@ -54,6 +54,41 @@ def test_offload_then_onload_is_byte_identical(kv_cache_dtype, device):
     assert tiers.moved["offload_bytes"] == 3 * tiers.block_bytes == 3 * model.kv_cache_bytes_per_block()
 
 
+@pytest.mark.gpu
+def test_gpu_copies_overlap_compute_and_stay_byte_identical():
+    """On a GPU the transfers run on copy streams: ``apply`` returns while the compute stream is
+    still busy (it never waits for the step before), the forward may overwrite offloaded blocks
+    at once (they were gathered first), and what comes back is still byte-identical."""
+    model, tiers = rank_tiers(num_blocks=96, host_gib=100 * 0.002 / 4, device="cuda")
+    n = 48
+    assert tiers.num_host_slots >= n
+    src, dst = np.arange(n, dtype=np.int32), np.arange(n, 2 * n, dtype=np.int32)
+    slots = np.arange(n, dtype=np.int32)[::-1].copy()  # runs of one slot: many transfers
+    before = block_bytes(model, slice(0, n))
+    warm = KVTransfers(offload_blocks=src, offload_slots=slots)  # first-use allocations may sync
+    tiers.apply(warm), tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=src))
+    torch.cuda.synchronize()
+    sleep = 2_000_000_000  # GPU cycles: about a second
+    torch.cuda._sleep(sleep)  # the step before, still computing
+    tiers.apply(KVTransfers(offload_blocks=src, offload_slots=slots))
+    busy = not torch.cuda.current_stream().query()
+    for c in model.kv_caches:  # the forward reuses the evicted blocks at once
+        c.view(torch.uint8)[:, :n].fill_(0)
+    tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=dst))
+    assert busy, "apply waited for the compute stream"
+    torch.cuda.synchronize()
+    assert torch.equal(block_bytes(model, slice(n, 2 * n)), before)
+    # memory the compute stream freed but a queued kernel still writes must not receive an onload
+    # (the transfer does not wait for that kernel): a buffer from the compute stream's pool would
+    torch.cuda._sleep(sleep)
+    scratch = torch.empty((n, *tiers.block_shape), dtype=torch.uint8, device="cuda").fill_(7)
+    del scratch  # freed at once, written after the sleep
+    tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=dst))
+    torch.cuda.synchronize()
+    assert torch.equal(block_bytes(model, slice(n, 2 * n)), before)
+    assert tiers.copy_seconds() > 0
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("offload_blocks", [12], r"offload_blocks must lie in \[0, 12\)"),
     ("onload_slots", [10**6], r"onload_slots must lie in"),
