@@ -52,7 +52,8 @@ def accuracy():
             st = r.get("stats", {})
             ran = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st.items()
                             if k != "steps" and v and k in ("cascade_steps", "multi_group_cascade_steps",
-                                                          "local_steps", "preemptions", "prefix_cache_hit_tokens"))
+                                                          "local_steps", "preemptions", "prefix_cache_hit_tokens",
+                                                          "host_hit_blocks"))
             rows.append(dict(row=r["row"], checks=r["what"], kernel=r.get("kernel"), graphs=r.get("cuda_graphs"),
                              **{"async": r.get("async_scheduling")}, agreement=r.get("agreement"),
                              control=r.get("control_fp8", r.get("control_bf16")), needs=r.get("threshold"),
