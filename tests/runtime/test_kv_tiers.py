@@ -164,6 +164,38 @@ def test_a_full_host_tier_evicts_and_never_refuses(reference_answers):
     assert eng.planner.kv.tiers.host.num_evictions > 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_prefix_back_from_the_host_is_a_cascade_prefix(kv_cache_dtype):
+    """A shared prefix evicted to the host tier and copied back serves a batch of requests as
+    one cascade prefix (the rows after the first share the blocks the first copies in), with the
+    tokens of an engine where it never left the device -- also in an fp8 cache."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, 384, 256).tolist()  # 16 blocks: vLLM's rules want 256 tokens and 8 rows
+    fillers = [rng.integers(0, 384, 120).tolist() for _ in range(5)]
+    batch = [prefix + rng.integers(0, 384, 5).tolist() for _ in range(8)]
+
+    def run(host_gib, num_blocks):
+        cfg = base_config(num_blocks=num_blocks)
+        cfg = cfg.model_copy(update={
+            "cache": CacheConfig(num_blocks=num_blocks, host_cache_gib=host_gib, kv_cache_dtype=kv_cache_dtype),
+            "cascade_min_saved_kv_tokens": 0})
+        eng = LLMEngine(cfg, InProcessExecutor(cfg))
+        eng.generate([prefix + [1]], SamplingParams(max_tokens=1))
+        for f in fillers:  # one at a time (no preemption): they push the prefix out of a small cache
+            eng.generate([f], SamplingParams(max_tokens=2))
+        before = eng.stats.cascade_steps
+        outs = eng.generate(batch, SamplingParams(max_tokens=6))
+        return [o.output_token_ids for o in outs], eng.stats.cascade_steps - before, eng.planner.stats()
+
+    want, ref_cascade, ref = run(0.0, 400)
+    assert ref["num_evictions"] == 0 and ref_cascade > 0
+    got, cascade_steps, st = run(0.02, 40)
+    assert got == want
+    # most of the prefix came back from the host (blocks the fillers did not reach stay on the device)
+    assert st["num_evictions"] > 0 and st["host_hit_blocks"] >= 8
+    assert cascade_steps > 0
+
+
 @pytest.mark.slow
 def test_host_tier_at_tp2(ray_local, reference_answers):
     cfg = tier_config(0.02, tp=2)
