@@ -240,9 +240,29 @@ def test_client_does_not_wait_for_a_slow_store(actors):
     assert time.monotonic() - t0 < timeout + scaled(5)
 
 
+def _kill_named_store(name: str) -> None:
+    """Kill this node's store if a test before made one (our own local Ray: detached actors live
+    as long as it), and wait until its name is free."""
+    forget_store(name)
+    try:
+        old = ray.get_actor(name, namespace=kv_store.STORE_NAMESPACE)
+    except ValueError:
+        return
+    ray.kill(old)
+    deadline = time.monotonic() + scaled(30)
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=kv_store.STORE_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"store {name} still registered after ray.kill")
+
+
 def test_node_store_is_one_detached_named_actor_per_node(actors):
     node = ray.get_runtime_context().get_node_id()
     name = store_name(node)
+    _kill_named_store(name)  # one an earlier test in this Ray made, with another capacity
     try:
         a = node_store(capacity_bytes=1 << 20)
         actors.append(a)
