@@ -18,6 +18,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(round(scaled(30))))
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", str(round(scaled(30))))
 
+# Ray starts its workers at niceness 15; beside a CPU hog at 0 each gets a few percent of a core,
+# and a test's actors (Serve replicas, stores, ranks before they renice: runtime/worker.py
+# ``unnice``) crawl.  The tests' own clusters inherit this from us.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # Torch's OpenMP threads spin-wait on each other, and beside a CPU hog one descheduled thread
 # stalls the rest: a 256-token prefill took 1.0 s with 2 threads against 0.05 s with 1 on a loaded
 # 2-core box (scripts/bench_kv_tiers.py).  On a busy machine every rank -- in this process or an
