@@ -96,6 +96,9 @@ class RankKVTiers:
     # -- the copies ---------------------------------------------------------------------------
     def apply(self, t) -> None:
         t0 = time.perf_counter()
+        if self._out_stream is not None:  # forget finished transfers here: only rank 0 reads the time
+            self.copy_seconds()
+            self._pending_out = [(e, w) for e, w in self._pending_out if not e.query()]
         n_off = len(t.offload_blocks)
         out = np.concatenate([t.offload_blocks, t.publish_blocks])
         if len(out):
@@ -166,7 +169,6 @@ class RankKVTiers:
                 out[i:i + n].copy_(self.host[s:s + n])
             return out
         stream, start, done = self._in_stream, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._pending_out = [(e, w) for e, w in self._pending_out if not e.query()]
         for written, wslots in self._pending_out:  # a slot an offload may still be writing
             if np.isin(slots, wslots).any():
                 stream.wait_event(written)
