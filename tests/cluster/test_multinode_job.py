@@ -60,6 +60,40 @@ def three_nodes():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process under ``pid``, read from /proc (no psutil in the test extra)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # The field after the ")" that ends the command name: state, then the parent pid.
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone since the listing
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_node(pid: int) -> None:
+    """SIGKILL a ``ray start`` node as a crashed machine loses it: its process group (raylet and
+    daemons) and every process under it.  The group alone is not enough: the raylet starts each
+    worker in a process group of its own, so a replica on the node outlived its raylet by seconds and,
+    on a fast machine, finished the job's records before it noticed (CI, 2026-12-02).  The tree is
+    read before the kill, since the raylet's death hands its workers to init."""
+    tree = descendants(pid)
+    os.killpg(pid, signal.SIGKILL)
+    for child in tree:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def wait_nodes(gcs: int, env: dict, n: int) -> bool:
     """Whether ``n`` nodes are alive within a (scaled) minute."""
     code = (f"import ray, sys, time; ray.init(address='127.0.0.1:{gcs}', log_to_driver=False)\n"
@@ -86,7 +120,7 @@ def test_a_node_killed_mid_job_loses_and_repeats_no_record(three_nodes, tmp_path
         assert job.poll() is None, job.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "the job wrote no records"
         time.sleep(0.1)
-    os.killpg(workers[0].pid, signal.SIGKILL)  # the node goes, as a crashed machine: raylet and replica at once
+    kill_node(workers[0].pid)
     stdout, _ = job.communicate(timeout=scaled(400))
     assert job.returncode == 0, stdout[-4000:]
     assert "replicas_lost" in stdout, stdout[-2000:]
