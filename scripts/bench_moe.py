@@ -102,7 +102,7 @@ def decode_rows(name: str, m: ModelConfig, batches: list[int], ctx: int, rates: 
                          experts_hit_per_layer=sum(union) / max(len(union), 1), step_ms=eager * 1e3,
                          graph_ms=None if graph is None else graph * 1e3, bytes_read=nbytes,
                          roofline_ms=roof * 1e3, frac_of_roofline=roof / best))
-        model.kv_caches = None
+        model.kv_caches = model.kv_cache_stack = None
     del model
     gc.collect()
     if dev.type == "cuda":

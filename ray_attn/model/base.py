@@ -82,6 +82,7 @@ class CausalLM(nn.Module):
         self.head_size = config.head_size
         self.kernel_name: str = attn0.impl.kernel.name
         self.kv_caches: list[torch.Tensor] | None = None
+        self.kv_cache_stack: torch.Tensor | None = None  # [layers, *kv_cache_shape]; see allocate_kv_cache
         self._attn_out = torch.zeros(0, self.num_heads, self.head_size, **dd)
 
     def make_rotary(self) -> nn.Module:
@@ -186,10 +187,15 @@ class CausalLM(nn.Module):
         return per_layer * len(self.layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = None  # free the old cache before the new one is allocated
-        # Zeros, not empty: kernels load whole pages, and 0 * NaN from a stale slot would poison a row.
-        self.kv_caches = [torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.cache_dtype,
-                                      device=self.device) for _ in self.layers]
+        self.kv_caches = self.kv_cache_stack = None  # free the old cache before the new one is allocated
+        # Every layer's cache is a contiguous view of one tensor [layers, 2, num_blocks, ...], so
+        # the kernels see what they always did, and one block's bytes in every layer form one
+        # strided slice: the host tier moves n blocks with one index_select, not one per layer
+        # (runtime/kv_tiers.py).  Zeros, not empty: kernels load whole pages, and 0 * NaN from a
+        # stale slot would poison a row.
+        self.kv_cache_stack = torch.zeros((len(self.layers),) + self.kv_cache_shape(num_blocks),
+                                          dtype=self.cache_dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache_stack.unbind(0))
 
     # -- forward ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

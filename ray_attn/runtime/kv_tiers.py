@@ -2,8 +2,9 @@
 
 The host pool is one tensor ``[slots, layers, 2, block_size, kv_heads, head_size * itemsize]`` of
 bytes (pinned on a GPU): one slot holds one block of every layer, contiguous, so a step's copies
-are a few large transfers whatever the layer count -- one gather over the layers on the device,
-and one device <-> host copy per run of consecutive host slots -- never a copy per block and
+are a few large transfers whatever the layer count -- one gather on the device (an index_select
+over the model's one-tensor cache, ``model.kv_cache_stack``, seen block first), and one device <->
+host copy per run of consecutive host slots -- never a copy per block and
 layer (4,096 separate 64 KiB copies reach 3.6 GB/s on the H200 where one bulk pinned copy moves
 55).  The same per-block bytes are what a store holds for this rank's shard (``kv_store.py``).
 Everything is copied as bytes (uint8 views of the caches), so an fp8 cache travels as it is
@@ -40,14 +41,20 @@ class RankKVTiers:
                  store_bytes: int = 4 << 30):
         self.model, self.rank, self.tp, self.device = model, rank, tp, device
         self.store_bytes = store_bytes  # the capacity of the node's store, if this rank creates it
-        views = self._views()
-        if len({v.shape for v in views}) != 1:
-            raise ValueError("KV tiers need every layer's cache in one shape; got "
-                             f"{sorted({tuple(v.shape) for v in views})}")
-        self.block_shape = (len(views),) + views[0].shape[:1] + views[0].shape[2:]  # [L, 2, bs, H, D']
+        stack = model.kv_cache_stack
+        if stack is None:
+            raise ValueError("KV tiers need the model's caches from allocate_kv_cache(): every layer's "
+                             "cache a view of one tensor (model.kv_cache_stack)")
+        stack = stack.view(torch.uint8)  # [L, 2, num_blocks, bs, H, D']
+        self.block_shape = stack.shape[:2] + stack.shape[3:]  # [L, 2, bs, H, D']
         self.block_bytes = int(np.prod(self.block_shape))
         self.wide_dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
                                if self.block_shape[-1] % d.itemsize == 0)
+        # The cache seen block first, [num_blocks, L, 2, bs, H, D'] as the widest integers that tile
+        # a row (an index copy moves elements, and byte elements run at 1-2% of a bare copy,
+        # measured on CPU): a strided view, so n blocks of every layer are one index_select into
+        # the host slot layout, or one index_copy_ out of it -- one kernel, one pass over the bytes.
+        self._blocks = stack.view(self.wide_dtype).permute(2, 0, 1, 3, 4, 5)
         slots = int(host_cache_gib * (1 << 30)) // self.block_bytes
         pin = device.type == "cuda"
         self.host = torch.zeros((slots,) + self.block_shape, dtype=torch.uint8, pin_memory=pin) if slots else None
@@ -70,10 +77,6 @@ class RankKVTiers:
             start, end = self._timed.pop(0)
             self.moved["copy_s"] += start.elapsed_time(end) / 1e3
         return self.moved["copy_s"]
-
-    def _views(self) -> list[torch.Tensor]:
-        """Each layer's cache as bytes, [2, num_blocks, block_size, kv_heads, head_size * itemsize]."""
-        return [c.view(torch.uint8) for c in self.model.kv_caches]
 
     # -- checks -------------------------------------------------------------------------------
     def check(self, t, num_blocks: int) -> None:
@@ -115,11 +118,6 @@ class RankKVTiers:
             self._fetch(t)
         self.moved["copy_s"] += time.perf_counter() - t0  # on a GPU: issuing them (copy_seconds)
 
-    def _wide(self, t: torch.Tensor) -> torch.Tensor:
-        """The same bytes as the widest integers that tile the last dimension: an index copy moves
-        elements, and byte elements run at 1-2% of a bare copy (measured on CPU)."""
-        return t.view(self.wide_dtype)
-
     def _index(self, blocks) -> torch.Tensor:
         """Block ids on the device, without a sync: ``torch.as_tensor(..., device=cuda)`` copies
         from pageable memory and so waits for the stream -- for the step still computing."""
@@ -129,17 +127,13 @@ class RankKVTiers:
         return idx.pin_memory().to(self.device, non_blocking=True)
 
     def gather(self, blocks) -> torch.Tensor:
-        """Blocks ``blocks`` of every layer, on the device: uint8 [n, L, 2, bs, H, D']."""
-        idx = self._index(blocks)
-        stacked = torch.stack([self._wide(v).index_select(1, idx) for v in self._views()])  # [L, 2, n, ...]
-        return stacked.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8)
+        """Blocks ``blocks`` of every layer, on the device: uint8 [n, L, 2, bs, H, D'], contiguous."""
+        return self._blocks.index_select(0, self._index(blocks)).view(torch.uint8)
 
     def scatter(self, blocks, data: torch.Tensor) -> None:
         """Write ``data`` [n, L, 2, bs, H, D'] (bytes, host or device) into device blocks ``blocks``."""
-        idx = self._index(blocks)
-        dev = self._wide(data.to(self.device, non_blocking=data.is_pinned()))
-        for layer, v in enumerate(self._views()):
-            self._wide(v).index_copy_(1, idx, dev[:, layer].transpose(0, 1))
+        dev = data.to(self.device, non_blocking=data.is_pinned()).contiguous()
+        self._blocks.index_copy_(0, self._index(blocks), dev.view(self.wide_dtype))
 
     def _to_slots(self, data: torch.Tensor, slots) -> None:
         """Device bytes into host slots: one copy per run of consecutive slots, straight into the

@@ -43,6 +43,8 @@ def test_offload_then_onload_is_byte_identical(kv_cache_dtype, device):
     assert tiers.num_host_slots >= 4 and tiers.host.is_pinned() == (device == "cuda")
     before = {b: block_bytes(model, b) for b in (2, 5, 7)}
     i32 = lambda *x: np.array(x, np.int32)  # noqa: E731
+    # the host slot layout, [n, layers, 2, block_size, kv_heads, head bytes], read one layer at a time
+    assert torch.equal(tiers.gather(i32(7, 2)).cpu(), torch.stack([before[7], before[2]]).cpu())
     # offload 2, 5, 7 to slots 3, 0, 1 and, in the same step, copy slot 3 back into block 5: the
     # offloads read first, so block 5 ends up holding what block 2 held
     tiers.apply(KVTransfers(offload_blocks=i32(2, 5, 7), offload_slots=i32(3, 0, 1),
