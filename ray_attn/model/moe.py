@@ -20,7 +20,8 @@ Two implementations of the experts, the same function:
   inside decode CUDA graphs.
 
 Both combine the k expert outputs of a token the same way (unsorted by a permutation, weighted,
-summed over k in float32), so they differ only in the GEMMs.
+summed over k in float32), so they differ only in the GEMMs.  A third, for a few tokens, lives in
+``moe_small.py``: a GEMV per (token, expert) pair in two Triton kernels, with the same roundings.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from torch import nn
 from ray_attn.model.fused import silu_mul
 from ray_attn.model.gemv import linear
 from ray_attn.model.layers import MLP, FusedShard, Shard, new_param, replicated
+from ray_attn.model.moe_small import fused_moe_small, use_small
 from ray_attn.model.tp import TPGroup
 
 Scoring = Literal["softmax", "sigmoid"]
-MoeImpl = Literal["auto", "loop", "grouped"]
+MoeImpl = Literal["auto", "loop", "grouped", "small"]
 # How a checkpoint stores one layer's experts:
 #   w123:     experts.{e}.w1 / w3 / w2.weight (gate, up, down; Mixtral as transformers writes it)
 #   proj:     experts.{e}.gate_proj / up_proj / down_proj.weight (Qwen3-MoE as transformers writes it)
@@ -142,8 +144,9 @@ def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -
 class FusedMoE(nn.Module):
     """Every expert's SwiGLU; this rank keeps its slice of each expert's inner width: ``w13``
     [E, 2n, H] (gate rows then up rows, as vLLM's FusedMoE), ``w2`` [E, H, n].  ``forward`` returns
-    this rank's partial sum; the caller all-reduces it.  ``impl``: "auto" picks the grouped GEMM
-    on CUDA (``grouped_mm_supported``) and the loop elsewhere; "loop" / "grouped" force one.  The
+    this rank's partial sum; the caller all-reduces it.  ``impl``: "auto" picks the small-batch
+    kernels for up to ``moe_small.SMALL_MAX_TOKENS`` tokens on CUDA, else the grouped GEMM on CUDA
+    (``grouped_mm_supported``), and the loop elsewhere; "loop" / "grouped" / "small" force one.  The
     loop reads per-expert counts on the host, so a CUDA model in float16/float32 (or a torch
     without ``_grouped_mm``) cannot capture decode graphs: ``cuda_graphs="auto"`` then runs eagerly."""
 
@@ -162,8 +165,9 @@ class FusedMoE(nn.Module):
     def forward(self, x, topk_weights, topk_ids, apply_router_weight_on_input=False):
         impl = self.impl
         if impl == "auto":
-            impl = "grouped" if grouped_mm_supported(x, self.w13, self.w2) else "loop"
-        fn = fused_moe_grouped if impl == "grouped" else fused_moe_loop
+            impl = ("small" if use_small(x, self.w13, self.w2) else
+                    "grouped" if grouped_mm_supported(x, self.w13, self.w2) else "loop")
+        fn = {"small": fused_moe_small, "grouped": fused_moe_grouped}.get(impl, fused_moe_loop)
         return fn(x, self.w13, self.w2, topk_weights, topk_ids, apply_router_weight_on_input)
 
     # -- checkpoint names -------------------------------------------------------------------
