@@ -12,7 +12,9 @@
 # the same workloads over HTTP through the Serve app, scripts/gpu_http_serving.py; needs
 # `bash scripts/device/stage_serve.sh` here first, for Serve's HTTP stack).  SERVING_DEADLINE_S
 # (default 420 for serving, 480 for serving_tp2) stops starting workloads after that long, so the
-# call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").
+# call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").  moe_tiers: the MoE
+# and KV-tier GPU tests, the small-batch MoE kernels against the grouped GEMM (bench_moe), the tier
+# copies against a bare pinned copy (bench_kv_tiers --part copy), and their accuracy rows.
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +59,14 @@ if [[ $stage == accuracy || $stage == all ]]; then  # the correctness gate (scri
   step python3 scripts/repro_fp8.py --json benchmarks/results/repro_fp8.json
   step python3 scripts/gpu_accuracy.py ${ACCURACY_ROWS:+--rows $ACCURACY_ROWS} ${ACCURACY_SUFFIX:+--suffix $ACCURACY_SUFFIX}
   [[ -n ${OUT:-} ]] && cp benchmarks/results/repro_fp8.json "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == moe_tiers ]]; then
+  step python3 -m pytest -m gpu tests/model/test_moe_small.py tests/model/test_moe.py tests/runtime/test_kv_tiers.py \
+    -q -p no:cacheprovider
+  step python3 scripts/bench_kv_tiers.py --device cuda --part copy --output benchmarks/results/bench_kv_tiers_copy_cuda.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_kv_tiers_copy_cuda.* "$OUT"/ 2>/dev/null
+  bench scripts/bench_moe.py --scout-layers 12
+  step python3 scripts/gpu_accuracy.py --rows host_tier,qwen3_moe,llama4,bf16
 fi
 if [[ $stage == e2e || $stage == all ]]; then
   bench scripts/bench_e2e.py
