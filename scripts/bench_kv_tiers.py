@@ -125,16 +125,10 @@ def start_ray(a) -> None:
     """A Ray of our own (the stores are actors), never another cluster on this machine."""
     import ray
 
-    if ray.is_initialized():
-        return
-    for attempt in range(3):
-        try:
-            ray.init(address="local", num_cpus=max(4, 2 * a.tp), include_dashboard=False, log_to_driver=False)
-            return
-        except Exception as e:  # noqa: BLE001 -- a raylet slow to register on a loaded box
-            if "timed out during startup" not in str(e) or attempt == 2:
-                raise
-            ray.shutdown()
+    from ray_attn.runtime.cluster import init_local_ray
+
+    if not ray.is_initialized():
+        init_local_ray(num_cpus=max(4, 2 * a.tp), include_dashboard=False, log_to_driver=False)
 
 
 def clear_store(a) -> None:

@@ -38,6 +38,25 @@ class WorkerFailure(RuntimeError):
         super().__init__(f"rank {rank} failed: {type(cause).__name__}: {cause}")
 
 
+LOCAL_START_ATTEMPTS = 3
+
+
+def init_local_ray(**kwargs) -> None:
+    """``ray.init(address="local", **kwargs)``: a new cluster of our own, tried again when its node
+    times out at start.  Ray gives a starting raylet a fixed 30 s to register with the GCS (not a
+    setting in Ray 2.60); beside a CPU hog on two cores that is sometimes not enough, and
+    ``ray.init`` raises "The current node timed out during startup" with nothing else at fault,
+    so the start is tried again after shutting down what the failed one left."""
+    for attempt in range(LOCAL_START_ATTEMPTS):
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 -- Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == LOCAL_START_ATTEMPTS - 1:
+                raise
+            ray.shutdown()
+
+
 def ensure_ray(address: str | None = None, min_cpus: int = 0) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``) if given, else start an embedded local cluster."""
     if ray.is_initialized():
@@ -50,8 +69,7 @@ def ensure_ray(address: str | None = None, min_cpus: int = 0) -> None:
         # slots that a TP group fits on a small machine.  address="local": a new cluster of our
         # own -- without it Ray joins whatever cluster another user started on this machine
         # (and refuses num_cpus there).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
-                 log_to_driver=True)
+        init_local_ray(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=True)
 
 
 def cluster_has_gpus() -> bool:

@@ -78,6 +78,7 @@ def run(args) -> int:
     import ray
     from ray import serve
 
+    from ray_attn.runtime.cluster import init_local_ray
     from ray_attn.serve.app import build_app, deployment_options
     from ray_attn.serve.status import DeployReporter
 
@@ -85,7 +86,10 @@ def run(args) -> int:
     started = not ray.is_initialized()
     # Without --address, a Ray of our own ("local"): a bare ray.init() joins any cluster another
     # user started on this machine.
-    ray.init(address=args.address or "local", include_dashboard=False)
+    if args.address:
+        ray.init(address=args.address, include_dashboard=False)
+    else:
+        init_local_ray(include_dashboard=False)
     # SIGINT and SIGTERM both stop Serve and our Ray cleanly (below).  A process started in the
     # background by a shell (`ray-attn serve ... &`, a job runner) inherits SIGINT ignored, and
     # Python then never raises KeyboardInterrupt: a stop that was asked for would wait forever.

@@ -39,7 +39,7 @@ from ray_attn.model.quantization import parse_quantization
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 from tests.model.test_families import qwen_config, reinit
 from tests.model.test_tensor_parallel import free_port
-from tests.ray_start import init_local_ray
+from ray_attn.runtime.cluster import init_local_ray
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 import pytest
 import ray
 
-from tests.ray_start import init_local_ray
+from ray_attn.runtime.cluster import init_local_ray
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import gpu_accuracy as ga  # noqa: E402
-from tests.ray_start import init_local_ray
+from ray_attn.runtime.cluster import init_local_ray
 from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]

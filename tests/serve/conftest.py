@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ray_start import init_local_ray
+from ray_attn.runtime.cluster import init_local_ray
 from tests.timescale import scaled
 from tests.tokenizer_fixture import build_tokenizer
 
