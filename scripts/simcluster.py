@@ -14,6 +14,7 @@ misses) instead of Ray's default tens of seconds.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +44,13 @@ class SimCluster:
         return node
 
     def remove(self, node) -> None:
-        """Kill the node's raylet and every process on it, as a crashed machine would go."""
+        """Kill the node's raylet and every process on it, as a crashed machine would go.
+        ``remove_node`` kills the node's own daemons; the workers under its raylet (replicas,
+        ranks) would only exit once they notice, seconds later, and a replica could meanwhile
+        finish the very work whose loss a test means to cause -- so they are killed too."""
+        under = [pid for _, proc in node.live_processes() for pid in descendants(proc.pid)]
         self.cluster.remove_node(node, allow_graceful=False)
+        kill_pids(under)
         self.workers.remove(node)
 
     def node_of(self, node_id: str):
@@ -52,6 +58,35 @@ class SimCluster:
             if n.node_id == node_id:
                 return n
         raise KeyError(f"node {node_id} is not one of the worker nodes")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under ``pid``, read from /proc (the raylet's workers, which Ray starts
+    each in a process group of its own, so a group signal misses them).  Read before a kill:
+    once the raylet is dead its workers belong to init."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # the field after the ")" that ends the command name: state, then the parent pid
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone since the listing
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_pids(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node: int = 1) -> SimCluster:

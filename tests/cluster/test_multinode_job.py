@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from simcluster import descendants, kill_pids  # scripts/, put on sys.path by tests/cluster/conftest.py
 from tests.scripts.test_batch_generate import reference, write_prompts
 from tests.scripts.test_submit_job import BIN, REPO, free_port, kill_group, start_group, start_head, token_env
 from tests.timescale import scaled
@@ -60,25 +61,6 @@ def three_nodes():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process under ``pid``, read from /proc (no psutil in the test extra)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # The field after the ")" that ends the command name: state, then the parent pid.
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone since the listing
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def kill_node(pid: int) -> None:
     """SIGKILL a ``ray start`` node as a crashed machine loses it: its process group (raylet and
     daemons) and every process under it.  The group alone is not enough: the raylet starts each
@@ -87,11 +69,7 @@ def kill_node(pid: int) -> None:
     read before the kill, since the raylet's death hands its workers to init."""
     tree = descendants(pid)
     os.killpg(pid, signal.SIGKILL)
-    for child in tree:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_pids(tree)
 
 
 def wait_nodes(gcs: int, env: dict, n: int) -> bool:
