@@ -50,11 +50,6 @@ class RankKVTiers:
         self.block_bytes = int(np.prod(self.block_shape))
         self.wide_dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
                                if self.block_shape[-1] % d.itemsize == 0)
-        # The cache seen block first, [num_blocks, L, 2, bs, H, D'] as the widest integers that tile
-        # a row (an index copy moves elements, and byte elements run at 1-2% of a bare copy,
-        # measured on CPU): a strided view, so n blocks of every layer are one index_select into
-        # the host slot layout, or one index_copy_ out of it -- one kernel, one pass over the bytes.
-        self._blocks = stack.view(self.wide_dtype).permute(2, 0, 1, 3, 4, 5)
         slots = int(host_cache_gib * (1 << 30)) // self.block_bytes
         pin = device.type == "cuda"
         self.host = torch.zeros((slots,) + self.block_shape, dtype=torch.uint8, pin_memory=pin) if slots else None
@@ -68,6 +63,14 @@ class RankKVTiers:
         self._in_stream = torch.cuda.Stream(device) if gpu else None
         self._pending_out: list[tuple[torch.cuda.Event, np.ndarray]] = []  # offloads maybe in flight
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copy-stream spans to read
+
+    def _blocks(self) -> torch.Tensor:
+        """The cache seen block first, [num_blocks, L, 2, bs, H, D'] as the widest integers that
+        tile a row (an index copy moves elements, and byte elements run at 1-2% of a bare copy,
+        measured on CPU): a strided view, so n blocks of every layer are one index_select into the
+        host slot layout, or one index_copy_ out of it -- one kernel, one pass over the bytes.
+        Made per call (a view costs microseconds): it follows a cache allocated again."""
+        return self.model.kv_cache_stack.view(torch.uint8).view(self.wide_dtype).permute(2, 0, 1, 3, 4, 5)
 
     def copy_seconds(self) -> float:
         """Time spent copying: on a GPU the copy streams' busy time of the transfers finished so
@@ -128,12 +131,12 @@ class RankKVTiers:
 
     def gather(self, blocks) -> torch.Tensor:
         """Blocks ``blocks`` of every layer, on the device: uint8 [n, L, 2, bs, H, D'], contiguous."""
-        return self._blocks.index_select(0, self._index(blocks)).view(torch.uint8)
+        return self._blocks().index_select(0, self._index(blocks)).view(torch.uint8)
 
     def scatter(self, blocks, data: torch.Tensor) -> None:
         """Write ``data`` [n, L, 2, bs, H, D'] (bytes, host or device) into device blocks ``blocks``."""
         dev = data.to(self.device, non_blocking=data.is_pinned()).contiguous()
-        self._blocks.index_copy_(0, self._index(blocks), dev.view(self.wide_dtype))
+        self._blocks().index_copy_(0, self._index(blocks), dev.view(self.wide_dtype))
 
     def _to_slots(self, data: torch.Tensor, slots) -> None:
         """Device bytes into host slots: one copy per run of consecutive slots, straight into the
