@@ -84,8 +84,19 @@ async def generate(server, request: Request):
 async def _sse(server, rid: str, sink: AsyncioSink, shown_id: str, prior: list[int], resumable: bool):
     """The stream; ``prior`` are tokens a lost replica already streamed under ``shown_id`` (the
     events go on from there), and ``resumable`` adds the front's progress lines (resume.py)."""
-    index, finished, tokens = len(prior), False, list(prior)
-    text_sent = (_decode(server, tokens) or "") if prior else ""
+    index, finished = len(prior), False
+    # Each event's text comes from an incremental detokenizer, fed token by token: the text up to
+    # token k is then the same however the events were cut -- by coalescing on a busy replica, or
+    # by a resume, whose new replica replays ``prior`` to know what was sent.  (Diffing full
+    # decodes was not: a character split across two events decoded as U+FFFD, the next decode no
+    # longer began with what was sent, and the whole text went out again.)
+    detok = None
+    if server.tokenizer is not None:
+        from ray_attn.detokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(server.tokenizer)
+        detok.add(prior)
+    text_sent = len(detok.text) if detok is not None else 0
     if resumable and not prior:
         yield resuming.progress_line(head={"id": shown_id})
     try:
@@ -97,11 +108,11 @@ async def _sse(server, rid: str, sink: AsyncioSink, shown_id: str, prior: list[i
                 new += last.token_ids
             finished = last.finished
             text = None
-            if server.tokenizer is not None:
-                tokens += new
-                full = _decode(server, tokens)
-                text = full[len(text_sent):] if full.startswith(text_sent) else full
-                text_sent = full
+            if detok is not None:
+                detok.add(new)
+                if finished:
+                    detok.finish()  # a trailing incomplete character goes out too, as U+FFFD
+                text, text_sent = detok.text[text_sent:], len(detok.text)
             event = StreamEvent(id=shown_id, index=index, token_ids=new, text=text, finished=finished,
                                 finish_reason=last.finish_reason if finished else None,
                                 error=last.error)

@@ -196,7 +196,9 @@ def test_client_picks_the_longest_run_and_survives_dead_stores(actors):
     ray.get(short.put.remote("L", 0, 1, chain[:2], blocks(rng, 2, 64)))
     ray.get(long.put.remote("L", 0, 1, chain, blocks(rng, 4, 64)))
     ray.get(long.put.remote("other", 0, 1, chain, blocks(rng, 4, 64)))
-    client = SharedKVClient("L", tp=1, stores=[(short_name, short), (long_name, long)])
+    # Every store here answers: a deadline for the answers is only a wait, stretched on a busy box
+    # (with the library's 3 s, a store that answered late counted as holding nothing: loaded run, 12-02)
+    client = SharedKVClient("L", tp=1, stores=[(short_name, short), (long_name, long)], timeout_s=scaled(30))
 
     count, name, lease = client.lookup(chain)
     assert (count, name) == (4, long_name) and lease
@@ -207,14 +209,30 @@ def test_client_picks_the_longest_run_and_survives_dead_stores(actors):
     assert ray.get(long.stats.remote())["leases"] == 0
 
     assert client.lookup([99] + chain) == (0, None, None)
-    assert SharedKVClient("nobody", tp=1, stores=[(long_name, long)]).lookup(chain) == (0, None, None)
+    assert SharedKVClient("nobody", tp=1, stores=[(long_name, long)], timeout_s=scaled(30)).lookup(chain) == (0, None, None)
 
-    ray.kill(long)
+    kill_and_wait(long)
     count, name, lease = client.lookup(chain)
     assert (count, name) == (2, short_name)
     client.release(name, lease)
-    ray.kill(short)
+    kill_and_wait(short)
     assert client.lookup(chain) == (0, None, None)
+
+
+def kill_and_wait(actor) -> None:
+    """``ray.kill``, then wait until calls fail: it returns before the actor is gone, and a lookup
+    sent at once may still be answered by the store it meant to lose (seen on a loaded box)."""
+    ray.kill(actor)
+    deadline = time.monotonic() + scaled(60)
+    while True:
+        try:
+            ray.get(actor.stats.remote(), timeout=scaled(10))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass  # a busy box: ask again
+        assert time.monotonic() < deadline, "the store did not die"
+        time.sleep(0.1)
 
 
 @ray.remote(num_cpus=0)
@@ -232,7 +250,7 @@ def test_client_does_not_wait_for_a_slow_store(actors):
     ray.get(store.put.remote("L", 0, 1, [1, 2], blocks(np.random.default_rng(6), 2, 64)))
     slow = SlowStore.remote()
     actors.append(slow)
-    timeout = scaled(2)
+    timeout = min(scaled(5), 30.0)  # the live store's answer must make it; the slow one sleeps 60 s
     client = SharedKVClient("L", tp=1, stores=[("slow", slow), (name, store)], timeout_s=timeout)
     t0 = time.monotonic()
     count, got, _ = client.lookup([1, 2])
@@ -274,7 +292,7 @@ def test_node_store_is_one_detached_named_actor_per_node(actors):
         assert info["IsDetached"] and info["Name"] == name
         assert info["Address"]["NodeID"] == node
 
-        client = SharedKVClient("L", tp=1)
+        client = SharedKVClient("L", tp=1, timeout_s=scaled(30))
         assert [n for n, _ in client.stores()] == [name]
         ray.get(a.put.remote("L", 0, 1, [5], np.zeros((1, 8), np.uint8)))
         count, got, lease = client.lookup([5])

@@ -17,6 +17,17 @@ from ray_attn.planner.tiers import KVTransfers
 from ray_attn.runtime import AttentionCluster, InProcessExecutor
 from ray_attn.runtime.kv_tiers import RankKVTiers
 from tests.runtime.test_engine_tp import config as base_config
+from tests.timescale import scaled
+
+
+@pytest.fixture(autouse=True)
+def patient_lookups(monkeypatch):
+    """The engines' shared-store clients wait for the stores' answers as long as a busy machine
+    needs: with the library's 3 s, a store that answers late counts as holding nothing, and a
+    test that expects a hit from another replica sees a miss."""
+    from ray_attn.runtime import kv_store
+
+    monkeypatch.setattr(kv_store, "LOOKUP_TIMEOUT_S", scaled(30))
 
 
 def rank_tiers(kv_cache_dtype="auto", num_blocks=12, host_gib=0.002, device="cpu"):
