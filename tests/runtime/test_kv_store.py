@@ -164,22 +164,30 @@ class Publisher:
         return True
 
 
+def kill_and_wait(actor, probe: str = "stats") -> None:
+    """``ray.kill``, then wait until calls (``probe``) fail: it returns before the actor is gone,
+    and a call sent at once may still be answered -- a lookup by the store it meant to lose (seen
+    on a loaded box)."""
+    ray.kill(actor)
+    deadline = time.monotonic() + scaled(60)
+    while True:
+        try:
+            ray.get(getattr(actor, probe).remote(), timeout=scaled(10))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass  # a busy box: ask again
+        assert time.monotonic() < deadline, f"{actor} did not die"
+        time.sleep(0.1)
+
+
 def test_blocks_outlive_the_replica_that_published_them(actors):
     _, store = new_store(actors)
     pub = Publisher.remote()
     hashes = list(range(100, 108))
     # 8 x 64 KiB: far over the inline limit, so the argument is an object-store object of pub's.
     assert ray.get(pub.publish.remote(store, hashes, 4, 65536)) == 8
-    ray.kill(pub)
-    # ray.kill returns before the actor is gone: a ping sent at once may still be answered
-    deadline = time.monotonic() + scaled(60)
-    while True:
-        try:
-            ray.get(pub.ping.remote(), timeout=scaled(10))
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() < deadline, "the publisher did not die"
-        time.sleep(0.1)
+    kill_and_wait(pub, "ping")
     expected = np.random.default_rng(4).integers(0, 256, (8, 65536), np.uint8)
     assert ray.get(store.lookup.remote("L", hashes, "r")) == 8
     assert ray.get(store.get.remote("L", 0, hashes)).tobytes() == expected.tobytes()
@@ -218,21 +226,6 @@ def test_client_picks_the_longest_run_and_survives_dead_stores(actors):
     kill_and_wait(short)
     assert client.lookup(chain) == (0, None, None)
 
-
-def kill_and_wait(actor) -> None:
-    """``ray.kill``, then wait until calls fail: it returns before the actor is gone, and a lookup
-    sent at once may still be answered by the store it meant to lose (seen on a loaded box)."""
-    ray.kill(actor)
-    deadline = time.monotonic() + scaled(60)
-    while True:
-        try:
-            ray.get(actor.stats.remote(), timeout=scaled(10))
-        except ray.exceptions.RayActorError:
-            return
-        except ray.exceptions.GetTimeoutError:
-            pass  # a busy box: ask again
-        assert time.monotonic() < deadline, "the store did not die"
-        time.sleep(0.1)
 
 
 @ray.remote(num_cpus=0)
