@@ -187,15 +187,15 @@ def moe():
           "`python scripts/bench_moe.py`)\n")
     us = lambda v: f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
     ks = [r for r in m["rows"] if r["kind"] == "kernel"]
-    print(table(ks, ["model", "tokens", "experts_hit", "grouped_graph_us", "loop_us", "dense_graph_us", "roofline_us",
-                     "grouped_frac_of_roofline", "grouped_vs_loop"],
-                {"grouped_graph_us": us, "loop_us": us, "dense_graph_us": us, "roofline_us": us,
-                 "grouped_frac_of_roofline": pct, "grouped_vs_loop": times}))
-    print("\n`dense`: one dense GEMM pair of the same FLOPs; `roofline`: the bytes of the experts hit at the copy rate "
-          f"({m['rates']['copy_Bps'] / 1e9:,.0f} GB/s).\n")
+    print(table(ks, ["model", "tokens", "experts_hit", "grouped_graph_us", "small_graph_us", "loop_us", "dense_graph_us",
+                     "roofline_us", "grouped_frac_of_roofline", "small_frac_of_roofline", "grouped_vs_loop"],
+                {"grouped_graph_us": us, "small_graph_us": us, "loop_us": us, "dense_graph_us": us, "roofline_us": us,
+                 "grouped_frac_of_roofline": pct, "small_frac_of_roofline": pct, "grouped_vs_loop": times}))
+    print("\n`small`: the small-batch kernels (`model/moe_small.py`); `dense`: one dense GEMM pair of the same FLOPs; "
+          f"`roofline`: the bytes of the experts hit at the copy rate ({m['rates']['copy_Bps'] / 1e9:,.0f} GB/s).\n")
     dec = [r for r in m["rows"] if r["kind"] == "decode"]
-    print(table(dec, ["model", "layers", "batch", "ctx", "experts_hit_per_layer", "graph_ms", "step_ms", "roofline_ms",
-                      "frac_of_roofline"], {"frac_of_roofline": pct}))
+    print(table(dec, ["model", "moe_impl", "layers", "batch", "ctx", "experts_hit_per_layer", "graph_ms", "step_ms",
+                      "roofline_ms", "frac_of_roofline"], {"frac_of_roofline": pct}))
     print()
 
 
