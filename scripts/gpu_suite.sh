@@ -63,7 +63,7 @@ fi
 if [[ $stage == moe_tiers ]]; then
   step python3 -m pytest -m gpu tests/model/test_moe_small.py tests/model/test_moe.py tests/runtime/test_kv_tiers.py \
     -q -p no:cacheprovider
-  step python3 scripts/bench_kv_tiers.py --device cuda --part copy --output benchmarks/results/bench_kv_tiers_cuda.json
+  step python3 scripts/bench_kv_tiers.py --device cuda --part copy --iters 30 --output benchmarks/results/bench_kv_tiers_cuda.json
   [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_kv_tiers_cuda.* "$OUT"/ 2>/dev/null
   bench scripts/bench_moe.py --scout-layers 12
   step python3 scripts/gpu_accuracy.py --rows host_tier,qwen3_moe,llama4,bf16
