@@ -309,6 +309,23 @@ def _ttft(eng, prompt) -> float:
     return first
 
 
+def _wait_published(store, client, hashes, deadline_s: float = 30.0) -> None:
+    """Until the store holds all of ``hashes``: on a GPU a rank's thread puts its blocks once their
+    bytes reach the host, after the step that published them (on CPU the put is already queued, and
+    the store answers its one caller in order)."""
+    import ray
+
+    end = time.monotonic() + deadline_s
+    while True:
+        ray.get(store.stats.remote())
+        got, name, lease = client.lookup(hashes)
+        if got:
+            client.release(name, lease)
+        if got == len(hashes) or time.monotonic() > end:
+            return
+        time.sleep(0.01)
+
+
 def part_breakeven(a):
     import ray
 
@@ -337,8 +354,8 @@ def part_breakeven(a):
         for n in ns:
             prompt = rng.integers(0, vocab, n * bs + 1).tolist()
             prefill = _ttft(A, prompt)
-            ray.get(store.stats.remote())  # after A's puts (one caller: in order)
             hashes = [int(h) for h in prompt_hashes(prompt, n, bs)]
+            _wait_published(store, client, hashes)
             blocks = A.planner.pool.cached_blocks(hashes)  # A's own copies: the scatter rewrites their bytes
             assert None not in blocks, "A's blocks of the prompt were evicted"
             t0 = time.perf_counter()
