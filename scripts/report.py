@@ -280,16 +280,24 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
         print("Shared fetch (lookup + get + scatter) vs prefill (TTFT with nothing cached less a 1-token prompt's); "
               f"median of {b['reps']}:\n")
         print(table(br, ["tokens"] + [f"{c}_ms" for c in timed], {f"{c}_ms": lambda v: f"{v:,.1f}" for c in timed}))
-        print(f"\nFetching wins from {b['measured_kv_share_min_tokens']} tokens (the measured kv_share_min_tokens); "
-              f"end to end (TTFT fetched vs computed) from {b['measured_kv_share_min_tokens_end_to_end']} tokens.\n")
+        def since(key, col):
+            if b[key] is not None:
+                return f"from {b[key]} tokens"
+            wins = [r["tokens"] for r in rows if r["part"] == "breakeven" and r[col]]
+            return (f"at no size from which it wins at every larger size measured (only at {wins} tokens)" if wins
+                    else "at no size measured")
+        print(f"\nFetching wins {since('measured_kv_share_min_tokens', 'fetch_wins')} (the measured "
+              f"kv_share_min_tokens); end to end (TTFT fetched vs computed) "
+              f"{since('measured_kv_share_min_tokens_end_to_end', 'fetched_ttft_wins')}.\n")
 
 
 def main():
     accuracy()
     moe()
     kv_tiers()
-    kv_tiers("bench_kv_tiers_cuda", "python scripts/bench_kv_tiers.py --device cuda --part host,copy --users 32 "
-             "--turns 6 --concurrency 10 --fit-users 8 --fit-repeats 2")
+    kv_tiers("bench_kv_tiers_cuda", "python scripts/bench_kv_tiers.py --device cuda --part host --users 32 "
+             "--turns 6 --concurrency 10 --fit-users 8 --fit-repeats 2`; `--part copy --iters 30`; `--part share "
+             "--executor inprocess --users 8 --turns 3 --doc-tokens 2048 --concurrency 4`; `--part breakeven")
     serving()
     serving_http()
     a = load("bench_attention")
