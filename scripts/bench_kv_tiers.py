@@ -240,19 +240,6 @@ def _sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, dev, iters: int) -> float:
-    """Median seconds of ``fn`` (synchronised), after one warm-up call."""
-    fn()
-    _sync(dev)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
 def part_copy(a):
     from ray_attn.model import build_model
     from ray_attn.planner.tiers import KVTransfers
@@ -277,12 +264,12 @@ def part_copy(a):
         dev_flat = torch.empty(n * tiers.block_bytes, dtype=torch.uint8, device=dev)
         host.copy_(tiers.gather(blocks))
         t = dict(
-            gather_s=_time(lambda: tiers.gather(blocks), dev, a.iters),
-            bare_out_s=_time(lambda: host_flat.copy_(dev_flat), dev, a.iters),
-            scatter_s=_time(lambda: tiers.scatter(blocks, host), dev, a.iters),
-            bare_in_s=_time(lambda: dev_flat.copy_(host_flat), dev, a.iters),
-            offload_s=_time(lambda: tiers.apply(KVTransfers(offload_blocks=blocks, offload_slots=slots)), dev, a.iters),
-            onload_s=_time(lambda: tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=blocks)), dev, a.iters))
+            gather_s=bl.synced_timeit(lambda: tiers.gather(blocks), dev, a.iters),
+            bare_out_s=bl.synced_timeit(lambda: host_flat.copy_(dev_flat), dev, a.iters),
+            scatter_s=bl.synced_timeit(lambda: tiers.scatter(blocks, host), dev, a.iters),
+            bare_in_s=bl.synced_timeit(lambda: dev_flat.copy_(host_flat), dev, a.iters),
+            offload_s=bl.synced_timeit(lambda: tiers.apply(KVTransfers(offload_blocks=blocks, offload_slots=slots)), dev, a.iters),
+            onload_s=bl.synced_timeit(lambda: tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=blocks)), dev, a.iters))
         nbytes = n * tiers.block_bytes
         row = dict(part="copy", blocks=n, bytes=nbytes, **t)
         for k in ("gather", "scatter", "offload", "onload", "bare_out", "bare_in"):

@@ -86,6 +86,22 @@ def graph_timeit(fn, iters: int = 20, warmup: int = 3) -> float | None:
         del graph  # its private memory pool goes with it, before the next point allocates
 
 
+def synced_timeit(fn, dev: torch.device, iters: int) -> float:
+    """Median wall seconds of one call of ``fn`` and the device work it queued (synchronised after
+    each call), after one warm-up call: what a caller that waits for the result pays."""
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def host_timeit(fn, burst: int = 4, reps: int = 5) -> float:
     """Median host seconds to submit one call of ``fn``: Python, argument checks, allocations and
     kernel launches, without waiting for the GPU.  Each sample is ``burst`` calls issued on an idle

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +29,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
 
 from ray_attn.planner.tiers import KVTransfers  # noqa: E402
 from ray_attn.runtime.kv_tiers import RankKVTiers  # noqa: E402
@@ -53,18 +54,6 @@ try:
             tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 except Exception:  # pragma: no cover
     triton = None
-
-
-def timed(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def main(argv=None) -> int:
@@ -97,12 +86,12 @@ def main(argv=None) -> int:
         host_flat = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=True)
         want = tiers.gather(blocks).cpu()
         t = dict(
-            index=timed(lambda: tiers._index(blocks), a.iters),
-            select=timed(lambda: tiers._blocks().index_select(0, idx), a.iters),
-            gather=timed(lambda: tiers.gather(blocks), a.iters),
-            bare=timed(lambda: host_flat.copy_(dev_flat, non_blocking=True), a.iters),
-            gather_copy=timed(lambda: host_flat.view(want.shape).copy_(tiers.gather(blocks), non_blocking=True), a.iters),
-            offload=timed(lambda: tiers.apply(KVTransfers(offload_blocks=blocks, offload_slots=slots)), a.iters),
+            index=bl.synced_timeit(lambda: tiers._index(blocks), dev, a.iters),
+            select=bl.synced_timeit(lambda: tiers._blocks().index_select(0, idx), dev, a.iters),
+            gather=bl.synced_timeit(lambda: tiers.gather(blocks), dev, a.iters),
+            bare=bl.synced_timeit(lambda: host_flat.copy_(dev_flat, non_blocking=True), dev, a.iters),
+            gather_copy=bl.synced_timeit(lambda: host_flat.view(want.shape).copy_(tiers.gather(blocks), non_blocking=True), dev, a.iters),
+            offload=bl.synced_timeit(lambda: tiers.apply(KVTransfers(offload_blocks=blocks, offload_slots=slots)), dev, a.iters),
         )
         row = dict(blocks=n, bytes=n * block_bytes)
         if triton is not None:
@@ -113,7 +102,7 @@ def main(argv=None) -> int:
             def direct():
                 _direct_kernel[(n, pieces)](wide, ids, host_wide, piece, nb * piece, PIECES=pieces, BLOCK=1024)
             try:
-                t["direct"] = timed(direct, a.iters)
+                t["direct"] = bl.synced_timeit(direct, dev, a.iters)
                 row["direct_exact"] = bool(torch.equal(host_wide.view(torch.uint8).view(want.shape), want))
             except Exception as e:  # Triton refusing a host pointer is itself the answer
                 row["direct_error"] = f"{type(e).__name__}: {e}"[:300]
