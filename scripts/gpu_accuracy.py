@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fp8_checkpoints as f8c  # noqa: E402
 import hf_reference as hf  # noqa: E402
 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
@@ -71,6 +72,10 @@ class Row:
     tp: int = 1
     warm_prefix: bool = False  # serve the shared prefix first, so that the batch hits the cache
     fp8: bool = False
+    # FP8 weights (fp8_checkpoints.KINDS): the engine serves the checkpoint in that format; HF runs
+    # the same weights dequantized with the format's activation quantization on its linears, in
+    # the float32 reference and in the bf16 control alike (the format's definition of the model)
+    weights: str = ""
     grammar: bool = False  # decode under SCHEMA (structured outputs), scored under the same mask
     # (stats, info) -> why the feature did not run, or None
     expect: Callable[[dict, dict], str | None] = lambda s, i: None
@@ -84,6 +89,7 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
     fa = (lambda i: need(i["kernel"] == "fa3", f"kernel {i['kernel']}, not fa3")) if gpu else (lambda i: None)
     graphs = (lambda i: need(i["cuda_graphs"], "decode steps did not replay CUDA graphs")) if gpu else (lambda i: None)
     default = lambda s, i: fa(i) or graphs(i)
+    fp8w = lambda i: need(i.get("fp8_linears", 0) > 0, "the rank holds no e4m3 weights")
     kinds = (["chunked_attention"] * 3 + ["full_attention"]) * layers  # Llama 4's 3:1 pattern
     return [
         Row("bf16", what="bf16, default engine", expect=default),
@@ -133,6 +139,15 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
         Row("mixtral", family="mixtral", what="Mixtral: softmax top-2 of 8 experts, renormalised", expect=default),
         Row("qwen3_moe", family="qwen3_moe", what="Qwen3-MoE: top-4 of 16 experts (norm_topk_prob), a dense "
             "layer, q/k norms", expect=default),
+        Row("fp8_weights_online", what="FP8 weights quantized at load (quantization='fp8'): per-channel "
+            "weights, dynamic per-token activations", weights="online", expect=lambda s, i: default(s, i) or fp8w(i)),
+        Row("fp8_weights_compressed_tensors", what="compressed-tensors FP8_DYNAMIC checkpoint",
+            weights="compressed_tensors", expect=lambda s, i: default(s, i) or fp8w(i)),
+        Row("fp8_weights_block", what="block-wise FP8 checkpoint (128 x 128 weight blocks, per-group activations)",
+            weights="block", expect=lambda s, i: default(s, i) or fp8w(i)),
+        Row("fp8_weights_fp8_kv", what="compressed-tensors FP8 weights with the fp8 KV cache",
+            weights="compressed_tensors", cache=dict(kv_cache_dtype="fp8"), fp8=True,
+            expect=lambda s, i: default(s, i) or fp8w(i)),
         Row("json_schema", what="JSON-schema structured output (xgrammar mask on rank 0), byte vocabulary",
             grammar=True, expect=default),
         Row("tp2_graphs", what="TP=2, CUDA graphs on (NCCL inside)", tp=2, parallel=dict(cuda_graphs="on"),
@@ -165,7 +180,8 @@ def prompt_sets(vocab: int, gpu: bool, seed: int = 0, chunk: int = 256) -> dict[
 
 def engine_config(row: Row, folder: str, gpu: bool, num_blocks: int) -> EngineConfig:
     dtype = "bfloat16" if gpu else "float32"
-    model = ModelConfig.from_pretrained(folder, dtype=dtype, **row.model)
+    extra = dict(quantization="fp8") if row.weights == "online" else {}
+    model = ModelConfig.from_pretrained(folder, dtype=dtype, **row.model, **extra)
     cache = dict(num_blocks=num_blocks) | row.cache
     par = dict(tensor_parallel_size=row.tp, device="cuda" if gpu else "cpu") | row.parallel
     return EngineConfig(model=model, checkpoint=folder, cache=CacheConfig(**cache),
@@ -199,7 +215,8 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
             params = SamplingParams(max_tokens=GRAMMAR_MAX_TOKENS, ignore_eos=True, structured_outputs=spec)
         outs = engine.generate(prompts, params)
         info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
-                "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs"))}  # what rank 0 captured
+                "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs")),  # what rank 0 captured
+                "fp8_linears": engine.executor.infos[0].get("fp8_linears", 0)}
         stats = engine.stats.as_dict() | engine.planner.stats()  # the planner's: KV tier hits
         return [o.output_token_ids for o in outs], stats, info
     finally:
@@ -228,20 +245,27 @@ class Controls:
             kinds, chunk=m.attention_chunk_size, window=m.sliding_window, kv_round=rounder))
         return name
 
-    def fp32(self, folder: str, attn: str):
-        key = (folder, attn)
+    def load(self, folder: str, dtype, attn: str, act: str | None):
+        model = hf.load_hf(folder, dtype, self.device, attn)
+        if act:
+            f8c.add_activation_rounding(model, act)
+        return model
+
+    def fp32(self, folder: str, attn: str, act: str | None = None):
+        key = (folder, attn, act)
         if key not in self._fp32:
             self._fp32.clear()  # one float32 model at a time
-            self._fp32[key] = hf.load_hf(folder, torch.float32, self.device, attn)
+            self._fp32[key] = self.load(folder, torch.float32, attn, act)
         return self._fp32[key]
 
-    def control(self, folder: str, attn_ref: str, attn_ctrl: str, prompts_key: str, prompts) -> float:
-        key = (folder, attn_ref, attn_ctrl, prompts_key)
+    def control(self, folder: str, attn_ref: str, attn_ctrl: str, prompts_key: str, prompts,
+                act: str | None = None) -> float:
+        key = (folder, attn_ref, attn_ctrl, prompts_key, act)
         if key not in self.cache:
-            model = hf.load_hf(folder, torch.bfloat16, self.device, attn_ctrl)
+            model = self.load(folder, torch.bfloat16, attn_ctrl, act)
             outs = [hf.greedy_generate(model, p, MAX_TOKENS) for p in prompts]
             del model
-            self.cache[key] = 100 * hf.agreement(self.fp32(folder, attn_ref), prompts, outs)
+            self.cache[key] = 100 * hf.agreement(self.fp32(folder, attn_ref, act), prompts, outs)
         return self.cache[key]
 
 
@@ -262,37 +286,52 @@ class Gate:
     def rows(self) -> list[Row]:
         return rows(self.gpu, self.chunk, self.size["layers"])
 
-    def checkpoint(self, family: str) -> str:
-        if family not in self.folders:
-            folder = self.folders[family] = os.path.join(self.workdir, family)
+    def checkpoint(self, family: str, weights: str = "") -> str:
+        """The family's checkpoint (``weights``: in that FP8 format; ``weights + "_hf"``: its
+        weights dequantized to float32, for HF)."""
+        key = family + (f"_{weights}" if weights else "")
+        if key in self.folders:
+            return self.folders[key]
+        folder = os.path.join(self.workdir, key)
+        if weights.endswith("_hf"):
+            kind = weights[:-3]
+            f8c.write_dequantized(self.checkpoint(family, kind), folder, kind)
+        elif weights:
+            folder = f8c.write_fp8_checkpoint(self.checkpoint(family), folder, weights)
+        else:
             hf.write_checkpoint(family, folder, size=self.size, seed=1, window=self.window, init=self.init,
                                 dtype=torch.bfloat16 if self.gpu else torch.float32,
                                 chunk=self.llama4_chunks.get(family))
-        return self.folders[family]
+        self.folders[key] = folder
+        return folder
 
     def run(self, row: Row) -> dict:
         t0 = time.perf_counter()
         res = dict(row=row.name, what=row.what, family=row.family, tp=row.tp, prompts=row.prompts)
         try:
-            folder = self.checkpoint(row.family)
+            folder = self.checkpoint(row.family, row.weights)
+            ref_folder = self.checkpoint(row.family, row.weights + "_hf") if row.weights else folder
+            act = f8c.ACT[row.weights] if row.weights else None
             prompts = self.prompts[row.prompts]
             cfg = engine_config(row, folder, self.gpu, 4096 if row.cache.get("block_size", 16) == 16 else 256)
             outs, stats, info = run_engine(row, cfg, prompts, self.prompts["_prefix"])
             c = self.controls
             attn_ref = c.attention(row, cfg)
             if row.grammar:
-                agree, ctrl = self.grammar_scores(folder, attn_ref, cfg.model.vocab_size, prompts, outs)
+                agree, ctrl = self.grammar_scores(ref_folder, attn_ref, cfg.model.vocab_size, prompts, outs)
                 res["json_valid"] = self.valid_json(cfg.model.vocab_size, outs)
             else:
-                agree = 100 * hf.agreement(c.fp32(folder, attn_ref), prompts, outs)
-                ctrl = c.control(folder, attn_ref, attn_ref, row.prompts, prompts)
+                agree = 100 * hf.agreement(c.fp32(ref_folder, attn_ref, act), prompts, outs)
+                ctrl = c.control(ref_folder, attn_ref, attn_ref, row.prompts, prompts, act)
             res.update(agreement=agree, control_bf16=ctrl, kernel=info["kernel"], cuda_graphs=info["cuda_graphs"],
+                       fp8_linears=info["fp8_linears"],
                        async_scheduling=info["async"], stats={k: stats[k] for k in (
                            "steps", "cascade_steps", "multi_group_cascade_steps", "local_steps",
                            "preemptions", "prefix_cache_hit_tokens", "host_hit_blocks", "onloaded_blocks") if k in stats})
             threshold = ctrl - MARGIN
             if row.fp8:
-                res["control_fp8"] = c.control(folder, attn_ref, c.attention(row, cfg, True), row.prompts, prompts)
+                res["control_fp8"] = c.control(ref_folder, attn_ref, c.attention(row, cfg, True), row.prompts, prompts,
+                                               act)
                 threshold = res["control_fp8"] - MARGIN
             res["threshold"] = threshold
             why = row.expect(res["stats"], info)

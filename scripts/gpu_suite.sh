@@ -15,6 +15,8 @@
 # call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").  moe_tiers: the MoE
 # and KV-tier GPU tests, the small-batch MoE kernels against the grouped GEMM (bench_moe), the tier
 # copies against a bare pinned copy (bench_kv_tiers --part copy), and their accuracy rows.
+# fp8: the FP8-weight GPU tests and bench_fp8 (error, kernels); fp8_gate: the fp8_weights_* accuracy
+# rows (into gpu_accuracy_fp8_weights.json) and bench_fp8's GEMV sweep.
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +69,16 @@ if [[ $stage == moe_tiers ]]; then
   [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_kv_tiers_cuda.* "$OUT"/ 2>/dev/null
   bench scripts/bench_moe.py --scout-layers 12
   step python3 scripts/gpu_accuracy.py --rows host_tier,qwen3_moe,llama4,bf16
+fi
+if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, then every FP8 GEMM path against bf16
+  step python3 -m pytest -m gpu tests/model/test_fp8_weights.py -q -p no:cacheprovider -x --tb=line
+  bench scripts/bench_fp8.py --parts error,kernels
+fi
+if [[ $stage == fp8_gate ]]; then  # FP8 weights: the accuracy rows, and the FP8 GEMV's block sizes
+  step python3 scripts/gpu_accuracy.py --suffix _fp8_weights \
+    --rows fp8_weights_online,fp8_weights_compressed_tensors,fp8_weights_block,fp8_weights_fp8_kv
+  step python3 scripts/bench_fp8.py --parts gemv --rows 1,2,4,8,16 --name bench_fp8_gemv
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_fp8_gemv.json benchmarks/results/gpu_accuracy_fp8_weights.json "$OUT"/
 fi
 if [[ $stage == e2e || $stage == all ]]; then
   bench scripts/bench_e2e.py

@@ -186,7 +186,11 @@ class AttentionWorker:
                 "kernel": self.model.kernel_name if self.model else None,
                 "num_blocks": getattr(self, "num_blocks", None), "cuda_graphs": self.graphs is not None,
                 "memory": None, "host_slots": self.tiers.num_host_slots if self.tiers else 0,
-                "kv_block_bytes": self.tiers.block_bytes if self.tiers else None}
+                "kv_block_bytes": self.tiers.block_bytes if self.tiers else None,
+                # how many linear layers hold e4m3 weights once loaded: proof that a quantized
+                # config really runs FP8 on the rank (the accuracy gate's fp8_weights rows check it)
+                "fp8_linears": sum(1 for m in self.model.modules() if getattr(m, "weight", None) is not None
+                                   and m.weight.dtype == torch.float8_e4m3fn) if self.model else 0}
         if self.memory_profile is not None:
             info["memory"] = self.memory_profile.as_dict() | {"graph_pool_bytes": self.graph_pool_bytes}
         if self.device.type == "cuda":

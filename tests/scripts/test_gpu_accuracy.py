@@ -47,7 +47,7 @@ def rows(gate, *names):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3",
                                   "same_step_sharing", "llama4", "llama4_cascade", "mixtral", "qwen3_moe",
-                                  "json_schema", "host_tier"])
+                                  "json_schema", "host_tier", "fp8_weights_online", "fp8_weights_compressed_tensors"])
 def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     (row,) = rows(gate, name)
     res = gate.run(row)
@@ -65,6 +65,8 @@ def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
         assert res["stats"]["prefix_cache_hit_tokens"] > 0
     if name == "json_schema":
         assert res["json_valid"] == 12
+    if name.startswith("fp8_weights"):
+        assert res["fp8_linears"] > 0
     if name == "host_tier":
         assert res["stats"]["host_hit_blocks"] > 0 and res["stats"]["onloaded_blocks"] > 0
 
