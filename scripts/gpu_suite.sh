@@ -71,8 +71,8 @@ if [[ $stage == moe_tiers ]]; then
   step python3 scripts/gpu_accuracy.py --rows host_tier,qwen3_moe,llama4,bf16
 fi
 if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, then every FP8 GEMM path against bf16
-  step python3 -m pytest -m gpu tests/model/test_fp8_weights.py -q -p no:cacheprovider -x --tb=line
-  bench scripts/bench_fp8.py --parts error,kernels
+  step python3 -m pytest -m gpu tests/model/test_fp8_weights.py -q -p no:cacheprovider --tb=line
+  bench scripts/bench_fp8.py --parts error,kernels,skinny,block --rows ${FP8_ROWS:-1,2,4,8,16,32,64,128,256,1024,4096}
 fi
 if [[ $stage == fp8_gate ]]; then  # FP8 weights: the accuracy rows, and the FP8 GEMV's block sizes
   step python3 scripts/gpu_accuracy.py --suffix _fp8_weights \

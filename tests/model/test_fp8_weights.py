@@ -624,7 +624,12 @@ for m, n, k in [(1, 40, 300), (3, 130, 264), (16, 64, 256)]:
     x = torch.randn(m, k, generator=g) * 2
     wq, ws = F8.quantize_per_row(torch.randn(n, k, generator=g) * k ** -0.5)
     wd = F8.dequantize_weight(wq, ws, static)
-    check(F8.fp8_gemv(x, wq, ws), F8.apply_fp8_linear(x, wq, ws, parse_quantization("fp8"), kernel="dequant"), x, wd)
+    ref = F8.apply_fp8_linear(x, wq, ws, parse_quantization("fp8"), kernel="dequant")
+    check(F8.fp8_gemv(x, wq, ws), ref, x, wd)
+    check(F8.fp8_skinny(x, wq, ws, BLOCK_N=16, BLOCK_K=128), ref, x, wd)
+    q, s = F8.quantize_per_token_triton(x)
+    q0, s0 = F8.quantize_per_token(x)
+    assert torch.equal(s, s0) and torch.equal(q.float(), q0.float()), "quantize_per_token_triton"
     s = torch.tensor([x.abs().max().item() / 448 * 0.7])  # some inputs clip
     check(F8.fp8_gemv(x, wq, ws, s), F8.apply_fp8_linear(x, wq, ws, static, s, kernel="dequant"), x, wd)
 for m, n, k in [(1, 256, 256), (5, 200, 300), (40, 384, 512)]:
@@ -694,8 +699,8 @@ def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
     xc, wc, sc = x.cuda(), wq.cuda(), ws.cuda()
     pick = F8.select_fp8_kernel(xc, wc, scheme)
     gemm = "scaled_mm" if F8._scaled_mm_ok(xc, n, k) else "dequant"
-    assert pick == ("block_triton" if scheme_name == "block" else "gemv" if m <= F8.GEMV_MAX_M else gemm)
-    paths = ["block_triton", "block_dequant"] if scheme_name == "block" else ["gemv", "dequant"] + (
+    assert pick == ("block_triton" if scheme_name == "block" else "skinny" if m <= F8.SKINNY_MAX_M else gemm)
+    paths = ["block_triton", "block_dequant"] if scheme_name == "block" else ["skinny", "gemv", "dequant"] + (
         ["scaled_mm"] if F8._scaled_mm_ok(xc, n, k) else [])
     excess = {}
     for path in paths:

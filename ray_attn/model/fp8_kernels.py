@@ -1,0 +1,261 @@
+"""The Triton kernels of the FP8 linear layers (see ``fp8.py`` for the math they compute and the
+dispatch that picks one), and their launchers.  CUDA; CI runs them on CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``).
+
+- ``quantize_per_token_triton``: one kernel that gives each row of x its e4m3 codes and scale
+  (``max |x| / 448``) -- in front of ``torch._scaled_mm`` and the skinny kernel.  The same IEEE
+  division as the torch reference on CPU, so the codes are the reference's; torch's own CUDA ops
+  for it took 8 kernels (~20 us in a decode graph) and rounded some scales differently.
+- ``fp8_skinny``: decode sizes (a few rows), per-channel weights: tensor-core dots of the
+  pre-quantized rows against BLOCK_N weight rows per program, the weight streamed once.
+- ``fp8_gemv``: the first decode kernel (CUDA cores, x quantized inside); kept as a measured
+  alternative and for static input scales.
+- ``fp8_block_matmul``: 128 x 128 block weights, x quantized per token and group as it is read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ray_attn.model.quantization import FP8_E4M3_MAX
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU machines without triton
+    triton = None
+
+FP8_DTYPE = torch.float8_e4m3fn
+GROUP = 128  # activation group (= weight block) of the block-wise format
+MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)  # vLLM's MIN_SCALING_FACTOR
+
+# Triton's CPU interpreter rounds float32 -> e4m3 wrongly when rounding carries into the next
+# binade (127.8 becomes 64, not 128); under it the kernels round on the e4m3 grid themselves
+# first, so the cast is exact.  On GPUs the hardware conversion rounds correctly and this is off.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+
+    @triton.jit
+    def _round_e4m3(q):
+        a = tl.abs(q)
+        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)  # 3 mantissa bits; subnormals below 2^-6
+        t = a / step  # exact: a power-of-two scaling
+        f = tl.floor(t)
+        d = t - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+        return tl.where(q < 0, -r * step, r * step)
+
+    @triton.jit
+    def _quantize(x, scale, INTERPRET: tl.constexpr):
+        # As _to_fp8: an IEEE-rounded division, clamp, round to nearest even.
+        q = tl.math.div_rn(x, scale)
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        if INTERPRET:
+            q = tl.where(q == 0.0, q, _round_e4m3(q))
+        return q.to(tl.float8e4nv)
+
+    @triton.jit
+    def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, is_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                         STATIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        """Each program: BLOCK_N rows of the fp8 weight, streamed once over K, against all M
+        rows of x, which it quantizes itself (a first pass over x for the per-token scales; x
+        is small and L2-resident at decode sizes, the weight is what the kernel is bound by)."""
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        nmask, mmask = rn < N, rm < M
+        if STATIC:
+            sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(is_ptr)
+        else:
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                kmask = (k + rk) < K
+                x = tl.load(x_ptr + rm[:, None] * x_stride + (k + rk)[None, :],
+                            mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            sx = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kmask = (k + rk) < K
+            x = tl.load(x_ptr + rm[:, None] * x_stride + (k + rk)[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            xq = _quantize(x, sx[:, None], INTERPRET).to(tl.float32)
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + (k + rk)[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += xq[:, None, :] * w.to(tl.float32)[None, :, :]
+        sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
+        y = tl.sum(acc, axis=2) * sx[:, None] * sw[None, :]
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _fp8_block_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, ws_stride, y_stride,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+        """y tile [BLOCK_M, BLOCK_N] (BLOCK_N <= 128 and dividing it, so a tile's rows share one
+        weight block row); each K step is one activation group: quantize it (per row scale of
+        that group), dot with the weight tile in fp8, scale by both block scales, accumulate."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, GROUP_K)
+        mmask, nmask = rm < M, rn < N
+        nb = (pid_n * BLOCK_N) // 128
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(0, tl.cdiv(K, GROUP_K)):
+            kk = g * GROUP_K + rk
+            kmask = kk < K
+            x = tl.load(x_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            sx = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1.0 / (448.0 * 512.0))
+            xq = _quantize(x, sx[:, None], INTERPRET)
+            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * w_stride + kk[:, None],
+                        mask=nmask[None, :] & kmask[:, None], other=0.0)  # [GROUP_K, BLOCK_N]
+            sw = tl.load(ws_ptr + nb * ws_stride + g)
+            acc += tl.dot(xq, w) * (sx[:, None] * sw)
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+    @triton.jit
+    def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, BLOCK_K: tl.constexpr,
+                                INTERPRET: tl.constexpr):
+        """One program per row: max |x| over K, then the codes of x / (max / 448)."""
+        row = tl.program_id(0).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * x_stride + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        sx = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1.0 / (448.0 * 512.0))
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * x_stride + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * q_stride + k + rk, _quantize(x, sx, INTERPRET), mask=(k + rk) < K)
+        tl.store(s_ptr + row, sx)
+
+    @triton.jit
+    def _fp8_skinny_kernel(xq_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y tile [BLOCK_M, BLOCK_N] = (codes of x) . (codes of W)^T on tensor cores, then both
+        scales: few rows (decode), so the weight tile is what each K step waits for."""
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mmask, nmask = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            kmask = kk < K
+            a = tl.load(xq_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + rn[None, :].to(tl.int64) * w_stride + kk[:, None], mask=nmask[None, :] & kmask[:, None],
+                        other=0.0, eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+            acc += tl.dot(a, b)
+        sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
+        sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
+        y = acc * sx[:, None] * sw[None, :]
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [M, K], float32 scales [M, 1]), as ``fp8.quantize_per_token``."""
+    if triton is None:
+        raise RuntimeError("quantize_per_token_triton needs triton")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    block_k = min(4096, triton.next_power_of_2(K))
+    _quant_per_token_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=block_k, INTERPRET=INTERPRET,
+                                  num_warps=4 if block_k <= 1024 else 8)
+    return q, s
+
+
+def skinny_config(m: int) -> dict:
+    """Untuned starting point (``scripts/bench_fp8.py --parts skinny`` sweeps it): 16-row tiles
+    (tl.dot's least M), 32 weight rows per program so that even N = 4096 gives 128 programs."""
+    return dict(BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, BLOCK_N=32, BLOCK_K=256, num_warps=4,
+                num_stages=4)
+
+
+def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, **cfg) -> torch.Tensor:
+    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32: x quantized per
+    token by ``quantize_per_token_triton``, then the skinny tensor-core kernel."""
+    _check_2d("fp8_skinny", x, w)
+    xq, sx = quantize_per_token_triton(x)
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    c = {**skinny_config(M), **cfg}
+    grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
+    _fp8_skinny_kernel[grid](xq, sx, w, weight_scale, y, M, N, K, xq.stride(0), w.stride(0), y.stride(0), **c)
+    return y
+
+
+def gemv_config(m: int) -> dict:
+    """Block sizes for the GEMV: 8 weight rows per program and 1024-wide K steps at one row (8 KB
+    of fp8 weights per step); narrower K steps for more rows keep the float32 partial sums
+    (BLOCK_M x BLOCK_N x BLOCK_K) in registers.  Untuned: a starting point for the H200."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    block_k = 1024 if block_m == 1 else 256 if block_m <= 2 else 128 if block_m <= 4 else 32
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def block_config(m: int) -> dict:
+    """Untuned starting point: 16-row tiles for decode (tl.dot's least M), 64 from prefill sizes."""
+    return dict(BLOCK_M=16 if m <= 16 else 32 if m <= 64 else 64, BLOCK_N=128, num_warps=4, num_stages=3)
+
+
+def _check_2d(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError(f"{name} needs triton")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.stride(1) != 1 or w.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and an fp8 weight [N, K] with unit stride must agree on K, "
+                         f"got weight {tuple(w.shape)} {w.dtype}")
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+             **cfg) -> torch.Tensor:
+    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32: the Triton GEMV,
+    quantizing x per token (or by the static ``input_scale``) inside the kernel."""
+    _check_2d("fp8_gemv", x, w)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    c = {**gemv_config(M), **cfg}
+    grid = (triton.cdiv(N, c["BLOCK_N"]),)
+    _fp8_gemv_kernel[grid](x, w, weight_scale, input_scale if input_scale is not None else weight_scale, y,
+                           M, N, K, x.stride(0), w.stride(0), y.stride(0), STATIC=input_scale is not None,
+                           INTERPRET=INTERPRET, **c)
+    return y
+
+
+def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, group: int = GROUP,
+                     **cfg) -> torch.Tensor:
+    """x [M, K] (model dtype) @ fp8 w [N, K]^T with block scales [ceil(N/128), ceil(K/128)]:
+    the Triton block kernel, x quantized per token and group of 128 as it is read."""
+    _check_2d("fp8_block_matmul", x, w)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    if group != GROUP or weight_scale.shape != (-(-N // 128), -(-K // 128)):
+        raise ValueError(f"fp8_block_matmul: block scales {tuple(weight_scale.shape)} do not fit a [{N}, {K}] "
+                         f"weight in 128 x 128 blocks")
+    weight_scale = weight_scale.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    c = {**block_config(M), **cfg}
+    if 128 % c["BLOCK_N"]:
+        raise ValueError(f"fp8_block_matmul: BLOCK_N={c['BLOCK_N']} must divide 128")
+    grid = (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]))
+    _fp8_block_kernel[grid](x, w, weight_scale, y, M, N, K, x.stride(0), w.stride(0), weight_scale.stride(0),
+                            y.stride(0), GROUP_K=group, INTERPRET=INTERPRET, **c)
+    return y
