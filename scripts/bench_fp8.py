@@ -5,17 +5,17 @@ rate and its FP8/bf16 GEMM rates measured beside them.
 
   kernels  per shape (qkv, o_proj, gate_up, down) and row count M: bf16 (our layer's dispatch:
            the Triton GEMV at one row, cuBLAS above), and every FP8 path that can run -- the skinny
-           tensor-core kernel and the Triton FP8 GEMV (per-row scales, decode sizes),
+           tensor-core kernel (per-row scales, decode sizes),
            ``torch._scaled_mm`` (cuBLASLt, row-wise scales, x quantized by our Triton kernel), the
            Triton block kernel (128 x 128 block scales) -- and which one ``select_fp8_kernel``
            picks.  Columns: microseconds per layer, the weight bytes' rate as a fraction of the
            copy rate, and TFLOP/s as a fraction of the FP8 GEMM rate.
-  skinny, block, gemv   each decode kernel's block sizes swept at decode row counts (what
-           ``fp8_kernels.skinny_config`` / ``block_config`` / ``gemv_config`` are set from).
+  skinny, block   each decode kernel's block sizes swept at decode row counts (what
+           ``fp8_kernels.skinny_config`` / ``block_config`` are set from).
   error    each CUDA path's error against the float32 reference of the same codes, as a
            fraction of sum |terms| (what tests/model/test_fp8_weights.py bounds), by K.
 
-    python scripts/bench_fp8.py [--parts error,kernels,skinny,block,gemv] [--rows 1,2,4,...]
+    python scripts/bench_fp8.py [--parts error,kernels,skinny,block] [--rows 1,2,4,...]
 Writes benchmarks/results/bench_fp8.json and bench_fp8.png (GPU only).
 """
 
@@ -75,7 +75,6 @@ def kernel_rows(rows: list[int], rates: dict, dev) -> list[dict]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             paths = {"bf16": lambda: [linear(x, w) for w, _, _, _ in ws]}
             if m <= 64:
-                paths["fp8_gemv"] = lambda: [F8.fp8_gemv(x, q, s) for _, q, s, _ in ws]
                 paths["fp8_skinny"] = lambda: [F8.fp8_skinny(x, q, s) for _, q, s, _ in ws]
             paths["fp8_scaled_mm"] = lambda: [F8.apply_fp8_linear(x, q, s, CHANNEL, kernel="scaled_mm")
                                               for _, q, s, _ in ws]
@@ -89,7 +88,7 @@ def kernel_rows(rows: list[int], rates: dict, dev) -> list[dict]:
                     row[f"{p}_frac_of_copy"] = nbytes / (us * 1e-6) / rates["copy_Bps"]
                     rate = rates["bf16_gemm_flops" if p == "bf16" else "fp8_gemm_flops"]
                     row[f"{p}_frac_of_gemm"] = 2 * m * n * k / (us * 1e-6) / rate
-            pick = {"gemv": "fp8_gemv", "skinny": "fp8_skinny", "scaled_mm": "fp8_scaled_mm"}.get(row["pick"])
+            pick = {"skinny": "fp8_skinny", "scaled_mm": "fp8_scaled_mm"}.get(row["pick"])
             if pick and row.get(f"{pick}_us"):
                 row["fp8_pick_over_bf16"] = row[f"{pick}_us"] / row["bf16_us"]
             out.append(row)
@@ -100,9 +99,6 @@ def kernel_rows(rows: list[int], rates: dict, dev) -> list[dict]:
 
 
 def sweep_configs(kernel: str, m: int) -> list[dict]:
-    if kernel == "gemv":
-        return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn in (4, 8, 16) for bk in (256, 512, 1024)
-                for nw in (4, 8) if m * bn * bk <= 16384 * nw]  # the float32 partial sums must fit registers
     if kernel == "skinny":
         return [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st) for bn in (16, 32, 64) for bk in (128, 256, 512)
                 for st in (3, 5)]
@@ -119,10 +115,9 @@ def sweep_rows(kernels: list[str], rows: list[int], rates: dict, dev) -> list[di
                 fn = lambda x, c: [F8.fp8_block_matmul(x, q, bs, **c) for _, q, _, bs in ws]  # noqa: E731
                 default_cfg = F8.block_config
             else:
-                f = F8.fp8_gemv if kernel == "gemv" else F8.fp8_skinny
-                fn = lambda x, c, f=f: [f(x, q, s, **c) for _, q, s, _ in ws]  # noqa: E731
-                default_cfg = F8.gemv_config if kernel == "gemv" else F8.skinny_config
-            for m in [r for r in rows if r <= (16 if kernel == "gemv" else 64)]:
+                fn = lambda x, c: [F8.fp8_skinny(x, q, s, **c) for _, q, s, _ in ws]  # noqa: E731
+                default_cfg = lambda m: F8.skinny_config(m, n)  # noqa: E731
+            for m in [r for r in rows if r <= 64]:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref = fn(x, {})[0].float()
                 default, best = graph_us(lambda: fn(x, {}), LAYERS), None
@@ -162,8 +157,7 @@ def error_rows(dev) -> list[dict]:
                 ref = F8.apply_fp8_linear(x.float(), q, s, scheme, kernel="dequant").double()
                 xd = F8.dequantize_activation(*F8.quantize_activation(x.float(), scheme, None), scheme.group_size)
                 terms = (xd.abs() @ F8.dequantize_weight(q, s, scheme).abs().T).double()
-                paths = ["block_triton", "block_dequant"] if name == "block" else ["skinny", "gemv", "scaled_mm",
-                                                                                     "dequant"]
+                paths = ["block_triton", "block_dequant"] if name == "block" else ["skinny", "scaled_mm", "dequant"]
                 for p in paths:
                     y = F8.apply_fp8_linear(x.to(dev), q.to(dev), s.to(dev), scheme, kernel=p).double().cpu()
                     err = (y - ref).abs() - 2 ** -8 * ref.abs()  # beyond one bf16 rounding of y
@@ -186,7 +180,7 @@ def plot(rows: list[dict], path) -> None:
     for name in SHAPES:
         rs = [r for r in rows if r["shape"] == name]
         series = {p: ([r["rows"] for r in rs if r.get(f"{p}_us")], [r[f"{p}_us"] for r in rs if r.get(f"{p}_us")])
-                  for p in ("bf16", "fp8_skinny", "fp8_gemv", "fp8_scaled_mm", "fp8_block")}
+                  for p in ("bf16", "fp8_skinny", "fp8_scaled_mm", "fp8_block")}
         panels.append((f"{name} ({rs[0]['n']} x {rs[0]['k']})", series))
     bl.plot_panels(path, panels, "rows (tokens)", "microseconds per layer", logy=True)
 
@@ -212,7 +206,7 @@ def main(argv=None) -> int:
     if "kernels" in parts:
         out["kernels"] = kernel_rows(rows, rates, dev)
         plot(out["kernels"], bl.RESULTS / f"{a.name}.png")
-    sweep = [p for p in ("skinny", "block", "gemv") if p in parts]
+    sweep = [p for p in ("skinny", "block") if p in parts]
     if sweep:
         out["sweep"] = sweep_rows(sweep, rows, rates, dev)
     path = bl.save(a.name, out.pop("kernels", []), **out)

@@ -64,7 +64,7 @@ from servebench.datasets import SampleRequest, get_samples  # noqa: E402
 from servebench.device_rates import measure_in_child  # noqa: E402
 from servebench.engine_transport import engine_stats, make_engine, stats_since  # noqa: E402
 from servebench.serving_plot import plot_latency_vs_rate  # noqa: E402
-from servebench.targets import GOALS, PUBLISHED, goals  # noqa: E402
+from servebench.targets import GOALS, PUBLISHED, fp8_weights_goals, goals  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 RANDOM = ["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "128"]
@@ -139,11 +139,12 @@ class Suite:
                     shutil.copy(p, self.args.mirror_dir)
 
     # -- engines --------------------------------------------------------------------------------
-    def engine(self, kv_dtype: str, tp: int):
+    def engine(self, kv_dtype: str, tp: int, weights: str = "bf16"):
         from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 
         a = self.args
-        cfg = EngineConfig(model=ModelConfig.from_name(a.preset),
+        extra = dict(quantization="fp8") if weights == "fp8" else {}
+        cfg = EngineConfig(model=ModelConfig.from_name(a.preset, **extra),
                            cache=CacheConfig(kv_cache_dtype=kv_dtype, num_blocks=a.num_blocks,
                                              block_size=a.block_size),
                            parallel=ParallelConfig(tensor_parallel_size=tp, device=a.device,
@@ -155,6 +156,12 @@ class Suite:
         c = engine.config
         return rl.ModelCosts.from_config(c.model, c.parallel.tensor_parallel_size, c.cache.kv_cache_dtype)
 
+    def gemm_rate(self, engine) -> float:
+        """The GEMM rate the engine's weights can reach: FP8's (measured at the same shapes) for
+        FP8 weights, where the device measured one."""
+        fp8 = engine.config.model.quantization is not None and self.rates.get("fp8_gemm_flops")
+        return self.rates["fp8_gemm_flops"] if fp8 else self.gemm
+
     # -- workloads --------------------------------------------------------------------------------
     def roofline(self, engine, prompts: list[list[int]], outs: list[int], concurrency=None, last_arrival=0.0):
         cfg = engine.config
@@ -162,7 +169,7 @@ class Suite:
         longest = max(len(p) + o for p, o in zip(prompts, outs))
         kv_fit = engine.planner.pool.num_blocks // -(-longest // bs)
         batch = max(1, min(cfg.max_num_seqs, len(prompts), concurrency or len(prompts), kv_fit))
-        return rl.workload_roofline(self.costs(engine), self.copy, self.gemm, [len(p) for p in prompts], outs,
+        return rl.workload_roofline(self.costs(engine), self.copy, self.gemm_rate(engine), [len(p) for p in prompts], outs,
                                     rl.computed_starts(prompts, bs), batch, last_arrival)
 
     def seed(self, key: str) -> int:
@@ -186,7 +193,7 @@ class Suite:
             itl = sum(rl.itl_roofline_s(c, self.copy, s.prompt_len, o) for s, o in zip(samples, outs))
             rec["itl_roofline_ms"] = itl / len(samples) * 1e3
             rec["median_itl_over_roofline"] = r["median_itl_ms"] / rec["itl_roofline_ms"]
-            rec["ttft_roofline_ms"] = rl.prefill_flops(c, samples[0].prompt_len) / self.gemm * 1e3
+            rec["ttft_roofline_ms"] = rl.prefill_flops(c, samples[0].prompt_len) / self.gemm_rate(engine) * 1e3
         return rec
 
     def offline(self, engine, w: Workload, name: str = "offline") -> dict:
@@ -215,7 +222,7 @@ class Suite:
         st = r["engine_stats"]
         r.update(chunk_tokens=engine.config.max_num_batched_tokens, prompt_len=length,
                  prefill_flops=flops, achieved_flops=flops / r["elapsed_time"],
-                 frac_of_gemm=flops / r["elapsed_time"] / self.gemm,
+                 frac_of_gemm=flops / r["elapsed_time"] / self.gemm_rate(engine),
                  tokens_per_step=st["tokens_computed"] / max(st["steps"], 1))
         return r
 
@@ -240,16 +247,17 @@ class Suite:
         c = self.costs(engine)
         kv = b * ctx * c.kv_bytes_per_token / self.copy
         mem = c.weight_bytes / self.copy + kv
-        both = max(c.weight_bytes / self.copy, b * 2 * (c.layer_params + c.lm_head_params) / self.gemm) + kv
+        both = max(c.weight_bytes / self.copy, b * 2 * (c.layer_params + c.lm_head_params) / self.gemm_rate(engine)) + kv
         step = dt / steps
         return dict(batch=batch, ctx=ctx, resident=resident, decode_batch=b, tok_s=n / dt, step_ms=step * 1e3,
                     roofline_step_ms=mem * 1e3, frac_of_roofline=mem / step,
                     mem_compute_roofline_step_ms=both * 1e3, frac_of_mem_compute_roofline=both / step)
 
     # -- one configuration ------------------------------------------------------------------------
-    def run_config(self, kv_dtype: str, first: bool) -> None:
+    def run_config(self, kv_dtype: str, first: bool, weights: str = "bf16") -> None:
         a = self.args
-        name = {"auto": "bf16"}.get(kv_dtype, kv_dtype) + (f"_tp{a.tp}" if a.tp > 1 else "")
+        name = ("fp8w_" if weights == "fp8" else "") + {"auto": "bf16"}.get(kv_dtype, kv_dtype) + \
+            (f"_tp{a.tp}" if a.tp > 1 else "")
         if self.past_deadline(0.0 if first else ENGINE_MIN_S):
             self.out["configs"].append(dict(name=name, kv_cache_dtype=kv_dtype, tp=a.tp, workloads={},
                                             skipped=f"--deadline-s {a.deadline_s} passed"))
@@ -257,8 +265,8 @@ class Suite:
             print(f"=== {name}: skipped, past the deadline")
             return
         t0 = time.perf_counter()
-        engine = self.engine(kv_dtype, a.tp)
-        conf = dict(name=name, kv_cache_dtype=kv_dtype, tp=a.tp, startup_s=time.perf_counter() - t0,
+        engine = self.engine(kv_dtype, a.tp, weights)
+        conf = dict(name=name, kv_cache_dtype=kv_dtype, weights=weights, tp=a.tp, startup_s=time.perf_counter() - t0,
                     engine_config=engine.config.model_dump(mode="json"), device_info=engine.executor.infos,
                     num_blocks=engine.planner.pool.num_blocks, costs=self.costs(engine).as_dict(),
                     workloads={}, wall_s={})
@@ -346,6 +354,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--kv-dtypes", default="auto,fp8", help="comma-separated cache.kv_cache_dtype values, one engine each")
+    p.add_argument("--weights", default="bf16", help="comma-separated bf16, fp8 (online FP8 weights, "
+                   "quantization='fp8'): one engine per weights x KV dtype, in that order")
     p.add_argument("--executor", choices=["ray", "in_process"], default="ray")
     p.add_argument("--num-blocks", type=int, default=None, help="fix the KV cache (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=16, help="KV page size in tokens (FA3 takes any)")
@@ -394,6 +404,9 @@ def main(argv=None) -> int:
     bad = [d for d in dtypes if d not in ("auto", "fp8", "fp8_e4m3")]
     if bad or not dtypes:
         p.error(f"--kv-dtypes: {bad or a.kv_dtypes!r}; choose from auto, fp8, fp8_e4m3")
+    weights = [w for w in a.weights.split(",") if w]
+    if not weights or set(weights) - {"bf16", "fp8"}:
+        p.error(f"--weights: {a.weights!r}; choose from bf16, fp8")
     from ray_attn.config import ModelConfig
 
     model = ModelConfig.from_name(a.preset)
@@ -404,13 +417,17 @@ def main(argv=None) -> int:
           f"model's shapes (square: {rates['square_gemm_flops'] / 1e12:,.1f})")
     suite = Suite(a, rates)
     t0 = time.perf_counter()
-    for i, d in enumerate(dtypes):
-        suite.run_config(d, first=i == 0)
+    for i, (wt, d) in enumerate((wt, d) for wt in weights for d in dtypes):
+        suite.run_config(d, first=i == 0, weights=wt)
+    suite.out["fp8_weights_goals"] = fp8_weights_goals(suite.out["configs"])
     suite.out["total_s"] = time.perf_counter() - t0
     suite.save()
     for conf in suite.out["configs"]:
         for k, g in conf.get("goals", {}).items():
             print(f"{conf['name']:>10} {k:<45} {g['value']:.3f} (goal {g['goal']}) {'met' if g['met'] else 'MISSED'}")
+    for name, gs in suite.out["fp8_weights_goals"].items():
+        for k, g in gs.items():
+            print(f"{name:>10} {k:<45} {g['value']:.3f} (goal {g['goal']}) {'met' if g['met'] else 'MISSED'}")
     print(f"wrote {suite.path} in {suite.out['total_s']:.0f} s")
     return 0 if all(not w.get("num_errors") for c in suite.out["configs"] for w in c["workloads"].values()) else 1
 

@@ -15,8 +15,9 @@
 # call ends inside its limit; SERVING_ARGS adds flags (e.g. "--scale 0.5").  moe_tiers: the MoE
 # and KV-tier GPU tests, the small-batch MoE kernels against the grouped GEMM (bench_moe), the tier
 # copies against a bare pinned copy (bench_kv_tiers --part copy), and their accuracy rows.
-# fp8: the FP8-weight GPU tests and bench_fp8 (error, kernels); fp8_gate: the fp8_weights_* accuracy
-# rows (into gpu_accuracy_fp8_weights.json) and bench_fp8's GEMV sweep.
+# fp8: the FP8-weight GPU tests, the fp8_weights_* accuracy rows (gpu_accuracy_fp8_weights.json) and
+# bench_fp8 (FP8_PARTS, default error,kernels); fp8_serving: bf16 and FP8-weight engines through the
+# serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,15 +71,17 @@ if [[ $stage == moe_tiers ]]; then
   bench scripts/bench_moe.py --scout-layers 12
   step python3 scripts/gpu_accuracy.py --rows host_tier,qwen3_moe,llama4,bf16
 fi
-if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, then every FP8 GEMM path against bf16
+if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, the accuracy rows, every FP8 GEMM path against bf16
   step python3 -m pytest -m gpu tests/model/test_fp8_weights.py -q -p no:cacheprovider --tb=line
-  bench scripts/bench_fp8.py --parts error,kernels,skinny,block --rows ${FP8_ROWS:-1,2,4,8,16,32,64,128,256,1024,4096}
-fi
-if [[ $stage == fp8_gate ]]; then  # FP8 weights: the accuracy rows, and the FP8 GEMV's block sizes
   step python3 scripts/gpu_accuracy.py --suffix _fp8_weights \
     --rows fp8_weights_online,fp8_weights_compressed_tensors,fp8_weights_block,fp8_weights_fp8_kv
-  step python3 scripts/bench_fp8.py --parts gemv --rows 1,2,4,8,16 --name bench_fp8_gemv
-  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_fp8_gemv.json benchmarks/results/gpu_accuracy_fp8_weights.json "$OUT"/
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_fp8_weights.json "$OUT"/
+  bench scripts/bench_fp8.py --parts ${FP8_PARTS:-error,kernels} --rows ${FP8_ROWS:-1,2,4,8,16,32,64,128,256,1024,4096}
+fi
+if [[ $stage == fp8_serving ]]; then  # FP8 weights against bf16 in the serving suite (issue 25's speed goals)
+  step python3 scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --suffix _fp8_weights --no-capacity \
+    --budget-sweep "" --only random_concurrency_1,offline,chunked_prefill,decode_256x1k,decode_64x4k \
+    --deadline-s "${SERVING_DEADLINE_S:-420}" ${OUT:+--mirror-dir "$OUT"} ${SERVING_ARGS:-}
 fi
 if [[ $stage == e2e || $stage == all ]]; then
   bench scripts/bench_e2e.py

@@ -15,8 +15,7 @@ token: ``max|x[m]| / 448``; per token and group of 128 features for block weight
 - CUDA, per-row weight scales, dynamic activations: x quantized per token by one Triton kernel,
   then ``torch._scaled_mm`` (row-wise scales [M, 1] and [1, N], e4m3 operands, the weight
   column-major) above ``SKINNY_MAX_M`` rows, and at decode sizes the skinny tensor-core kernel
-  (``fp8_kernels.fp8_skinny``).  Static activation scales: the Triton GEMV (which quantizes
-  by the static scale itself) at decode sizes, ``_scaled_mm`` above.
+  (``fp8_kernels.fp8_skinny``), which quantizes a few rows, or by a static scale, itself.
 - CUDA, block weights: a Triton kernel (``_fp8_block_kernel``) whose K step is one 128-group, so
   it quantizes each group of x as it loads it and applies both block scales to that step's
   partial product; ``block_dequant`` (dequantize the weight, bf16 matmul) is the slower fallback.
@@ -37,16 +36,14 @@ import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
 from ray_attn.model.fp8_kernels import (FP8_DTYPE, GROUP, MIN_SCALE, block_config, fp8_block_matmul,  # noqa: F401
-                                        fp8_gemv, fp8_skinny, gemv_config, quantize_per_token_triton,
-                                        skinny_config)
+                                        fp8_skinny, quantize_per_token_triton, skinny_config)
 from ray_attn.model.quantization import FP8_E4M3_MAX, Fp8Config
 
 FP8_MAX = FP8_E4M3_MAX
-# Rows up to which the decode kernels (skinny; the GEMV for static scales) serve per-row-scaled
-# weights; above, _scaled_mm.  Set from scripts/bench_fp8.py on the GPU.
+# Rows up to which the skinny kernel serves per-row-scaled weights (decode); above, _scaled_mm.
+# scripts/bench_fp8.py on the H200: skinny ahead of _scaled_mm at every shape up to 64 rows.
 SKINNY_MAX_M = 64
-GEMV_MAX_M = 16
-KERNELS = ("auto", "dequant", "scaled_mm", "skinny", "gemv", "block_triton", "block_dequant")
+KERNELS = ("auto", "dequant", "scaled_mm", "skinny", "block_triton", "block_dequant")
 # RAY_ATTN_FP8_KERNEL forces a path where it can run (an A/B switch for benchmarks; read at import,
 # and ``fp8.FORCE`` may be set by a script).
 FORCE = os.environ.get("RAY_ATTN_FP8_KERNEL", "auto")
@@ -62,7 +59,11 @@ def _to_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    # Divided by a tensor, not the Python number: CUDA turns a division by a host scalar into a
+    # multiplication by its reciprocal, which rounds some scales one ulp off the IEEE quotient
+    # that the CPU and the Triton kernels compute (and flips the codes near rounding midpoints).
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
 
 
 def quantize_per_row(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,15 +146,12 @@ def select_fp8_kernel(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config) 
     if not gpu:
         return "dequant"
     if FORCE != "auto":
-        allowed = {"dequant"} | ({"block_triton", "block_dequant"} if block else {"scaled_mm", "gemv", "skinny"})
+        allowed = {"dequant"} | ({"block_triton", "block_dequant"} if block else {"scaled_mm", "skinny"})
         if FORCE in allowed and (FORCE != "scaled_mm" or _scaled_mm_ok(x, N, K)):
             return FORCE
     if block:
         return "block_triton" if x.dtype in (torch.bfloat16, torch.float16) else "block_dequant"
-    static = scheme.activation_scheme == "static"
-    if static and M <= GEMV_MAX_M:
-        return "gemv"
-    if not static and M <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
+    if M <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
         return "skinny"
     return "scaled_mm" if _scaled_mm_ok(x, N, K) else "dequant"
 
@@ -190,11 +188,7 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs.contiguous(), scale_b=weight_scale.view(1, -1),
                              out_dtype=x.dtype)
     elif kernel == "skinny":
-        if scheme.activation_scheme != "dynamic":
-            raise ValueError("fp8 linear: the skinny kernel quantizes per token; a static input_scale needs gemv")
-        y = fp8_skinny(x, weight, weight_scale)
-    elif kernel == "gemv":
-        y = fp8_gemv(x, weight, weight_scale, input_scale if scheme.activation_scheme == "static" else None)
+        y = fp8_skinny(x, weight, weight_scale, input_scale if scheme.activation_scheme == "static" else None)
     elif kernel == "block_triton":
         y = fp8_block_matmul(x, weight, weight_scale, scheme.group_size)
     else:

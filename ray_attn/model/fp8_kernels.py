@@ -7,9 +7,9 @@ interpreter (``TRITON_INTERPRET=1``).
   division as the torch reference on CPU, so the codes are the reference's; torch's own CUDA ops
   for it took 8 kernels (~20 us in a decode graph) and rounded some scales differently.
 - ``fp8_skinny``: decode sizes (a few rows), per-channel weights: tensor-core dots of the
-  pre-quantized rows against BLOCK_N weight rows per program, the weight streamed once.
-- ``fp8_gemv``: the first decode kernel (CUDA cores, x quantized inside); kept as a measured
-  alternative and for static input scales.
+  quantized rows against BLOCK_N weight rows per program, the weight streamed once.  It replaced
+  a CUDA-core GEMV that converted every weight byte to float32 (1.1-2x slower from one row,
+  10-40x from eight: ``benchmarks/results/bench_fp8.json``).
 - ``fp8_block_matmul``: 128 x 128 block weights, x quantized per token and group as it is read.
 """
 
@@ -59,42 +59,6 @@ if triton is not None:
         return q.to(tl.float8e4nv)
 
     @triton.jit
-    def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, is_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
-                         STATIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-        """Each program: BLOCK_N rows of the fp8 weight, streamed once over K, against all M
-        rows of x, which it quantizes itself (a first pass over x for the per-token scales; x
-        is small and L2-resident at decode sizes, the weight is what the kernel is bound by)."""
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        nmask, mmask = rn < N, rm < M
-        if STATIC:
-            sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(is_ptr)
-        else:
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                kmask = (k + rk) < K
-                x = tl.load(x_ptr + rm[:, None] * x_stride + (k + rk)[None, :],
-                            mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            sx = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            kmask = (k + rk) < K
-            x = tl.load(x_ptr + rm[:, None] * x_stride + (k + rk)[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            xq = _quantize(x, sx[:, None], INTERPRET).to(tl.float32)
-            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + (k + rk)[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
-            acc += xq[:, None, :] * w.to(tl.float32)[None, :, :]
-        sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
-        y = tl.sum(acc, axis=2) * sx[:, None] * sw[None, :]
-        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
-
-    @triton.jit
     def _fp8_block_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, ws_stride, y_stride,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
                           INTERPRET: tl.constexpr):
@@ -140,25 +104,41 @@ if triton is not None:
         tl.store(s_ptr + row, sx)
 
     @triton.jit
-    def _fp8_skinny_kernel(xq_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                           QUANT: tl.constexpr, STATIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
         """y tile [BLOCK_M, BLOCK_N] = (codes of x) . (codes of W)^T on tensor cores, then both
-        scales: few rows (decode), so the weight tile is what each K step waits for."""
+        scales: few rows (decode), so the weight tile is what each K step waits for.
+        ``QUANT``: x is in the model dtype and each program quantizes it as it reads it -- by the
+        static scale at ``sx_ptr`` (``STATIC``), or per token after a first pass over x for its
+        max (cheap for a row or a few, which sit in L2: it saves the quantizer's own kernel);
+        otherwise x holds codes already and ``sx_ptr`` their per-token scales."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         mmask, nmask = rm < M, rn < N
+        if QUANT and STATIC:
+            sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(sx_ptr)
+        elif QUANT:
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                x = tl.load(x_ptr + rm[:, None] * x_stride + (k + rk)[None, :],
+                            mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            sx = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        else:
+            sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             kk = k + rk
             kmask = kk < K
-            a = tl.load(xq_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0)
+            a = tl.load(x_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if QUANT:
+                a = _quantize(a.to(tl.float32), sx[:, None], INTERPRET)
             b = tl.load(w_ptr + rn[None, :].to(tl.int64) * w_stride + kk[:, None], mask=nmask[None, :] & kmask[:, None],
                         other=0.0, eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
             acc += tl.dot(a, b)
-        sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]
         tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
@@ -179,34 +159,39 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
-def skinny_config(m: int) -> dict:
-    """Untuned starting point (``scripts/bench_fp8.py --parts skinny`` sweeps it): 16-row tiles
-    (tl.dot's least M), 32 weight rows per program so that even N = 4096 gives 128 programs."""
-    return dict(BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, BLOCK_N=32, BLOCK_K=256, num_warps=4,
-                num_stages=4)
+# Rows up to which the skinny kernel quantizes x itself (a pass over x per program, from L2):
+# above, the quantizer's own kernel first (one pass in all).
+FUSE_QUANT_MAX_M = 4
 
 
-def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, **cfg) -> torch.Tensor:
-    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32: x quantized per
-    token by ``quantize_per_token_triton``, then the skinny tensor-core kernel."""
+def skinny_config(m: int, n: int) -> dict:
+    """From scripts/bench_fp8.py's sweep on the H200 (Llama-3-8B shapes, 1-64 rows): 16-row tiles
+    (tl.dot's least M), 512-wide K steps five deep; 64 weight rows per program for qkv-sized N
+    (6144), 32 elsewhere (N = 4096 then still gives 128 programs); gate_up-sized N (28672) liked
+    256-wide steps three deep."""
+    wide = n >= 16384
+    return dict(BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, BLOCK_N=64 if 4096 < n < 16384 else 32,
+                BLOCK_K=256 if wide else 512, num_warps=4, num_stages=3 if wide else 5)
+
+
+def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+               **cfg) -> torch.Tensor:
+    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32, x quantized per
+    token (or by the static ``input_scale``): inside the kernel up to ``FUSE_QUANT_MAX_M`` rows
+    (and for static scales), else by ``quantize_per_token_triton`` first."""
     _check_2d("fp8_skinny", x, w)
-    xq, sx = quantize_per_token_triton(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
     N = w.shape[0]
+    static = input_scale is not None
+    quant = static or M <= FUSE_QUANT_MAX_M
+    xin, sx = (x, input_scale if static else weight_scale) if quant else quantize_per_token_triton(x)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    c = {**skinny_config(M), **cfg}
+    c = {**skinny_config(M, N), **cfg}
     grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
-    _fp8_skinny_kernel[grid](xq, sx, w, weight_scale, y, M, N, K, xq.stride(0), w.stride(0), y.stride(0), **c)
+    _fp8_skinny_kernel[grid](xin, sx, w, weight_scale, y, M, N, K, xin.stride(0), w.stride(0), y.stride(0),
+                             QUANT=quant, STATIC=static, INTERPRET=INTERPRET, **c)
     return y
-
-
-def gemv_config(m: int) -> dict:
-    """Block sizes for the GEMV: 8 weight rows per program and 1024-wide K steps at one row (8 KB
-    of fp8 weights per step); narrower K steps for more rows keep the float32 partial sums
-    (BLOCK_M x BLOCK_N x BLOCK_K) in registers.  Untuned: a starting point for the H200."""
-    block_m = triton.next_power_of_2(max(m, 1))
-    block_k = 1024 if block_m == 1 else 256 if block_m <= 2 else 128 if block_m <= 4 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def block_config(m: int) -> dict:
@@ -220,23 +205,6 @@ def _check_2d(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.stride(1) != 1 or w.dtype != FP8_DTYPE:
         raise ValueError(f"{name}: x {tuple(x.shape)} and an fp8 weight [N, K] with unit stride must agree on K, "
                          f"got weight {tuple(w.shape)} {w.dtype}")
-
-
-def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
-             **cfg) -> torch.Tensor:
-    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32: the Triton GEMV,
-    quantizing x per token (or by the static ``input_scale``) inside the kernel."""
-    _check_2d("fp8_gemv", x, w)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    c = {**gemv_config(M), **cfg}
-    grid = (triton.cdiv(N, c["BLOCK_N"]),)
-    _fp8_gemv_kernel[grid](x, w, weight_scale, input_scale if input_scale is not None else weight_scale, y,
-                           M, N, K, x.stride(0), w.stride(0), y.stride(0), STATIC=input_scale is not None,
-                           INTERPRET=INTERPRET, **c)
-    return y
 
 
 def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, group: int = GROUP,

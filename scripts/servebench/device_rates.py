@@ -35,6 +35,17 @@ def measure(device: str, shapes: list[tuple[str, int, int, int]], copy_bytes: in
         del x, w
     out = dict(device=device, copy_Bps=bl.copy_bandwidth(copy_bytes, dev), gemm_flops=flops / secs,
                square_gemm_flops=bl.matmul_flops(dev), gemm_shapes=rows, gpu=None)
+    if dev.type == "cuda":  # the same shapes in FP8 (e4m3, row-wise scales): FP8 weights' prefill bound
+        flops8, secs8 = 0.0, 0.0
+        for name, M, K, N in shapes:
+            a = torch.randn(M, K, device=dev).to(torch.float8_e4m3fn)
+            b = torch.randn(N, K, device=dev).to(torch.float8_e4m3fn)
+            sa, sb = torch.ones(M, 1, device=dev), torch.ones(1, N, device=dev)
+            t = bl.timeit(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+                          iters=10)
+            flops8, secs8 = flops8 + 2 * M * K * N, secs8 + t
+            del a, b
+        out["fp8_gemm_flops"] = flops8 / secs8
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         out.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sms=p.multi_processor_count)

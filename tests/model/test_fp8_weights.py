@@ -625,13 +625,13 @@ for m, n, k in [(1, 40, 300), (3, 130, 264), (16, 64, 256)]:
     wq, ws = F8.quantize_per_row(torch.randn(n, k, generator=g) * k ** -0.5)
     wd = F8.dequantize_weight(wq, ws, static)
     ref = F8.apply_fp8_linear(x, wq, ws, parse_quantization("fp8"), kernel="dequant")
-    check(F8.fp8_gemv(x, wq, ws), ref, x, wd)
-    check(F8.fp8_skinny(x, wq, ws, BLOCK_N=16, BLOCK_K=128), ref, x, wd)
+    check(F8.fp8_skinny(x, wq, ws, BLOCK_N=16, BLOCK_K=128), ref, x, wd)  # m <= 4: quantized in the kernel
     q, s = F8.quantize_per_token_triton(x)
     q0, s0 = F8.quantize_per_token(x)
     assert torch.equal(s, s0) and torch.equal(q.float(), q0.float()), "quantize_per_token_triton"
     s = torch.tensor([x.abs().max().item() / 448 * 0.7])  # some inputs clip
-    check(F8.fp8_gemv(x, wq, ws, s), F8.apply_fp8_linear(x, wq, ws, static, s, kernel="dequant"), x, wd)
+    check(F8.fp8_skinny(x, wq, ws, s, BLOCK_N=16, BLOCK_K=128), F8.apply_fp8_linear(x, wq, ws, static, s, kernel="dequant"),
+          x, wd)
 for m, n, k in [(1, 256, 256), (5, 200, 300), (40, 384, 512)]:
     x = torch.randn(m, k, generator=g) * 2
     w = torch.randn(n, k, generator=g) * k ** -0.5
@@ -646,7 +646,8 @@ print("WORST", worst)
 
 
 def test_triton_kernels_match_the_reference_under_the_interpreter():
-    """The GEMV (dynamic and static activations) and the block kernel, run by Triton's CPU
+    """The skinny kernel (dynamic activations quantized in it or by the quantizer kernel first,
+    and static ones), the quantizer and the block kernel, run by Triton's CPU
     interpreter (in a subprocess: TRITON_INTERPRET is read when the kernels are defined), against
     the CPU reference path on ragged shapes: within 1e-5 of sum |terms| -- only the float32
     summation order differs, the quantized codes are the same."""
@@ -679,54 +680,86 @@ def _gpu_case(scheme_name: str, m: int, n: int, k: int, dtype=torch.bfloat16):
     return x, wq, ws, scheme
 
 
+# Hopper's FP8 tensor cores keep about 14 bits inside one MMA chain (DeepSeek-V3's report; seen
+# here as up to ~7e-5 of sum |terms| for 64-row tiles on the H200), so the tensor-core paths get
+# 2^-13 of sum |terms| on top of one bf16 rounding of y.  A wrong code or scale is far outside it:
+# dropping the activation quantization moves y by ~5e-4 of sum |terms| at K = 4096.
+TC_BOUND = 2 ** -13
+
+
+def path_excess(y: torch.Tensor, x: torch.Tensor, wq, ws, scheme, path: str, input_scale=None) -> tuple[float, float]:
+    """(max of |y - ref| less its bound, worst |y - ref| / sum |terms|) of a CUDA path's output
+    y against the CPU float32 reference on the same input x and quantized weight.  The bound:
+    one bf16 rounding of y, plus ``TC_BOUND`` of sum |terms|; ``block_dequant`` multiplies bf16
+    operands (w * scale and x rounded to bf16 first, 2^-9 of each term): 2^-8 of sum |terms|."""
+    x, wq, ws = x.float().cpu(), wq.cpu(), ws.cpu()
+    input_scale = None if input_scale is None else input_scale.cpu()
+    ref = F8.apply_fp8_linear(x, wq, ws, scheme, input_scale, kernel="dequant").double()
+    xq, xs = F8.quantize_activation(x.reshape(-1, x.shape[-1]), scheme, input_scale)
+    terms = (F8.dequantize_activation(xq, xs, scheme.group_size).abs()
+             @ F8.dequantize_weight(wq, ws, scheme).abs().T).double().view(ref.shape)
+    err = (y.double().cpu() - ref).abs()
+    bound = 2 ** -8 * ref.abs() + (2 ** -8 if path == "block_dequant" else TC_BOUND) * terms + 1e-6
+    return (err - bound).max().item(), ((err - 2 ** -8 * ref.abs()).clamp(min=0) / terms.clamp(min=1e-30)).max().item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 16, 17, 64, 300])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (200, 304)])
 @pytest.mark.parametrize("scheme_name", ["channel", "block"])
 def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
     """Every CUDA path that can run the case (the dispatch's pick and the others) against the CPU
-    reference of the same quantized tensors: the same codes (IEEE division everywhere), float32
-    accumulation (fp8 tensor cores keep fewer bits inside one MMA chain; the kernels promote to
-    float32 every 128-group or, for cuBLAS, without fast accumulation), one bf16 rounding of y:
-    |y - ref| <= 2^-8 |ref| + 3e-5 sum |terms|.  The dequantizing paths multiply in bf16: their
-    weights (w * scale) and activations are rounded to bf16 first, 2^-9 of each term, so they get
-    2^-8 sum |terms| instead (on the H200 the tighter bound failed them by 0.03-0.06)."""
+    reference of the same quantized tensors: the same codes (IEEE division everywhere, the Triton
+    quantizer in front of _scaled_mm), float32 accumulation but for the tensor cores' own
+    (``TC_BOUND``), one bf16 rounding of y (``path_excess``)."""
     x, wq, ws, scheme = _gpu_case(scheme_name, m, n, k)
-    ref = F8.apply_fp8_linear(x.float(), wq, ws, scheme, kernel="dequant").double()
-    terms = F8.dequantize_activation(*F8.quantize_activation(x.float(), scheme, None), scheme.group_size).abs() \
-        @ F8.dequantize_weight(wq, ws, scheme).abs().T
-    bound = 2 ** -8 * ref.abs() + 3e-5 * terms.double() + 1e-6
     xc, wc, sc = x.cuda(), wq.cuda(), ws.cuda()
     pick = F8.select_fp8_kernel(xc, wc, scheme)
     gemm = "scaled_mm" if F8._scaled_mm_ok(xc, n, k) else "dequant"
     assert pick == ("block_triton" if scheme_name == "block" else "skinny" if m <= F8.SKINNY_MAX_M else gemm)
-    paths = ["block_triton", "block_dequant"] if scheme_name == "block" else ["skinny", "gemv", "dequant"] + (
+    paths = ["block_triton", "block_dequant"] if scheme_name == "block" else ["skinny", "dequant"] + (
         ["scaled_mm"] if F8._scaled_mm_ok(xc, n, k) else [])
     excess = {}
     for path in paths:
         y = F8.apply_fp8_linear(xc, wc, sc, scheme, kernel=path)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        b = bound + 2 ** -8 * terms.double() if path in ("dequant", "block_dequant") else bound
-        over = (y.double().cpu() - ref).abs() - b
-        excess[path] = (over.max().item(), ((over + b - 2 ** -8 * ref.abs()) / terms).max().item())
+        excess[path] = path_excess(y, x, wq, ws, scheme, path)
     assert all(e <= 0 for e, _ in excess.values()), excess  # (excess, worst error / sum |terms|) per path
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["online", "block"])
 def test_gpu_model_matches_cpu_float32(kind, tmp_path):
-    """The quantized model in bf16 on CUDA (its dispatch: GEMV at decode, _scaled_mm or the block
-    kernel in prefill) against the float32 CPU reference of the same checkpoint: bf16 activations
-    round differently, so at bf16's resolution (5% of the largest logit, as test_gpu.py)."""
+    """The quantized model in bf16 on CUDA (its dispatch: the skinny kernel at decode, _scaled_mm or
+    the block kernel in prefill) against the float32 CPU model of the same checkpoint.
+    - Every FP8 linear call the CUDA model makes, on the activations it really saw, is within
+      ``path_excess``'s bound of the CPU reference: the kernels are right inside the model.
+    - The logits: bf16 activations land on the other side of an e4m3 rounding midpoint now and
+      then (bf16 moves a value by 2^-9, an e4m3 step is 2^-4), and each such code moves by a whole
+      step, so the two models differ by part of what the quantization itself moves (measured
+      against the same model unquantized): less than it, on average and at the worst."""
+    from ray_attn.model.layers import Fp8Linear
+
     folder = write("unquantized" if kind == "online" else "block", "llama", tmp_path)
     extra = dict(quantization="fp8") if kind == "online" else {}
     tokens = random_tokens(SHAPES["vocab_size"])
-    out = {}
+    out, calls = {}, []
     for device, dtype in (("cuda", "bfloat16"), ("cpu", "float32")):
         cfg = ModelConfig.from_pretrained(folder, dtype=dtype, **extra)
         model = build_model(cfg, device=device, block_size=BLOCK_SIZE, kernel="torch")
         model.load_weights(folder)
+        if device == "cuda":
+            for mod in model.modules():
+                if isinstance(mod, Fp8Linear) and mod.scheme is not None:
+                    mod.register_forward_hook(lambda m, a, y: calls.append(
+                        (m, a[0].detach().clone(), y.detach().clone(), F8.select_fp8_kernel(
+                            a[0].reshape(-1, a[0].shape[-1]), m.weight, m.scheme))))
         out[device] = torch.cat(run_schedule(model, tokens, SCHEDULE, device=device))
+    worst = {}
+    for mod, x, y, path in calls:
+        e = path_excess(y, x, mod.weight, mod.weight_scale, mod.scheme, path, getattr(mod, "input_scale", None))
+        worst[path] = max(worst.get(path, e), e)
+    assert calls and all(e <= 0 for e, _ in worst.values()), worst
     plain_dir = write("unquantized", "llama", tmp_path / "plain")  # the same model, not quantized
     model = build_model(ModelConfig.from_pretrained(plain_dir, dtype="float32"), device="cpu",
                         block_size=BLOCK_SIZE, kernel="torch")
@@ -735,5 +768,5 @@ def test_gpu_model_matches_cpu_float32(kind, tmp_path):
     diff = (out["cuda"] - out["cpu"]).abs()
     quant = (out["cpu"] - plain).abs()  # what the quantization itself moves
     info = dict(max=diff.max().item(), mean=diff.mean().item(), largest=out["cpu"].abs().max().item(),
-                quant_max=quant.max().item(), quant_mean=quant.mean().item())
-    assert diff.max().item() < 0.05 * out["cpu"].abs().max().item(), info
+                quant_max=quant.max().item(), quant_mean=quant.mean().item(), paths=sorted(worst))
+    assert diff.mean() < quant.mean() and diff.max() < quant.max(), info
