@@ -164,14 +164,21 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 FUSE_QUANT_MAX_M = 4
 
 
+SMEM_BUDGET = 200 * 1024  # of the H100/H200's 227 KiB per block, for the pipelined tiles
+
+
 def skinny_config(m: int, n: int) -> dict:
     """From scripts/bench_fp8.py's sweep on the H200 (Llama-3-8B shapes, 1-64 rows): 16-row tiles
-    (tl.dot's least M), 512-wide K steps five deep; 64 weight rows per program for qkv-sized N
-    (6144), 32 elsewhere (N = 4096 then still gives 128 programs); gate_up-sized N (28672) liked
-    256-wide steps three deep."""
+    (tl.dot's least M), 512-wide K steps five deep (256 from 32 rows); 64 weight rows per program
+    for qkv-sized N (6144), 32 elsewhere (N = 4096 then still gives 128 programs); gate_up-sized
+    N (28672) liked 256-wide steps three deep.  The stages are capped so that the tiles in flight
+    (x in bf16 where the kernel quantizes it) fit shared memory."""
     wide = n >= 16384
-    return dict(BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, BLOCK_N=64 if 4096 < n < 16384 else 32,
-                BLOCK_K=256 if wide else 512, num_warps=4, num_stages=3 if wide else 5)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = (64 if 4096 < n < 16384 else 32), (256 if wide or block_m > 16 else 512)
+    stage = block_m * block_k * (2 if m <= FUSE_QUANT_MAX_M else 1) + block_k * block_n
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                num_stages=max(2, min(3 if wide else 5, SMEM_BUDGET // stage)))
 
 
 def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
@@ -187,7 +194,7 @@ def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, inp
     quant = static or M <= FUSE_QUANT_MAX_M
     xin, sx = (x, input_scale if static else weight_scale) if quant else quantize_per_token_triton(x)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    c = {**skinny_config(M, N), **cfg}
+    c = {**skinny_config(M if not static else FUSE_QUANT_MAX_M, N), **cfg}
     grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
     _fp8_skinny_kernel[grid](xin, sx, w, weight_scale, y, M, N, K, xin.stride(0), w.stride(0), y.stride(0),
                              QUANT=quant, STATIC=static, INTERPRET=INTERPRET, **c)
