@@ -80,7 +80,7 @@ if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, the accuracy rows, e
 fi
 if [[ $stage == fp8_serving ]]; then  # FP8 weights against bf16 in the serving suite (issue 25's speed goals)
   step python3 scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --suffix _fp8_weights --no-capacity \
-    --budget-sweep "" --only random_concurrency_1,offline,chunked_prefill,decode_256x1k,decode_64x4k \
+    --budget-sweep "" --only random_concurrency_1,offline,chunked_prefill,decode_256x1k \
     --deadline-s "${SERVING_DEADLINE_S:-420}" ${OUT:+--mirror-dir "$OUT"} ${SERVING_ARGS:-}
 fi
 if [[ $stage == e2e || $stage == all ]]; then
