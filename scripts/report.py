@@ -43,7 +43,7 @@ def table(rows, cols, fmt=None):
 
 def accuracy():
     """The "Correctness on GPU" table: one row per feature from scripts/gpu_accuracy.py."""
-    runs = [r for r in (load("gpu_accuracy"), load("gpu_accuracy_tp2")) if r]
+    runs = [r for r in (load("gpu_accuracy"), load("gpu_accuracy_tp2"), load("gpu_accuracy_fp8_weights")) if r]
     if not runs:
         return
     rows = []
@@ -54,6 +54,8 @@ def accuracy():
                             if k != "steps" and v and k in ("cascade_steps", "multi_group_cascade_steps",
                                                           "local_steps", "preemptions", "prefix_cache_hit_tokens",
                                                           "host_hit_blocks"))
+            if r.get("fp8_linears"):
+                ran = f"e4m3 linears on rank 0: {r['fp8_linears']}" + (f", {ran}" if ran else "")
             rows.append(dict(row=r["row"], checks=r["what"], kernel=r.get("kernel"), graphs=r.get("cuda_graphs"),
                              **{"async": r.get("async_scheduling")}, agreement=r.get("agreement"),
                              control=r.get("control_fp8", r.get("control_bf16")), needs=r.get("threshold"),
