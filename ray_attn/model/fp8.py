@@ -15,7 +15,7 @@ token: ``max|x[m]| / 448``; per token and group of 128 features for block weight
 - CUDA, per-row weight scales, dynamic activations: x quantized per token by one Triton kernel,
   then ``torch._scaled_mm`` (row-wise scales [M, 1] and [1, N], e4m3 operands, the weight
   column-major) above ``SKINNY_MAX_M`` rows, and at decode sizes the skinny tensor-core kernel
-  (``fp8_kernels.fp8_skinny``), which quantizes a few rows, or by a static scale, itself.
+  (``fp8_kernels.fp8_skinny``).
 - CUDA, block weights: a Triton kernel (``_fp8_block_kernel``) whose K step is one 128-group, so
   it quantizes each group of x as it loads it and applies both block scales to that step's
   partial product; ``block_dequant`` (dequantize the weight, bf16 matmul) is the slower fallback.

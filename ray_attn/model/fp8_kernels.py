@@ -104,41 +104,27 @@ if triton is not None:
         tl.store(s_ptr + row, sx)
 
     @triton.jit
-    def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
-                           QUANT: tl.constexpr, STATIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    def _fp8_skinny_kernel(xq_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y tile [BLOCK_M, BLOCK_N] = (codes of x) . (codes of W)^T on tensor cores, then both
-        scales: few rows (decode), so the weight tile is what each K step waits for.
-        ``QUANT``: x is in the model dtype and each program quantizes it as it reads it -- by the
-        static scale at ``sx_ptr`` (``STATIC``), or per token after a first pass over x for its
-        max (cheap for a row or a few, which sit in L2: it saves the quantizer's own kernel);
-        otherwise x holds codes already and ``sx_ptr`` their per-token scales."""
+        scales: few rows (decode), so the weight tile is what each K step waits for.  x arrives
+        quantized: a variant that quantized it here (a pass over x for its max, then bf16 tiles
+        converted in registers before each dot) ran 6-10x slower at one row on the H200."""
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         mmask, nmask = rm < M, rn < N
-        if QUANT and STATIC:
-            sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(sx_ptr)
-        elif QUANT:
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                x = tl.load(x_ptr + rm[:, None] * x_stride + (k + rk)[None, :],
-                            mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            sx = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
-        else:
-            sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             kk = k + rk
             kmask = kk < K
-            a = tl.load(x_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            if QUANT:
-                a = _quantize(a.to(tl.float32), sx[:, None], INTERPRET)
+            a = tl.load(xq_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0)
             b = tl.load(w_ptr + rn[None, :].to(tl.int64) * w_stride + kk[:, None], mask=nmask[None, :] & kmask[:, None],
                         other=0.0, eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
             acc += tl.dot(a, b)
+        sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]
         tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
@@ -159,11 +145,6 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
-# Rows up to which the skinny kernel quantizes x itself (a pass over x per program, from L2):
-# above, the quantizer's own kernel first (one pass in all).
-FUSE_QUANT_MAX_M = 4
-
-
 SMEM_BUDGET = 200 * 1024  # of the H100/H200's 227 KiB per block, for the pipelined tiles
 
 
@@ -172,32 +153,32 @@ def skinny_config(m: int, n: int) -> dict:
     (tl.dot's least M), 512-wide K steps five deep (256 from 32 rows); 64 weight rows per program
     for qkv-sized N (6144), 32 elsewhere (N = 4096 then still gives 128 programs); gate_up-sized
     N (28672) liked 256-wide steps three deep.  The stages are capped so that the tiles in flight
-    (x in bf16 where the kernel quantizes it) fit shared memory."""
+    fit shared memory."""
     wide = n >= 16384
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = (64 if 4096 < n < 16384 else 32), (256 if wide or block_m > 16 else 512)
-    stage = block_m * block_k * (2 if m <= FUSE_QUANT_MAX_M else 1) + block_k * block_n
+    stage = block_m * block_k + block_k * block_n
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                 num_stages=max(2, min(3 if wide else 5, SMEM_BUDGET // stage)))
 
 
 def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
                **cfg) -> torch.Tensor:
-    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32, x quantized per
-    token (or by the static ``input_scale``): inside the kernel up to ``FUSE_QUANT_MAX_M`` rows
-    (and for static scales), else by ``quantize_per_token_triton`` first."""
+    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32: x quantized per
+    token by ``quantize_per_token_triton`` (or by the static ``input_scale``, in torch), then the
+    skinny kernel."""
     _check_2d("fp8_skinny", x, w)
-    x = x if x.stride(1) == 1 else x.contiguous()
     M, K = x.shape
     N = w.shape[0]
-    static = input_scale is not None
-    quant = static or M <= FUSE_QUANT_MAX_M
-    xin, sx = (x, input_scale if static else weight_scale) if quant else quantize_per_token_triton(x)
+    if input_scale is None:
+        xq, sx = quantize_per_token_triton(x)
+    else:  # the reference's static quantization (one scale for all rows; an IEEE division by a tensor)
+        sx = input_scale.float().view(1, 1).expand(M, 1).contiguous()
+        xq = (x.float() / sx).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    c = {**skinny_config(M if not static else FUSE_QUANT_MAX_M, N), **cfg}
+    c = {**skinny_config(M, N), **cfg}
     grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
-    _fp8_skinny_kernel[grid](xin, sx, w, weight_scale, y, M, N, K, xin.stride(0), w.stride(0), y.stride(0),
-                             QUANT=quant, STATIC=static, INTERPRET=INTERPRET, **c)
+    _fp8_skinny_kernel[grid](xq, sx, w, weight_scale, y, M, N, K, xq.stride(0), w.stride(0), y.stride(0), **c)
     return y
 
 

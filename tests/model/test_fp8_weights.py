@@ -625,7 +625,7 @@ for m, n, k in [(1, 40, 300), (3, 130, 264), (16, 64, 256)]:
     wq, ws = F8.quantize_per_row(torch.randn(n, k, generator=g) * k ** -0.5)
     wd = F8.dequantize_weight(wq, ws, static)
     ref = F8.apply_fp8_linear(x, wq, ws, parse_quantization("fp8"), kernel="dequant")
-    check(F8.fp8_skinny(x, wq, ws, BLOCK_N=16, BLOCK_K=128), ref, x, wd)  # m <= 4: quantized in the kernel
+    check(F8.fp8_skinny(x, wq, ws, BLOCK_N=16, BLOCK_K=128), ref, x, wd)
     q, s = F8.quantize_per_token_triton(x)
     q0, s0 = F8.quantize_per_token(x)
     assert torch.equal(s, s0) and torch.equal(q.float(), q0.float()), "quantize_per_token_triton"
@@ -646,8 +646,8 @@ print("WORST", worst)
 
 
 def test_triton_kernels_match_the_reference_under_the_interpreter():
-    """The skinny kernel (dynamic activations quantized in it or by the quantizer kernel first,
-    and static ones), the quantizer and the block kernel, run by Triton's CPU
+    """The skinny kernel (activations quantized per token by the quantizer kernel, or by a static
+    scale), the quantizer and the block kernel, run by Triton's CPU
     interpreter (in a subprocess: TRITON_INTERPRET is read when the kernels are defined), against
     the CPU reference path on ragged shapes: within 1e-5 of sum |terms| -- only the float32
     summation order differs, the quantized codes are the same."""
