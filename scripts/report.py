@@ -293,8 +293,62 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
               f"{since('measured_kv_share_min_tokens_end_to_end', 'fetched_ttft_wins')}.\n")
 
 
+def fp8_weights():
+    """Issue 25: the serving goals (gpu_serving.py --weights bf16,fp8) and the per-shape kernels
+    (bench_fp8.py: decode sizes from the run with the block-size sweep, prefill sizes from the last)."""
+    srv, sweep, last = load("serving_h200_fp8_weights"), load("bench_fp8_sweep"), load("bench_fp8")
+    if srv:
+        print(f"### FP8 weights in the serving suite ({srv['device_rates'].get('gpu')}, {srv['date']}, "
+              f"{srv['preset']}; `python scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --only "
+              "random_concurrency_1,offline,chunked_prefill,decode_256x1k`)\n")
+        rows = []
+        for c in srv["configs"]:
+            w = c.get("workloads", {})
+            g = lambda k, f: (w.get(k) or {}).get(f)  # noqa: E731
+            rows.append(dict(engine=c["name"], weights=c.get("weights", "bf16"),
+                             itl_c1_ms=g("random_concurrency_1", "median_itl_ms"),
+                             offline_out_tok_s=g("offline", "output_tokens_per_second"),
+                             prefill_frac_of_gemm=g("chunked_prefill", "frac_of_gemm"),
+                             decode_256x1k_tok_s=g("decode_256x1k", "tok_s"),
+                             decode_256x1k_frac=g("decode_256x1k", "frac_of_mem_compute_roofline")))
+        print(table(rows, list(rows[0]), {"itl_c1_ms": lambda v: f"{v:.2f}", "prefill_frac_of_gemm": pct,
+                                          "decode_256x1k_frac": pct}))
+        print(f"\nGEMM rates at the model's shapes in the same run: bf16 {srv['device_rates']['gemm_flops'] / 1e12:,.0f}, "
+              f"FP8 {srv['device_rates'].get('fp8_gemm_flops', 0) / 1e12:,.0f} TFLOP/s (each engine's prefill is held "
+              "to its own).\n")
+        goals = [dict(engine=n, goal=k, value=v["value"], wanted=v["goal"], met=v["met"])
+                 for n, gs in srv.get("fp8_weights_goals", {}).items() for k, v in gs.items()]
+        if goals:
+            print(table(goals, ["engine", "goal", "value", "wanted", "met"], {"value": lambda v: f"{v:.3f}"}))
+            print()
+    for run, what, keep in ((sweep, "decode sizes, with the block-size sweep", lambda r: r["rows"] <= 64),
+                            (last, "prefill sizes", lambda r: r["rows"] >= 256)):
+        if not run:
+            continue
+        best = {(r["shape"], r["rows"]): r for r in run.get("sweep", []) if r.get("kernel") == "skinny"}
+        rows = []
+        for r in filter(keep, run["rows"]):
+            sk = best.get((r["shape"], r["rows"]), {})
+            rows.append(dict(shape=r["shape"], rows=r["rows"], bf16_us=r["bf16_us"], fp8_skinny_us=r.get("fp8_skinny_us"),
+                             skinny_best_us=sk.get("best_us"), scaled_mm_us=r.get("fp8_scaled_mm_us"),
+                             block_us=r.get("fp8_block_us"), pick=r["pick"],
+                             fp8_frac_of_copy=sk.get("best_frac_of_copy") or r.get(f"fp8_{r['pick']}_frac_of_copy"),
+                             fp8_frac_of_gemm=r.get("fp8_scaled_mm_frac_of_gemm") if r["rows"] >= 256 else None,
+                             fp8_over_bf16=(sk.get("best_us") or r.get(f"fp8_{r['pick']}_us")) / r["bf16_us"]))
+        m = run["machine"]
+        print(f"FP8 linears against bf16, {what} ({m.get('gpu')}, {m['date']}; `python scripts/bench_fp8.py`; "
+              "microseconds per layer, CUDA-graph replays over 32 layers' weights; copy "
+              f"{run['rates']['copy_Bps'] / 1e9:,.0f} GB/s, FP8 GEMM {run['rates']['fp8_gemm_flops'] / 1e12:,.0f} "
+              "TFLOP/s):\n")
+        print(table(rows, list(rows[0]), {"fp8_frac_of_copy": pct, "fp8_frac_of_gemm": pct, "fp8_over_bf16": times,
+                                          **{k: num for k in ("bf16_us", "fp8_skinny_us", "skinny_best_us",
+                                                              "scaled_mm_us", "block_us")}}))
+        print()
+
+
 def main():
     accuracy()
+    fp8_weights()
     moe()
     kv_tiers()
     kv_tiers("bench_kv_tiers_cuda", "python scripts/bench_kv_tiers.py --device cuda --part host --users 32 "
