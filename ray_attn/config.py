@@ -308,15 +308,23 @@ class CacheConfig(_Strict):
     kv_sharing: bool = Field(False, description=(
         "Publish each full block computed to the KV store of the rank's node, and fetch prefixes "
         "another replica with the same model and TP layout computed (on any node) instead of "
-        "recomputing them, when fetching pays (kv_share_min_tokens)."))
+        "recomputing them, when fetching pays (kv_share_min_tokens, kv_share_max_tokens)."))
     kv_store_gib: float = Field(4.0, gt=0, description="Capacity of each node's shared KV store (GiB); full, it drops "
                                 "its least recently used blocks.")
     kv_share_min_tokens: int = Field(64, ge=0, description=(
         "Fewest prefix tokens a shared-store fetch must cover to be taken (else they are recomputed): "
         "the break-even of a fetch's fixed cost against prefill, scripts/bench_kv_tiers.py."))
+    kv_share_max_tokens: Optional[int] = Field(None, ge=1, description=(
+        "Most prefix tokens a shared-store fetch may cover (a longer run is recomputed). Where a prefill "
+        "costs nearly the same for 16 tokens as for 1,000 (a GPU) and a fetch grows with its bytes, "
+        "fetching wins only for short runs: on one H200 with an 8B model, 16-128 tokens "
+        "(scripts/bench_kv_tiers.py --part breakeven reports the window). None: no limit."))
 
     @model_validator(mode="after")
     def _check(self):
+        if self.kv_share_max_tokens is not None and self.kv_share_max_tokens < self.kv_share_min_tokens:
+            raise ValueError(f"kv_share_max_tokens={self.kv_share_max_tokens} is below kv_share_min_tokens="
+                             f"{self.kv_share_min_tokens}: no fetch could be taken")
         if self.kv_sharing and not self.enable_prefix_caching:
             raise ValueError("kv_sharing needs enable_prefix_caching (blocks are found by their prefix hashes)")
         if self.host_cache_gib and not self.enable_prefix_caching:

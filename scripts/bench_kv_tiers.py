@@ -17,7 +17,9 @@ when a shared fetch pays.
 - ``--part breakeven``: fetching n blocks from the store (``SharedKVClient.lookup`` + the store's
   get + scatter) against prefilling them (the TTFT of n blocks + 1 token with nothing cached, less
   a 1-token prompt's: a request that fetches still computes its last token in a step); the
-  smallest prefix from which the fetch wins is the machine's ``CacheConfig.kv_share_min_tokens``.
+  smallest prefix from which the fetch wins is the machine's ``CacheConfig.kv_share_min_tokens``;
+  where it wins only up to some length (a GPU: prefill costs nearly the same from 16 tokens to
+  1,000), the largest such length is its ``kv_share_max_tokens``.
   Also end to end: a replica's TTFT on a prompt the store holds against computing it.
 
     python scripts/bench_kv_tiers.py                        # CPU: a small random model, every part
@@ -82,9 +84,9 @@ def block_bytes(a) -> int:
 
 
 def engine_config(a, num_blocks: int, host_gib: float = 0.0, sharing: bool = False,
-                  min_share_tokens: int | None = None) -> EngineConfig:
+                  min_share_tokens: int | None = None, max_share_tokens: int | None = None) -> EngineConfig:
     cache = dict(block_size=a.block_size, num_blocks=num_blocks, host_cache_gib=host_gib, kv_sharing=sharing,
-                 kv_store_gib=a.store_gib)
+                 kv_store_gib=a.store_gib, kv_share_max_tokens=max_share_tokens)
     if min_share_tokens is not None:
         cache["kv_share_min_tokens"] = min_share_tokens
     return EngineConfig(model=model_config(a), cache=CacheConfig(**cache),
@@ -218,7 +220,8 @@ def part_share(a):
     for sharing in (False, True):
         run = f"sharing {'on' if sharing else 'off'}"
         clear_store(a)
-        cfg = engine_config(a, nb, sharing=sharing, min_share_tokens=a.share_min_tokens)
+        cfg = engine_config(a, nb, sharing=sharing, min_share_tokens=a.share_min_tokens,
+                            max_share_tokens=a.share_max_tokens if sharing else None)
         engines = [make_engine(a, cfg, a.executor == "cluster" or (a.executor == "auto" and a.device == "cuda"))
                    for _ in range(2)]
         row, answers[run], ttfts[run], gaps[run] = run_loop(a, run, engines, wl, lambda u, t: (u + t) % 2)
@@ -230,7 +233,7 @@ def part_share(a):
     meta = dict(users=a.users, turns=a.turns, doc_tokens=a.doc_tokens, concurrency_per_replica=a.concurrency,
                 num_blocks=nb, working_set_blocks=wl.working_blocks,
                 kv_share_min_tokens=a.share_min_tokens if a.share_min_tokens is not None
-                else CacheConfig().kv_share_min_tokens, **check,
+                else CacheConfig().kv_share_min_tokens, kv_share_max_tokens=a.share_max_tokens, **check,
                 ttft_s={k: [round(x, 5) for x in v] for k, v in ttfts.items()})
     return [r | {"part": "share"} for r in rows], meta
 
@@ -382,9 +385,18 @@ def part_breakeven(a):
             first = r["tokens"]
         return first
 
+    def up_to(key):  # the largest prefix up to which fetching wins at every size measured
+        last = None
+        for r in rows:
+            if not r[key]:
+                break
+            last = r["tokens"]
+        return last
+
     meta = dict(block_size=bs, reps=a.reps, base_ttft_s=base_s, block_bytes=rank_tiers.block_bytes,
                 measured_kv_share_min_tokens=from_on("fetch_wins"),
-                measured_kv_share_min_tokens_end_to_end=from_on("fetched_ttft_wins"))
+                measured_kv_share_min_tokens_end_to_end=from_on("fetched_ttft_wins"),
+                measured_kv_share_max_tokens=up_to("fetch_wins") if from_on("fetch_wins") is None else None)
     print(f"[breakeven] fetching wins from {meta['measured_kv_share_min_tokens']} tokens (lookup + get + scatter "
           f"vs prefill: TTFT - a 1-token prompt's); end to end (TTFT fetched vs computed) from "
           f"{meta['measured_kv_share_min_tokens_end_to_end']} tokens")
@@ -488,6 +500,8 @@ def main(argv=None) -> int:
     ap.add_argument("--store-gib", type=float, default=None, help="each node's store (default: 1.25x the working set)")
     ap.add_argument("--share-min-tokens", type=int, default=None, help="kv_share_min_tokens of the share part "
                     "(default: CacheConfig's)")
+    ap.add_argument("--share-max-tokens", type=int, default=None, help="kv_share_max_tokens of the share part "
+                    "(default: none; on a GPU, breakeven's measured_kv_share_max_tokens)")
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default 2048 (cpu), 8192 (cuda)")
     ap.add_argument("--copy-blocks", default=None, help="block counts of the copy part (default cpu 1,4,16,64,256; "
                     "cuda 1,16,64,256,1024)")

@@ -290,7 +290,9 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
                     else "at no size measured")
         print(f"\nFetching wins {since('measured_kv_share_min_tokens', 'fetch_wins')} (the measured "
               f"kv_share_min_tokens); end to end (TTFT fetched vs computed) "
-              f"{since('measured_kv_share_min_tokens_end_to_end', 'fetched_ttft_wins')}.\n")
+              f"{since('measured_kv_share_min_tokens_end_to_end', 'fetched_ttft_wins')}"
+              + (f"; fetching wins up to {b['measured_kv_share_max_tokens']} tokens (the measured kv_share_max_tokens)"
+                 if b.get("measured_kv_share_max_tokens") else "") + ".\n")
 
 
 def fp8_weights():

@@ -147,11 +147,13 @@ class KVTiers:
     """The planner's side of the tiers: lookups past the device pool, the step's copies, leases."""
 
     def __init__(self, host_slots: int = 0, shared: SharedLookup | None = None, layout: str | None = None,
-                 min_shared_tokens: int = 0, block_size: int = 16):
+                 min_shared_tokens: int = 0, block_size: int = 16, max_shared_tokens: int | None = None):
         self.host = HostTier(host_slots) if host_slots > 0 else None
         self.shared = shared
         self.layout = layout
+        # a shared run is fetched only inside this window of lengths (the measured break-evens)
         self.min_shared_blocks = -(-int(min_shared_tokens) // int(block_size))
+        self.max_shared_blocks = None if max_shared_tokens is None else int(max_shared_tokens) // int(block_size)
         self.stats = TierStats()
         self._memo: dict[tuple, tuple[int, str | None, str | None]] = {}  # this step's store answers
         self._used_leases: set = set()
@@ -183,7 +185,8 @@ class KVTiers:
         rest = hashes[len(out):]
         if self.shared is not None and rest and len(rest) >= self.min_shared_blocks:
             n, store, _ = self._ask_store(rest)
-            if n and n >= self.min_shared_blocks:
+            too_long = self.max_shared_blocks is not None and n > self.max_shared_blocks
+            if n and n >= self.min_shared_blocks and not too_long:
                 out += [(SHARED, store)] * n
             elif n:
                 self.stats.shared_declined_blocks += n

@@ -276,4 +276,4 @@ def planner_tiers(config, executor):
                                "call ray.init() before building the engine")
         layout = layout_key(config)
         shared = SharedKVClient(layout, config.parallel.tensor_parallel_size, int(c.kv_store_gib * (1 << 30)))
-    return KVTiers(host_slots, shared, layout, c.kv_share_min_tokens, c.block_size)
+    return KVTiers(host_slots, shared, layout, c.kv_share_min_tokens, c.block_size, c.kv_share_max_tokens)

@@ -191,6 +191,18 @@ def test_a_short_shared_run_is_not_fetched():
     assert tiers.leading(prompt_hashes(list(range(16)), 4, BS).tolist()) == [(SHARED, "store0")] * 2
 
 
+def test_a_long_shared_run_is_not_fetched_past_the_window():
+    """kv_share_max_tokens: a run longer than the window is recomputed (counted as declined); one
+    inside it is fetched whole."""
+    store = FakeStore()
+    store.blocks.update({h: h for h in prompt_hashes(list(range(8)), 2, BS).tolist()})
+    tiers = KVTiers(shared=store, layout="L", block_size=BS, max_shared_tokens=BS)
+    assert tiers.leading(prompt_hashes(list(range(16)), 4, BS).tolist()) == []
+    assert tiers.stats.shared_declined_blocks == 2
+    tiers = KVTiers(shared=store, layout="L", block_size=BS, max_shared_tokens=2 * BS + BS // 2)
+    assert tiers.leading(prompt_hashes(list(range(16)), 4, BS).tolist()) == [(SHARED, "store0")] * 2
+
+
 def test_second_row_of_a_step_shares_the_first_rows_copy():
     """Two new rows with one host-held prefix: one copy in, the second row shares its block."""
     tiers = KVTiers(host_slots=8, block_size=BS)

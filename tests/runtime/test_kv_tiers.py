@@ -226,6 +226,9 @@ def test_config_refuses_tiers_without_prefix_caching():
         EngineConfig(cache=CacheConfig(host_cache_gib=1, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="kv_sharing needs enable_prefix_caching"):
         EngineConfig(cache=CacheConfig(kv_sharing=True, enable_prefix_caching=False))
+    with pytest.raises(ValueError, match="kv_share_max_tokens=32 is below kv_share_min_tokens=64"):
+        CacheConfig(kv_sharing=True, kv_share_max_tokens=32)
+    assert CacheConfig(kv_sharing=True, kv_share_min_tokens=16, kv_share_max_tokens=128).kv_share_max_tokens == 128
 
 
 # -- the shared tier: replicas of one model fetch what another computed ---------------------------
