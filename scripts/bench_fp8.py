@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,7 +92,7 @@ def kernel_rows(rows: list[int], rates: dict, dev) -> list[dict]:
                 row["fp8_pick_over_bf16"] = row[f"{pick}_us"] / row["bf16_us"]
             out.append(row)
             print({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in row.items()}, flush=True)
-        del ws
+        ws = None  # noqa: F841 - freed before the next shape's weights
         torch.cuda.empty_cache()
     return out
 
@@ -136,7 +135,7 @@ def sweep_rows(kernels: list[str], rows: list[int], rates: dict, dev) -> list[di
                            best_frac_of_copy=n * k / (best[0] * 1e-6) / rates["copy_Bps"] if best else None)
                 out.append(row)
                 print(row, flush=True)
-        del ws
+        ws = None  # noqa: F841 - freed before the next shape's weights
         torch.cuda.empty_cache()
     return out
 

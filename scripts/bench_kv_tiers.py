@@ -317,10 +317,8 @@ def _wait_published(store, client, hashes, deadline_s: float = 30.0) -> None:
 
 
 def part_breakeven(a):
-    import ray
-
     from ray_attn.planner.block_pool import prompt_hashes
-    from ray_attn.runtime.kv_store import get_store, node_store
+    from ray_attn.runtime.kv_store import node_store
 
     start_ray(a)
     clear_store(a)
@@ -351,11 +349,10 @@ def part_breakeven(a):
             t0 = time.perf_counter()
             got, name, lease = client.lookup(hashes)
             t1 = time.perf_counter()
-            rows = ray.get(get_store(name).get.remote(client.layout, 0, hashes)) if got else None
-            t2 = time.perf_counter()
             if got != n:
                 raise RuntimeError(f"the store holds {got} of the {n} blocks just published")
-            data = torch.from_numpy(np.array(rows)).view((n,) + rank_tiers.block_shape)
+            data = rank_tiers.fetched(name, client.layout, hashes)  # the rank's own fetch path
+            t2 = time.perf_counter()
             rank_tiers.scatter(np.array(blocks, np.int32), data)
             _sync(dev)
             t3 = time.perf_counter()

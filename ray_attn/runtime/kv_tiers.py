@@ -206,21 +206,32 @@ class RankKVTiers:
         self._publisher.submit(_put_when_ready, store, args, host, ready)
 
     def _fetch(self, t) -> None:
-        import ray
-
-        from ray_attn.runtime.kv_store import get_store
-
         stores = np.asarray(t.fetch_stores, dtype=object)
         hashes = np.asarray(t.fetch_hashes, dtype=object)
         for name in dict.fromkeys(t.fetch_stores):
             sel = np.flatnonzero(stores == name)
-            rows = ray.get(get_store(name).get.remote(t.layout, self.rank, hashes[sel].tolist()))
-            if rows.shape != (len(sel), self.block_bytes):
-                raise RuntimeError(f"rank {self.rank}: store {name} returned blocks of shape {rows.shape}, "
-                                   f"expected ({len(sel)}, {self.block_bytes}): another layout under this key?")
-            data = torch.from_numpy(np.array(rows)).view((len(sel),) + self.block_shape)
+            data = self.fetched(name, t.layout, hashes[sel].tolist())
             self.scatter(t.fetch_blocks[sel], data)
-            self.moved["fetch_bytes"] += rows.nbytes
+            self.moved["fetch_bytes"] += data.numel()
+
+    def fetched(self, name: str, layout: str, hashes: list[int]) -> torch.Tensor:
+        """This rank's rows of ``hashes`` from store ``name``, in one host tensor [n, *block_shape]:
+        pinned on a GPU, so that the scatter's host-to-device copy is an asynchronous DMA rather
+        than a staged copy out of pageable memory.  The rows arrive as read-only views of the
+        object Ray returned (no copy); the one copy here gathers them into the tensor."""
+        import ray
+
+        from ray_attn.runtime.kv_store import get_store
+
+        rows = ray.get(get_store(name).get.remote(layout, self.rank, hashes))
+        shapes = {np.shape(r) for r in rows}
+        if len(rows) != len(hashes) or (rows and shapes != {(self.block_bytes,)}):
+            raise RuntimeError(f"rank {self.rank}: store {name} returned {len(rows)} rows of shapes {sorted(shapes)}, "
+                               f"expected {len(hashes)} of ({self.block_bytes},): another layout under this key?")
+        out = torch.empty((len(rows), self.block_bytes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        if rows:
+            np.stack(rows, out=out.numpy())
+        return out.view((len(rows),) + self.block_shape)
 
 
 def _put_when_ready(store, args, host: torch.Tensor, ready) -> None:

@@ -54,7 +54,7 @@ def test_round_trip_tp2_out_of_order_and_layouts(actors):
     assert ray.get(store.put.remote("A", 1, 2, [hashes[1]], shard[1][[1]])) == 1
     assert ray.get(store.lookup.remote("A", hashes, "l2")) == 3
     for rank in (0, 1):
-        got = ray.get(store.get.remote("A", rank, hashes))
+        got = np.stack(ray.get(store.get.remote("A", rank, hashes)))
         assert got.dtype == np.uint8 and got.tobytes() == shard[rank].tobytes()
 
     # Re-putting a held shard stores nothing new and changes no byte.
@@ -62,7 +62,7 @@ def test_round_trip_tp2_out_of_order_and_layouts(actors):
     assert ray.get(store.put.remote("A", 0, 2, hashes[:1], blocks(rng, 1, 1000))) == 1
     after = ray.get(store.stats.remote())
     assert after["bytes"] == before["bytes"] == 6000 and after["puts"] == before["puts"]
-    assert ray.get(store.get.remote("A", 0, hashes)).tobytes() == shard[0].tobytes()
+    assert rows_bytes(store, "A", 0, hashes) == shard[0].tobytes()
 
     # Another layout sees none of A's blocks, and its own blocks under the same hashes stay apart.
     assert ray.get(store.lookup.remote("B", hashes, "l3")) == 0
@@ -70,8 +70,8 @@ def test_round_trip_tp2_out_of_order_and_layouts(actors):
         ray.get(store.get.remote("B", 0, hashes))
     other = blocks(rng, 3, 1000)
     assert ray.get(store.put.remote("B", 0, 1, hashes, other)) == 3
-    assert ray.get(store.get.remote("B", 0, hashes)).tobytes() == other.tobytes()
-    assert ray.get(store.get.remote("A", 0, hashes)).tobytes() == shard[0].tobytes()
+    assert rows_bytes(store, "B", 0, hashes) == other.tobytes()
+    assert rows_bytes(store, "A", 0, hashes) == shard[0].tobytes()
     stats = ray.get(store.stats.remote())
     assert stats["entries"] == 6 and stats["complete"] == 6 and stats["hits"] == 15
     assert stats["leases"] == 2  # l1 and l2: l0 and l3 counted 0 and pin nothing
@@ -121,8 +121,13 @@ def test_capacity_lru_pins_and_drops(actors):
     ray.get(store.clear.remote())
     assert put(1, 2, 3, 4, 5) == 3
     assert held() == {1, 2, 3}
-    assert ray.get(store.get.remote("L", 0, [1, 2, 3])).tobytes() == b"".join(
+    assert rows_bytes(store, "L", 0, [1, 2, 3]) == b"".join(
         data[h].tobytes() for h in (1, 2, 3))
+
+
+def rows_bytes(store, layout, rank, hashes) -> bytes:
+    """The store's rows of ``hashes`` for ``rank``, as one byte string."""
+    return b"".join(r.tobytes() for r in ray.get(store.get.remote(layout, rank, hashes)))
 
 
 def test_lru_evicts_a_chain_from_its_tail(actors):
@@ -190,7 +195,7 @@ def test_blocks_outlive_the_replica_that_published_them(actors):
     kill_and_wait(pub, "ping")
     expected = np.random.default_rng(4).integers(0, 256, (8, 65536), np.uint8)
     assert ray.get(store.lookup.remote("L", hashes, "r")) == 8
-    assert ray.get(store.get.remote("L", 0, hashes)).tobytes() == expected.tobytes()
+    assert rows_bytes(store, "L", 0, hashes) == expected.tobytes()
     # Reading back cannot tell a copy from a view of pub's (dead) object, as the view alone keeps
     # its buffer mapped: the store must hold its own copy of every shard.
     assert ray.get(store.stats.remote())["borrowed"] == 0
