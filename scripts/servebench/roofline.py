@@ -90,16 +90,21 @@ class ModelCosts:
             moe = h * E + k * expert + 3 * h * ((m.shared_expert_intermediate_size or 0) // tp)
         layers = L * attn + (L - sparse) * mlp + sparse * moe
         el = _dtype_bytes(m.dtype)
-        # FP8 weights: the decoder's linears are one byte a weight (plus a float32 scale per
-        # output row); the embedding, the LM head and the norms stay in the model dtype
-        wel = 1 + 4 / h if getattr(m, "quantization", None) else el
         kv_el = 1 if kv_cache_dtype.startswith("fp8") else el
+        linear_bytes = layers * el
+        if getattr(m, "quantization", None):
+            # FP8 weights: the decoder's linears are a byte a weight plus a float32 scale per output
+            # row (dense models only: MoE families are refused with FP8); the embedding, the LM head
+            # and the norms stay in the model dtype
+            up = 1 if m.architecture == "MPTForCausalLM" else 2
+            rows = L * ((heads + 2 * kv_heads) * D + h) + (L - sparse) * (up * (i // tp) + h)
+            linear_bytes = layers + 4 * rows
         norms = (2 * L + 1) * h + (2 * D * L if m.architecture.startswith("Qwen3") else 0)  # + Qwen3's q/k norms
         return cls(layer_params=layers, lm_head_params=m.vocab_size * h,
-                   weight_bytes=int(layers * wel + (m.vocab_size * h + norms) * el),
+                   weight_bytes=linear_bytes + (m.vocab_size * h + norms) * el,
                    kv_bytes_per_token=2 * L * kv_heads * D * kv_el,
                    attn_flops_per_pair=4 * heads * D * L,
-                   expert_bytes=int(sparse * expert * wel), num_experts=E, top_k=k)
+                   expert_bytes=sparse * expert * el, num_experts=E, top_k=k)
 
     def as_dict(self) -> dict:
         return asdict(self)

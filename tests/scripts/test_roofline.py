@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -45,6 +46,21 @@ def test_costs_match_the_rank_the_engine_builds(name, tp, kv):
     assert c.weight_bytes == read * el
     assert c.kv_bytes_per_token == model.kv_cache_bytes_per_block() // model.block_size
     assert c.attn_flops_per_pair == 4 * model.num_heads * model.head_size * m.num_hidden_layers
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fp8_weight_costs_count_the_bytes_a_loaded_rank_holds(tie):
+    """quantization='fp8': e4m3 linears (a byte each) and their float32 row scales, the rest in bf16."""
+    m = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, dtype="bfloat16", tie_word_embeddings=tie, quantization="fp8")
+    model = build_model(m, device="cpu", block_size=16, kernel="torch")
+    model.init_random_weights(0)
+    c = rl.ModelCosts.from_config(m)
+    read = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed_tokens.numel() * 2 + (
+        model.lm_head.numel() * 2 if tie else 0)
+    assert c.weight_bytes == read
+    fp8 = sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+    assert fp8 == c.layer_params > 0  # every linear of the layers is e4m3
 
 
 MOE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
