@@ -9,7 +9,9 @@ HF's float32 argmax given the same history (teacher forcing).  The control is HF
     agreement >= control - margin   (3 points; fp8 rows: FP8_MARGIN, see below)
 
 and the feature demonstrably ran (the kernel, cascade/local steps, prefix hits, preemptions,
-graphs...: ``Row.expect``).
+graphs...: ``Row.expect``).  FP8-weight rows (``Row.weights``) serve the checkpoint in that format
+(``fp8_checkpoints.py`` writes it) and hold it to HF on the same weights dequantized, with the
+format's activation quantization on HF's linears in both the reference and the control.
 
     python scripts/gpu_accuracy.py                      # GPU: every single-GPU row
     python scripts/gpu_accuracy.py --rows tp2_graphs,tp2_eager --suffix _tp2   # on 2 GPUs
