@@ -154,3 +154,24 @@ def test_a_passed_deadline_marks_what_it_skipped(tmp_path):
     r = json.loads((tmp_path / "serving_h200_cpu.json").read_text())
     assert [(c["name"], c["skipped"]) for c in r["configs"]] == [("bf16", "--deadline-s 0.0 passed"),
                                                                    ("fp8", "--deadline-s 0.0 passed")]
+
+
+def test_fp8_weight_goals_compare_with_the_bf16_engine_of_the_same_kv_dtype():
+    """Issue 25's goals: ratios against the bf16-weight engine with the same KV dtype, <= for the
+    ITL ones and >= for the rest; an engine without a bf16 partner gets only its own fractions."""
+    from servebench.targets import fp8_weights_goals
+
+    def conf(name, weights, kv, itl, tput, frac_itl=1.0):
+        return dict(name=name, weights=weights, kv_cache_dtype=kv, workloads={
+            "random_concurrency_1": dict(median_itl_ms=itl, median_itl_over_roofline=frac_itl),
+            "offline": dict(output_tokens_per_second=tput), "chunked_prefill": dict(frac_of_gemm=0.71),
+            "decode_256x1k": dict(frac_of_mem_compute_roofline=0.79)})
+
+    goals = fp8_weights_goals([conf("bf16", "bf16", "auto", 5.0, 1000.0), conf("fp8w_bf16", "fp8", "auto", 3.0, 1400.0, 1.3),
+                               conf("fp8w_fp8", "fp8", "fp8", 2.0, 2000.0, 1.2)])
+    g = goals["fp8w_bf16"]
+    assert g["itl_c1_vs_bf16"] == dict(value=0.6, goal=0.6, met=True)
+    assert g["offline_throughput_vs_bf16"]["met"] and abs(g["offline_throughput_vs_bf16"]["value"] - 1.4) < 1e-12
+    assert not g["itl_c1_over_roofline"]["met"]  # 1.3 > 1.25
+    assert g["chunked_prefill_frac_of_fp8_gemm"]["met"] and not g["decode_256x1k_frac_of_mem_compute_roofline"]["met"]
+    assert "itl_c1_vs_bf16" not in goals["fp8w_fp8"] and goals["fp8w_fp8"]["itl_c1_over_roofline"]["met"]
