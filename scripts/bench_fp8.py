@@ -42,6 +42,12 @@ CHANNEL = parse_quantization("fp8")
 BLOCK = parse_quantization({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"})
 
 
+def skinny(x, q, s, **cfg):
+    """The skinny path as a layer runs it: the Triton quantizer, then the kernel (``cfg`` overrides
+    its block sizes)."""
+    return F8.fp8_skinny(*F8.quantize_per_token_triton(x), q, s, x.dtype, **cfg)
+
+
 def graph_us(fn, copies: int) -> float | None:
     t = bl.graph_timeit(fn, iters=10)
     return None if t is None else t * 1e6 / copies
@@ -74,7 +80,7 @@ def kernel_rows(rows: list[int], rates: dict, dev) -> list[dict]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             paths = {"bf16": lambda: [linear(x, w) for w, _, _, _ in ws]}
             if m <= 64:
-                paths["fp8_skinny"] = lambda: [F8.fp8_skinny(x, q, s) for _, q, s, _ in ws]
+                paths["fp8_skinny"] = lambda: [skinny(x, q, s) for _, q, s, _ in ws]
             paths["fp8_scaled_mm"] = lambda: [F8.apply_fp8_linear(x, q, s, CHANNEL, kernel="scaled_mm")
                                               for _, q, s, _ in ws]
             paths["fp8_block"] = lambda: [F8.fp8_block_matmul(x, q, bs) for _, q, _, bs in ws]
@@ -114,7 +120,7 @@ def sweep_rows(kernels: list[str], rows: list[int], rates: dict, dev) -> list[di
                 fn = lambda x, c: [F8.fp8_block_matmul(x, q, bs, **c) for _, q, _, bs in ws]  # noqa: E731
                 default_cfg = F8.block_config
             else:
-                fn = lambda x, c: [F8.fp8_skinny(x, q, s, **c) for _, q, s, _ in ws]  # noqa: E731
+                fn = lambda x, c: [skinny(x, q, s, **c) for _, q, s, _ in ws]  # noqa: E731
                 default_cfg = lambda m: F8.skinny_config(m, n)  # noqa: E731
             for m in [r for r in rows if r <= 64]:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

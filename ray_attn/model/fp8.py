@@ -161,6 +161,16 @@ def _scaled_mm_ok(x: torch.Tensor, N: int, K: int) -> bool:
     return x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0
 
 
+def _quantized_rows(x: torch.Tensor, scheme: Fp8Config, input_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's e4m3 codes and per-row scales [M, 1] (contiguous) for the per-channel GEMMs: the Triton
+    quantizer for dynamic per-token scales on CUDA (one kernel, the reference's codes), torch's
+    reference otherwise (a static scale, or Triton's CPU interpreter)."""
+    if scheme.activation_scheme == "dynamic" and x.is_cuda and available():
+        return quantize_per_token_triton(x)
+    xq, xs = quantize_activation(x.contiguous(), scheme, input_scale)
+    return xq, xs.contiguous()
+
+
 def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scheme: Fp8Config,
                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      kernel: str | None = None) -> torch.Tensor:
@@ -181,14 +191,12 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         xq, xs = quantize_activation(x, scheme, input_scale)
         xd = dequantize_activation(xq, xs, scheme.group_size).to(x.dtype)
         y = F.linear(xd, dequantize_weight(weight, weight_scale, scheme).to(x.dtype))
-    elif kernel == "scaled_mm":
-        # the Triton quantizer where it serves (one kernel, the reference's codes); static: torch
-        dynamic = scheme.activation_scheme == "dynamic" and x.is_cuda and available()
-        xq, xs = quantize_per_token_triton(x) if dynamic else quantize_activation(x.contiguous(), scheme, input_scale)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs.contiguous(), scale_b=weight_scale.view(1, -1),
-                             out_dtype=x.dtype)
-    elif kernel == "skinny":
-        y = fp8_skinny(x, weight, weight_scale, input_scale if scheme.activation_scheme == "static" else None)
+    elif kernel in ("scaled_mm", "skinny"):
+        xq, xs = _quantized_rows(x, scheme, input_scale)
+        if kernel == "skinny":
+            y = fp8_skinny(xq, xs, weight, weight_scale, x.dtype)
+        else:
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     elif kernel == "block_triton":
         y = fp8_block_matmul(x, weight, weight_scale, scheme.group_size)
     else:

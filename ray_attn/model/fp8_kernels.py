@@ -162,20 +162,16 @@ def skinny_config(m: int, n: int) -> dict:
                 num_stages=max(2, min(3 if wide else 5, SMEM_BUDGET // stage)))
 
 
-def fp8_skinny(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None,
-               **cfg) -> torch.Tensor:
-    """x [M, K] (model dtype) @ fp8 w [N, K]^T with per-row scales [N] float32: x quantized per
-    token by ``quantize_per_token_triton`` (or by the static ``input_scale``, in torch), then the
-    skinny kernel."""
-    _check_2d("fp8_skinny", x, w)
-    M, K = x.shape
+def fp8_skinny(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor,
+               out_dtype: torch.dtype, **cfg) -> torch.Tensor:
+    """Quantized rows xq [M, K] (e4m3) with their scales sx [M, 1] @ fp8 w [N, K]^T with per-row
+    scales [N] float32, as ``out_dtype``: the skinny kernel.  ``fp8.apply_fp8_linear`` quantizes
+    the rows (the same codes as for ``_scaled_mm``)."""
+    _check_2d("fp8_skinny", xq, w)
+    xq, sx = (t if t.is_contiguous() else t.contiguous() for t in (xq, sx))
+    M, K = xq.shape
     N = w.shape[0]
-    if input_scale is None:
-        xq, sx = quantize_per_token_triton(x)
-    else:  # the reference's static quantization (one scale for all rows; an IEEE division by a tensor)
-        sx = input_scale.float().view(1, 1).expand(M, 1).contiguous()
-        xq = (x.float() / sx).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     c = {**skinny_config(M, N), **cfg}
     grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
     _fp8_skinny_kernel[grid](xq, sx, w, weight_scale, y, M, N, K, xq.stride(0), w.stride(0), y.stride(0), **c)

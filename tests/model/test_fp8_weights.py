@@ -624,12 +624,12 @@ for m, n, k in [(1, 40, 300), (3, 130, 264), (16, 64, 256)]:
     wq, ws = F8.quantize_per_row(torch.randn(n, k, generator=g) * k ** -0.5)
     wd = F8.dequantize_weight(wq, ws, static)
     ref = F8.apply_fp8_linear(x, wq, ws, parse_quantization("fp8"), kernel="dequant")
-    check(F8.fp8_skinny(x, wq, ws, BLOCK_N=16, BLOCK_K=128), ref, x, wd)
     q, s = F8.quantize_per_token_triton(x)
     q0, s0 = F8.quantize_per_token(x)
     assert torch.equal(s, s0) and torch.equal(q.float(), q0.float()), "quantize_per_token_triton"
+    check(F8.fp8_skinny(q, s, wq, ws, x.dtype, BLOCK_N=16, BLOCK_K=128), ref, x, wd)
     s = torch.tensor([x.abs().max().item() / 448 * 0.7])  # some inputs clip
-    check(F8.fp8_skinny(x, wq, ws, s, BLOCK_N=16, BLOCK_K=128), F8.apply_fp8_linear(x, wq, ws, static, s, kernel="dequant"),
+    check(F8.apply_fp8_linear(x, wq, ws, static, s, kernel="skinny"), F8.apply_fp8_linear(x, wq, ws, static, s, kernel="dequant"),
           x, wd)
 for m, n, k in [(1, 256, 256), (5, 200, 300), (40, 384, 512)]:
     x = torch.randn(m, k, generator=g) * 2
