@@ -4,6 +4,7 @@ between the two figures is the engine, the planner, staging and sampling.
 
     python scripts/profile_decode.py                  # GPU: Llama-3-8B shape
     python scripts/profile_decode.py --points 64x1024 --top 20
+    python scripts/profile_decode.py --model qwen3-30b-a3b --points 1x1024 --top 30
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--block-size", type=int, default=16, help="KV page size (FA3 takes any)")
+    p.add_argument("--model", default=None, help="a MODEL_PRESETS name (default llama-3-8b on a GPU, tiny on CPU)")
+    p.add_argument("--quantization", default=None, help="e.g. fp8: weights quantized to e4m3 at load")
     p.add_argument("--no-aot", action="store_true", help="FA3 without its ahead-of-time scheduler plan")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="also profile N back-to-back replays: span vs busy time, longest gaps")
@@ -76,8 +79,8 @@ def main(argv=None):
 
         FlashAttn3Kernel.uses_scheduler_metadata = False  # in process: this engine's kernel
     gpu = torch.cuda.is_available()
-    m = MODEL_PRESETS["llama-3-8b" if gpu else "tiny"]
-    cfg = EngineConfig(model=ModelConfig(**m), cache=CacheConfig(block_size=args.block_size, memory_fraction=0.5,
+    m = MODEL_PRESETS[args.model or ("llama-3-8b" if gpu else "tiny")]
+    cfg = EngineConfig(model=ModelConfig(**m, quantization=args.quantization), cache=CacheConfig(block_size=args.block_size, memory_fraction=0.5,
                                                                  num_blocks=None if gpu else 512),
                        parallel=ParallelConfig(device="cuda" if gpu else "cpu"),
                        max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 512,
