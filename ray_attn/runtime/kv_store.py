@@ -7,9 +7,17 @@ fetch those shards instead of recomputing them.
 
 Why it is shaped this way:
 
-- The store copies every shard it keeps.  A large actor-call argument lives in the object store
-  and is owned by the *caller*; a view of it would tie the block to the replica that published it,
-  and a replica that dies must take none of the other replicas' hits with it.
+- The store copies every shard it keeps into an object of its own (``ray.put`` here, so the store
+  is the owner).  A large actor-call argument lives in the object store and is owned by the
+  *caller*; a view of it would tie the block to the replica that published it, and a replica that
+  dies must take none of the other replicas' hits with it.
+- A fetch gets object refs, not bytes: ``get`` answers with the shards' refs, and the rank reads
+  them straight out of its node's object store (zero-copy on the store's node; Ray's object
+  manager pulls them across nodes).  Returning the bytes made this actor, which serves every
+  replica of the node, serialize a copy of every row into the reply (76 ms for 128 MiB on the
+  H200 host, 2026-12-02), one fetch at a time.
+- Object-store pressure drops a shard (``ObjectStoreFullError`` on put counts as dropped), never
+  blocks a step: the put runs here, not on a rank.
 - It is a cache, never a queue: a put past capacity evicts least-recently-used unpinned entries
   and drops what still does not fit (it returns how many rows it kept).  A step never waits on it.
 - A lookup pins what it counted under a lease, so the blocks a replica was promised are still
@@ -46,7 +54,7 @@ class _Entry:
     __slots__ = ("shards", "nbytes")
 
     def __init__(self, tp: int):
-        self.shards: list[np.ndarray | None] = [None] * tp
+        self.shards: list[ray.ObjectRef | None] = [None] * tp  # objects this store owns
         self.nbytes = 0
 
     def complete(self) -> bool:
@@ -92,9 +100,14 @@ class KVBlockStore:
                 # A lookup stops at this gap, so the rows after it could only take room.
                 self._counts["dropped"] += len(keys) - i
                 break
+            try:
+                ref = ray.put(np.ascontiguousarray(data[i]))  # a copy the store owns, not the caller's
+            except ray.exceptions.ObjectStoreFullError:
+                self._counts["dropped"] += len(keys) - i
+                break
             if entry is None:
                 entry = self._entries[key] = _Entry(tp)
-            entry.shards[rank] = np.array(data[i], dtype=np.uint8, copy=True)  # ours, not the caller's
+            entry.shards[rank] = ref
             entry.nbytes += need
             self._bytes += need
             stored += 1
@@ -118,10 +131,10 @@ class KVBlockStore:
             self._touch(keys)
         return len(keys)
 
-    def get(self, layout: str, rank: int, hashes: list[int]) -> list[np.ndarray]:
-        """``rank``'s rows of ``hashes``, as a list: Ray writes each row straight into the returned
-        object (pickle protocol 5 buffers), where one stacked array cost this actor, which serves
-        every replica of the node, a copy of all of them first."""
+    def get(self, layout: str, rank: int, hashes: list[int]) -> list[ray.ObjectRef]:
+        """The refs of ``rank``'s rows of ``hashes`` (the caller ``ray.get``s them: the bytes never
+        pass through this actor again).  The caller borrows each object until it drops the ref,
+        so an eviction here cannot pull a row out from under a fetch in flight."""
         self._sweep()
         rows = []
         for h in hashes:
@@ -139,13 +152,13 @@ class KVBlockStore:
         self._sweep()
 
     def stats(self) -> dict:
-        """``borrowed`` counts shards that are views of memory the store does not own (always 0,
-        since put copies).  Reading the bytes back cannot tell a view from a copy: the view alone
-        keeps a dead publisher's buffer mapped, outside the store's own memory and accounting."""
+        """``borrowed`` counts shards held as anything but an object this store put (always 0).
+        Reading the bytes back cannot tell a view of the caller's argument from a copy: the view
+        alone keeps a dead publisher's buffer mapped, outside the store's own memory and accounting."""
         self._sweep()
         shards = [s for e in self._entries.values() for s in e.shards if s is not None]
         return {
-            "borrowed": sum(not s.flags.owndata for s in shards),
+            "borrowed": sum(not isinstance(s, ray.ObjectRef) for s in shards),
             "entries": len(self._entries),
             "complete": sum(e.complete() for e in self._entries.values()),
             "bytes": self._bytes,

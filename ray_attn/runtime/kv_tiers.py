@@ -33,6 +33,8 @@ import time
 import numpy as np
 import torch
 
+COPY_THREADS = 4  # threads copying fetched rows out of the object store into the staging buffer
+
 
 class RankKVTiers:
     """The host pool of one rank, the copies a step carries, and what they moved."""
@@ -63,6 +65,11 @@ class RankKVTiers:
         self._in_stream = torch.cuda.Stream(device) if gpu else None
         self._pending_out: list[tuple[torch.cuda.Event, np.ndarray]] = []  # offloads maybe in flight
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copy-stream spans to read
+        # fetched rows land here (pinned on a GPU, grown on demand) before their one transfer;
+        # rewritten only once the transfer that read it last is done (``_staging_read``)
+        self._staging: torch.Tensor | None = None
+        self._staging_read: torch.cuda.Event | None = None
+        self._copiers = None  # threads that copy fetched rows into the staging buffer
 
     def _blocks(self) -> torch.Tensor:
         """The cache seen block first, [num_blocks, L, 2, bs, H, D'] as the widest integers that
@@ -157,18 +164,24 @@ class RankKVTiers:
         self._pending_out.append((done, np.asarray(slots)))
 
     def _from_slots(self, slots) -> torch.Tensor:
-        """Host slots onto the device, one copy per run of consecutive slots; on a GPU on the
-        in-stream, into a buffer the compute stream reads once the transfer is done."""
-        shape = (len(slots),) + self.block_shape
+        """Host slots onto the device, one copy per run of consecutive slots."""
+        if self._in_stream is not None:
+            for written, wslots in self._pending_out:  # a slot an offload may still be writing
+                if np.isin(slots, wslots).any():
+                    self._in_stream.wait_event(written)
+        return self._upload([(i, self.host[s:s + n]) for i, s, n in _runs(slots)], len(slots))[0]
+
+    def _upload(self, parts, n: int):
+        """Host pieces ``(first row, rows)`` into one device buffer of ``n`` blocks, and the event
+        after the transfer (None on CPU).  On a GPU the transfer runs on the in-stream, and the
+        compute stream waits for it before the scatter reads the buffer."""
+        shape = (n,) + self.block_shape
         if self._in_stream is None:
             out = torch.empty(shape, dtype=torch.uint8, device=self.device)
-            for i, s, n in _runs(slots):
-                out[i:i + n].copy_(self.host[s:s + n])
-            return out
+            for i, rows in parts:
+                out[i:i + len(rows)].copy_(rows)
+            return out, None
         stream, start, done = self._in_stream, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for written, wslots in self._pending_out:  # a slot an offload may still be writing
-            if np.isin(slots, wslots).any():
-                stream.wait_event(written)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
             # from the in-stream's own pool: memory the compute stream freed may still be in use
@@ -176,12 +189,12 @@ class RankKVTiers:
             out = torch.empty(shape, dtype=torch.uint8, device=self.device)
             out.record_stream(compute)  # the scatter reads it there
             start.record()
-            for i, s, n in _runs(slots):
-                out[i:i + n].copy_(self.host[s:s + n], non_blocking=True)
+            for i, rows in parts:
+                out[i:i + len(rows)].copy_(rows, non_blocking=True)
             done.record()
         compute.wait_event(done)  # the scatter reads ``out``
         self._timed.append((start, done))
-        return out
+        return out, done
 
     def _publish(self, t, data: torch.Tensor) -> None:
         """This rank's shard of each block to its node's store, never waited for: a store that is
@@ -211,27 +224,49 @@ class RankKVTiers:
         for name in dict.fromkeys(t.fetch_stores):
             sel = np.flatnonzero(stores == name)
             data = self.fetched(name, t.layout, hashes[sel].tolist())
-            self.scatter(t.fetch_blocks[sel], data)
+            dev, self._staging_read = self._upload([(0, data)], len(data))
+            self.scatter(t.fetch_blocks[sel], dev)
             self.moved["fetch_bytes"] += data.numel()
 
     def fetched(self, name: str, layout: str, hashes: list[int]) -> torch.Tensor:
-        """This rank's rows of ``hashes`` from store ``name``, in one host tensor [n, *block_shape]:
-        pinned on a GPU, so that the scatter's host-to-device copy is an asynchronous DMA rather
-        than a staged copy out of pageable memory.  The rows arrive as read-only views of the
-        object Ray returned (no copy); the one copy here gathers them into the tensor."""
+        """This rank's rows of ``hashes`` from store ``name``, in host memory [n, *block_shape]:
+        a view of the staging buffer, valid until the next fetch.  The store answers with object
+        refs; the rows are read-only views of this node's object store (no copy), and threads copy
+        them into the buffer -- pinned on a GPU, so the upload is one asynchronous DMA."""
         import ray
 
         from ray_attn.runtime.kv_store import get_store
 
-        rows = ray.get(get_store(name).get.remote(layout, self.rank, hashes))
+        rows = ray.get(ray.get(get_store(name).get.remote(layout, self.rank, hashes)))
         shapes = {np.shape(r) for r in rows}
         if len(rows) != len(hashes) or (rows and shapes != {(self.block_bytes,)}):
             raise RuntimeError(f"rank {self.rank}: store {name} returned {len(rows)} rows of shapes {sorted(shapes)}, "
                                f"expected {len(hashes)} of ({self.block_bytes},): another layout under this key?")
-        out = torch.empty((len(rows), self.block_bytes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        if rows:
-            np.stack(rows, out=out.numpy())
-        return out.view((len(rows),) + self.block_shape)
+        out = self._staging_rows(len(rows))
+        dst = out.numpy()
+        if len(rows) <= 2:
+            for i, r in enumerate(rows):
+                dst[i] = r
+        else:  # a single thread copies 5-10 GB/s; numpy lets go of the GIL for each row
+            if self._copiers is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kv-fetch")
+            list(self._copiers.map(lambda i: np.copyto(dst[i], rows[i]), range(len(rows))))
+        del rows  # the views pin the objects in the store's memory
+        return out.view((len(out),) + self.block_shape)
+
+    def _staging_rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of the staging buffer [rows, block_bytes], once the last upload
+        out of it is done; grown to the next power of two when too small."""
+        if self._staging_read is not None:
+            self._staging_read.synchronize()  # a step back at most: it is queued before this one
+            self._staging_read = None
+        if self._staging is None or len(self._staging) < n:
+            rows = 1 << max(n - 1, 0).bit_length()
+            self._staging = torch.empty((rows, self.block_bytes), dtype=torch.uint8,
+                                        pin_memory=self.device.type == "cuda")
+        return self._staging[:n]
 
 
 def _put_when_ready(store, args, host: torch.Tensor, ready) -> None:

@@ -54,7 +54,7 @@ def test_round_trip_tp2_out_of_order_and_layouts(actors):
     assert ray.get(store.put.remote("A", 1, 2, [hashes[1]], shard[1][[1]])) == 1
     assert ray.get(store.lookup.remote("A", hashes, "l2")) == 3
     for rank in (0, 1):
-        got = np.stack(ray.get(store.get.remote("A", rank, hashes)))
+        got = np.stack(ray.get(ray.get(store.get.remote("A", rank, hashes))))
         assert got.dtype == np.uint8 and got.tobytes() == shard[rank].tobytes()
 
     # Re-putting a held shard stores nothing new and changes no byte.
@@ -127,7 +127,9 @@ def test_capacity_lru_pins_and_drops(actors):
 
 def rows_bytes(store, layout, rank, hashes) -> bytes:
     """The store's rows of ``hashes`` for ``rank``, as one byte string."""
-    return b"".join(r.tobytes() for r in ray.get(store.get.remote(layout, rank, hashes)))
+    refs = ray.get(store.get.remote(layout, rank, hashes))
+    assert all(isinstance(r, ray.ObjectRef) for r in refs)  # the bytes never pass through the store again
+    return b"".join(r.tobytes() for r in ray.get(refs))
 
 
 def test_lru_evicts_a_chain_from_its_tail(actors):
