@@ -279,9 +279,38 @@ def part_copy(a):
             row[f"{k}_GBps"] = nbytes / t[f"{k}_s"] / 1e9
         for k, bare in (("gather", "out"), ("offload", "out"), ("scatter", "in"), ("onload", "in")):
             row[f"{k}_frac_of_bare"] = t[f"bare_{bare}_s"] / t[f"{k}_s"]
+        if dev.type == "cuda":  # the same copies' device time, issued ahead of the GPU as a step's are
+            d = dict(offload=device_span(lambda: tiers.apply(KVTransfers(offload_blocks=blocks, offload_slots=slots)),
+                                         tiers, a.iters),
+                     bare_out=device_span(lambda: host_flat.copy_(dev_flat, non_blocking=True), tiers, a.iters),
+                     onload=device_span(lambda: tiers.apply(KVTransfers(onload_slots=slots, onload_blocks=blocks)),
+                                        tiers, a.iters),
+                     bare_in=device_span(lambda: dev_flat.copy_(host_flat, non_blocking=True), tiers, a.iters))
+            row.update({f"{k}_device_s": v for k, v in d.items()})
+            row["offload_device_frac_of_bare"] = d["bare_out"] / d["offload"]
+            row["onload_device_frac_of_bare"] = d["bare_in"] / d["onload"]
         rows.append(row)
     meta = dict(block_bytes=tiers.block_bytes, pinned=pin, device=a.device)
     return rows, meta
+
+
+def device_span(fn, tiers, iters: int, lead_cycles: int = 5_000_000) -> float:
+    """Median device seconds from the start of ``fn``'s first kernel or copy to the end of its
+    last transfer.  The GPU first spins ``lead_cycles`` (a few ms), so that the host has issued
+    all of ``fn`` before the GPU reaches it -- as in the engine, where a step's copies are issued
+    while the step before computes -- and the span holds no host time."""
+    samples = []
+    for _ in range(iters + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(lead_cycles)
+        start.record()
+        tiers.fence()  # every transfer starts after ``start``
+        fn()
+        tiers.barrier()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(samples[1:]))
 
 
 def _ttft(eng, prompt) -> float:
@@ -400,14 +429,30 @@ def part_breakeven(a):
     return rows, meta
 
 
+def measured_window(a, breakeven: dict | None) -> None:
+    """On a GPU the share part fetches what breakeven measured to pay, unless told otherwise: from
+    ``measured_kv_share_min_tokens`` on, or (where fetching wins only up to some length) from one
+    block up to ``measured_kv_share_max_tokens``.  The run records the window it used."""
+    if not breakeven or a.share_min_tokens is not None or a.share_max_tokens is not None:
+        return
+    lo, hi = breakeven.get("measured_kv_share_min_tokens"), breakeven.get("measured_kv_share_max_tokens")
+    if lo is not None:
+        a.share_min_tokens = lo
+    elif hi is not None:
+        a.share_min_tokens, a.share_max_tokens = a.block_size, hi
+    print(f"[share] the window breakeven measured: kv_share_min_tokens={a.share_min_tokens}, "
+          f"kv_share_max_tokens={a.share_max_tokens}")
+
+
 # ---------------------------------------------------------------------------- output
 HOST_COLS = ["run", "num_blocks", "requests", "out_tok_s", "req_s", "cpu_s", "ttft_p50_s", "ttft_p99_s",
              "ttft_p50_later_turns_s", "hit_rate", "hit_tokens_device", "hit_tokens_host", "offloaded_MB",
-             "onloaded_MB", "copy_s"]
+             "onloaded_MB", "blocks_per_onload", "blocks_per_offload", "copy_s"]
 SHARE_COLS = ["run", "num_blocks", "requests", "out_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_p50_later_turns_s",
               "hit_rate", "hit_tokens_device", "hit_tokens_shared", "published_MB", "fetched_MB", "copy_s"]
 COPY_COLS = ["blocks", "bytes", "gather_GBps", "bare_out_GBps", "gather_frac_of_bare", "offload_frac_of_bare",
-             "scatter_GBps", "bare_in_GBps", "scatter_frac_of_bare", "onload_frac_of_bare"]
+             "offload_device_frac_of_bare", "scatter_GBps", "bare_in_GBps", "scatter_frac_of_bare",
+             "onload_frac_of_bare", "onload_device_frac_of_bare"]
 BREAKEVEN_COLS = ["blocks", "tokens", "lookup_s", "get_s", "scatter_s", "fetch_s", "prefill_s", "fetch_wins",
                   "prefill_ttft_s", "fetched_ttft_s", "fetched_ttft_wins"]
 COLS = {"host": HOST_COLS, "share": SHARE_COLS, "copy": COPY_COLS, "breakeven": BREAKEVEN_COLS}
@@ -503,7 +548,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-blocks", default=None, help="block counts of the copy part (default cpu 1,4,16,64,256; "
                     "cuda 1,16,64,256,1024)")
     ap.add_argument("--iters", type=int, default=5, help="timed repeats of each copy")
-    ap.add_argument("--breakeven-blocks", default="1,2,4,8,16,32,64")
+    ap.add_argument("--breakeven-blocks", default=None, help="block counts of the breakeven part (default cpu "
+                    "1,2,4,8,16,32,64; cuda up to 256)")
     ap.add_argument("--reps", type=int, default=3, help="repeats of each breakeven point (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (cpu)")
     ap.add_argument("--tie-margin", type=float, default=None,
@@ -524,6 +570,7 @@ def main(argv=None) -> int:
     a.tie_margin = (0.1 if a.device == "cuda" else 0.0) if a.tie_margin is None else a.tie_margin
     a.max_batched_tokens = a.max_batched_tokens or (8192 if a.device == "cuda" else 2048)
     a.copy_blocks = a.copy_blocks or ("1,16,64,256,1024" if a.device == "cuda" else "1,4,16,64,256")
+    a.breakeven_blocks = a.breakeven_blocks or ("1,2,4,8,16,32,64" + (",128,256" if a.device == "cuda" else ""))
     if a.tp > 1 and a.executor != "cluster":
         ap.error("--tp > 1 needs --executor cluster")
     a.block_bytes = block_bytes(a)
@@ -541,6 +588,8 @@ def main(argv=None) -> int:
     data.setdefault("parts", {})
     runners = {"host": part_host, "share": part_share, "copy": part_copy, "breakeven": part_breakeven}
     for p in parts:
+        if p == "share" and a.device == "cuda":
+            measured_window(a, data["parts"].get("breakeven"))
         t0 = time.perf_counter()
         rows, meta = runners[p](a)
         meta["seconds"] = time.perf_counter() - t0

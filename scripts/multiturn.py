@@ -166,6 +166,8 @@ def run_loop(a, name: str, engines, wl: Workload, route) -> tuple[dict, dict, li
                hit_tokens_shared=shared, offloaded_MB=d.get("offloaded_blocks", 0) * bb / 1e6,
                onloaded_MB=d.get("onloaded_blocks", 0) * bb / 1e6, published_MB=d.get("published_blocks", 0) * bb / 1e6,
                fetched_MB=d.get("fetched_blocks", 0) * bb / 1e6, copy_s=d["kv_copy_s"],
+               blocks_per_offload=d.get("offloaded_blocks", 0) / max(1, d.get("offload_steps", 0)),
+               blocks_per_onload=d.get("onloaded_blocks", 0) / max(1, d.get("onload_steps", 0)),
                evictions=d.get("num_evictions", 0), preemptions=d["preemptions"])
     answers = {(r["user"], r["turn"]): r["output"] for r in recs}
     gaps = {(r["user"], r["turn"]): r["gaps"] for r in recs} if a.tie_margin else None

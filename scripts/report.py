@@ -237,8 +237,8 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
         print(table([r for r in rows if r["part"] == "host"],
                     ["run", "num_blocks", "out_tok_s", "req_s", "cpu_s", "ttft_p50_s", "ttft_p99_s",
                      "ttft_p50_later_turns_s", "hit_rate", "hit_tokens_device", "hit_tokens_host", "offloaded_MB",
-                     "onloaded_MB", "copy_s"],
-                    {"out_tok_s": num, "req_s": lambda v: f"{v:.2f}", "cpu_s": lambda v: f"{v:.1f}",
+                     "onloaded_MB", "copy_s"] + (["blocks_per_onload"] if "blocks_per_onload" in rows[0] else []),
+                    {"blocks_per_onload": lambda v: f"{v:,.0f}", "out_tok_s": num, "req_s": lambda v: f"{v:.2f}", "cpu_s": lambda v: f"{v:.1f}",
                      "ttft_p50_s": s, "ttft_p99_s": s, "ttft_p50_later_turns_s": s, "hit_rate": pct,
                      "offloaded_MB": mb, "onloaded_MB": mb, "copy_s": s}))
         cpu = h.get("fit_cpu_time_ratio")
@@ -255,7 +255,8 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
     if sh:
         print(f"Two replicas, turn t of user u on replica (u + t) % 2 ({sh['users']} users x {sh['turns']} turns, "
               f"{sh['concurrency_per_replica']} in flight per replica, {sh['num_blocks']} device blocks each, "
-              f"kv_share_min_tokens {sh['kv_share_min_tokens']}):\n")
+              f"kv_share_min_tokens {sh['kv_share_min_tokens']}"
+              + (f", kv_share_max_tokens {sh['kv_share_max_tokens']}" if sh.get("kv_share_max_tokens") else "") + "):\n")
         print(table([r for r in rows if r["part"] == "share"],
                     ["run", "out_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_p50_later_turns_s", "hit_rate",
                      "hit_tokens_device", "hit_tokens_shared", "published_MB", "fetched_MB"],
@@ -268,11 +269,17 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
         print(f"Copies of n blocks ({parts['copy']['block_bytes'] / 1024:,.0f} KiB each) through RankKVTiers against a "
               f"bare copy of the same bytes ({bare}; goal on the H200: >= 80%):\n")
         gb = lambda v: f"{v:,.2f}"  # noqa: E731
+        dev = ["offload_device_frac_of_bare", "onload_device_frac_of_bare"] if "onload_device_frac_of_bare" in c[0] else []
         print(table(c, ["blocks", "gather_GBps", "bare_out_GBps", "gather_frac_of_bare", "offload_frac_of_bare",
-                        "scatter_GBps", "bare_in_GBps", "scatter_frac_of_bare", "onload_frac_of_bare"],
+                        "scatter_GBps", "bare_in_GBps", "scatter_frac_of_bare", "onload_frac_of_bare"] + dev,
                     {"gather_GBps": gb, "bare_out_GBps": gb, "scatter_GBps": gb, "bare_in_GBps": gb,
                      "gather_frac_of_bare": pct, "offload_frac_of_bare": pct, "scatter_frac_of_bare": pct,
-                     "onload_frac_of_bare": pct}))
+                     "onload_frac_of_bare": pct, **{k: pct for k in dev}}))
+        if dev:
+            print("\n`*_frac_of_bare`: wall time, the call and a synchronize (host time included); "
+                  "`*_device_frac_of_bare`: device time from the first kernel or copy to the end of the "
+                  "transfer, the host having issued it all ahead of the GPU as the engine does while the step "
+                  "before computes (`device_span` in the script).")
         print()
     b = parts.get("breakeven")
     if b:

@@ -136,6 +136,8 @@ class TierStats:
     shared_hit_blocks: int = 0
     offloaded_blocks: int = 0  # device -> host
     onloaded_blocks: int = 0  # host -> device
+    offload_steps: int = 0  # steps that offloaded: blocks per step is the size of a rank's copies
+    onload_steps: int = 0
     fetched_blocks: int = 0  # store -> device
     published_blocks: int = 0  # device -> store
     host_dropped_blocks: int = 0  # evicted from the device with the host tier full and pinned
@@ -266,6 +268,8 @@ class KVTiers:
             s = self.stats
             s.offloaded_blocks += len(self._offload)
             s.onloaded_blocks += len(self._onload)
+            s.offload_steps += bool(self._offload)
+            s.onload_steps += bool(self._onload)
             s.fetched_blocks += len(self._fetch)
             s.published_blocks += len(publish)
         self._end_step()

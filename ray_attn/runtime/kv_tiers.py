@@ -88,6 +88,20 @@ class RankKVTiers:
             self.moved["copy_s"] += start.elapsed_time(end) / 1e3
         return self.moved["copy_s"]
 
+    def barrier(self) -> None:
+        """The compute stream waits for every transfer issued so far (benchmarks: an event
+        recorded after this marks the end of the copies)."""
+        for stream in (self._out_stream, self._in_stream):
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def fence(self) -> None:
+        """The copy streams wait for the compute stream's work so far (benchmarks: an onload's
+        transfer would otherwise start before an event recorded there, as it may in a step)."""
+        for stream in (self._out_stream, self._in_stream):
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+
     # -- checks -------------------------------------------------------------------------------
     def check(self, t, num_blocks: int) -> None:
         """Refuse, naming the field, a copy outside the cache or the host pool (before any runs)."""
