@@ -35,6 +35,7 @@ from torch import nn
 from ray_attn.model.fused import silu_mul
 from ray_attn.model.gemv import linear
 from ray_attn.model.layers import MLP, FusedShard, Shard, new_param, replicated
+from ray_attn.model.moe_route import fused_select_experts, use_fused_route
 from ray_attn.model.moe_small import fused_moe_small, use_small
 from ray_attn.model.tp import TPGroup
 
@@ -57,6 +58,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: Scoring,
       their sum when ``renormalize`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``);
     - sigmoid (Llama 4): the top k of the raw logits, each through a sigmoid (never renormalised).
     """
+    if scoring in ("softmax", "sigmoid") and use_fused_route(router_logits, top_k):
+        return fused_select_experts(router_logits, top_k, scoring, renormalize)  # one launch (moe_route.py)
     acc = torch.promote_types(router_logits.dtype, torch.float32)  # float32, or a float64 reference's own
     if scoring == "softmax":
         probs = torch.softmax(router_logits.to(acc), dim=-1)
