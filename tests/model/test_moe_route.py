@@ -10,38 +10,26 @@ must be the reference's, in its order (the logits have no ties).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from ray_attn.model import moe_route
 from ray_attn.model.moe import select_experts
 from ray_attn.model.moe_route import fused_select_experts, route_supported
+from tests.interpreter import kernels_run_here, run_module_interpreted
 
 if moe_route.triton is None:
     pytest.skip("triton is not installed (the kernel runs on GPUs, or in its interpreter)", allow_module_level=True)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
+kernels = pytest.mark.skipif(not kernels_run_here(),
                              reason="CPU: run by test_kernel_under_the_interpreter in a subprocess")
 
 
 def test_kernel_under_the_interpreter():
-    if torch.cuda.is_available() or INTERPRETED:
-        pytest.skip("the kernel's tests run in this process")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                          "-k", "not under_the_interpreter"], cwd=root, capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore"), timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", out.stdout)
-    assert passed and int(passed.group(1)) >= 32, out.stdout[-2000:]
+    if kernels_run_here():
+        pytest.skip("the kernels' tests run in this process")
+    run_module_interpreted(__file__, min_passed=32)
 
 
 @kernels

@@ -11,12 +11,6 @@ both paths round at the same points, and a wrong expert, row or weight moves out
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,29 +18,23 @@ from ray_attn.model import moe_small
 from ray_attn.model.moe import SparseMoeBlock, fused_moe_loop, select_experts
 from ray_attn.model.moe_small import fused_moe_small
 from ray_attn.model.tp import TPGroup
+from tests.interpreter import kernels_run_here, run_module_interpreted
 from tests.model.test_moe import F32, ref_experts, weights
 
 if moe_small.triton is None:
     pytest.skip("triton is not installed (the kernels run on GPUs, or in its interpreter)", allow_module_level=True)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cuda" if torch.cuda.is_available() else "cpu"]
 BF16 = 0.02
 # Below: the kernels' tests, which need a GPU or the interpreter in this process.
-kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
+kernels = pytest.mark.skipif(not kernels_run_here(),
                              reason="CPU: run by test_kernels_under_the_interpreter in a subprocess")
 
 
 def test_kernels_under_the_interpreter():
-    if torch.cuda.is_available() or INTERPRETED:
+    if kernels_run_here():
         pytest.skip("the kernels' tests run in this process")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                          "-k", "not under_the_interpreter"], cwd=root, capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore"), timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", out.stdout)
-    assert passed and int(passed.group(1)) >= 14, out.stdout[-2000:]
+    run_module_interpreted(__file__, min_passed=14)
 
 
 def routed(T, E, k, H, on_input, device, dtype, seed):
