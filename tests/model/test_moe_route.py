@@ -76,3 +76,19 @@ def test_what_it_refuses():
         fused_select_experts(torch.zeros(3, 8), 9, "softmax", False)
     with pytest.raises(ValueError, match="scoring='relu'"):
         fused_select_experts(torch.zeros(3, 8), 2, "relu", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_select_experts_takes_the_kernel_on_cuda():
+    """The dispatch: bf16 router logits on CUDA go through the kernel (float64 never), and give
+    the torch path's picks and weights."""
+    from ray_attn.model import moe
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.stack([torch.randperm(128, generator=g) - 64 for _ in range(3)]).to("cuda", torch.bfloat16) / 16
+    assert moe.use_fused_route(logits, 8) and not moe.use_fused_route(logits.double(), 8)
+    w, ids = select_experts(logits, 8, "softmax", True)
+    ref_w, ref_ids = select_experts(logits.double(), 8, "softmax", True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w.double(), ref_w, rtol=1e-5, atol=1e-7)
