@@ -30,6 +30,7 @@ Why it is shaped this way:
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -44,6 +45,8 @@ LEASE_TTL_S = 120.0
 # How long a client trusts its list of nodes, and waits for the stores' answers to a lookup.
 STORES_REFRESH_S = 5.0
 LOOKUP_TIMEOUT_S = 3.0
+# Threads of a store actor: a put's copies must not hold up lookups, which a step's planning waits for.
+STORE_THREADS = 4
 
 
 def store_name(node_id: str) -> str:
@@ -61,7 +64,7 @@ class _Entry:
         return all(s is not None for s in self.shards)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=STORE_THREADS)
 class KVBlockStore:
     def __init__(self, capacity_bytes: int, lease_ttl_s: float = LEASE_TTL_S):
         self.capacity_bytes = int(capacity_bytes)
@@ -71,9 +74,16 @@ class KVBlockStore:
         self._pins: Counter[tuple[str, int]] = Counter()
         self._bytes = 0
         self._counts = Counter(puts=0, dropped=0, evicted=0, hits=0, lookups=0)
+        # Calls run on several threads (max_concurrency): the state under one lock, a put's
+        # copies outside it; (key, rank) rows whose copy is under way, their bytes reserved
+        self._lock = threading.Lock()
+        self._copying: set[tuple[tuple[str, int], int]] = set()
 
     def put(self, layout: str, rank: int, tp: int, hashes: list[int], data: np.ndarray) -> int:
-        self._sweep()
+        """Keep ``rank``'s rows ``data`` [len(hashes), block_bytes] of ``hashes``; returns how many
+        leading rows the store now holds.  The copies run outside the lock: lookups and gets from
+        other replicas go on meanwhile (a 2,048-token prefix is 128 copies of 2 MiB for an 8B
+        model), and a row is visible only once copied."""
         data = np.asarray(data)
         if not 0 <= rank < tp:
             raise ValueError(f"rank {rank} is not in [0, tp={tp})")
@@ -81,83 +91,102 @@ class KVBlockStore:
             raise ValueError(f"data must be uint8 [len(hashes)={len(hashes)}, block_bytes], "
                              f"got {data.dtype} {list(data.shape)}")
         keys = [(layout, int(h)) for h in hashes]
-        protected = set(keys)  # never evict this call's own rows to make room for its later ones
-        victims = None
-        stored = 0
-        for i, key in enumerate(keys):
-            entry = self._entries.get(key)
-            if entry is not None and len(entry.shards) != tp:
-                raise ValueError(f"{key} was put with tp={len(entry.shards)}, now tp={tp}")
-            if entry is not None and entry.shards[rank] is not None:
-                stored += 1  # already held: the row is there, nothing to copy
-                continue
-            need = data.shape[1]
-            if self._bytes + need > self.capacity_bytes:
-                if victims is None:
-                    victims = iter(list(self._entries))
-                self._evict_for(need, victims, protected)
-            if self._bytes + need > self.capacity_bytes:
-                # A lookup stops at this gap, so the rows after it could only take room.
-                self._counts["dropped"] += len(keys) - i
-                break
+        need = data.shape[1]
+        with self._lock:
+            self._sweep()
+            held, todo = 0, []  # rows already there; rows to copy, their bytes reserved
+            protected = set(keys)  # never evict this call's own rows to make room for its later ones
+            victims = None
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is not None and len(entry.shards) != tp:
+                    raise ValueError(f"{key} was put with tp={len(entry.shards)}, now tp={tp}")
+                if (entry is not None and entry.shards[rank] is not None) or (key, rank) in self._copying:
+                    held += 1  # already held (or on its way): nothing to copy
+                    continue
+                if self._bytes + need > self.capacity_bytes:
+                    if victims is None:
+                        victims = iter(list(self._entries))
+                    self._evict_for(need, victims, protected)
+                if self._bytes + need > self.capacity_bytes:
+                    # A lookup stops at this gap, so the rows after it could only take room.
+                    self._counts["dropped"] += len(keys) - i
+                    break
+                self._bytes += need
+                self._copying.add((key, rank))
+                todo.append((i, key))
+        refs = {}
+        for i, key in todo:
             try:
-                ref = ray.put(np.ascontiguousarray(data[i]))  # a copy the store owns, not the caller's
+                refs[key] = ray.put(np.ascontiguousarray(data[i]))  # a copy the store owns, not the caller's
             except ray.exceptions.ObjectStoreFullError:
-                self._counts["dropped"] += len(keys) - i
-                break
-            if entry is None:
-                entry = self._entries[key] = _Entry(tp)
-            entry.shards[rank] = ref
-            entry.nbytes += need
-            self._bytes += need
-            stored += 1
-            self._counts["puts"] += 1
-        self._touch(keys)
-        return stored
+                break  # object-store pressure: drop the rest, never wait for room
+        with self._lock:
+            for _, key in todo:
+                self._copying.discard((key, rank))
+                ref = refs.get(key)
+                if ref is None:
+                    self._bytes -= need
+                    self._counts["dropped"] += 1
+                    continue
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry(tp)
+                entry.shards[rank] = ref
+                entry.nbytes += need
+                self._counts["puts"] += 1
+            self._touch(keys)
+        return held + len(refs)
 
     def lookup(self, layout: str, hashes: list[int], lease: str) -> int:
-        self._sweep()
-        self._counts["lookups"] += 1
-        keys = []
-        for h in hashes:
-            entry = self._entries.get((layout, int(h)))
-            if entry is None or not entry.complete():
-                break
-            keys.append((layout, int(h)))
-        if keys:
-            _, held = self._leases.get(lease, (0.0, []))
-            self._leases[lease] = (time.monotonic(), held + keys)
-            self._pins.update(keys)
-            self._touch(keys)
-        return len(keys)
+        with self._lock:
+            self._sweep()
+            self._counts["lookups"] += 1
+            keys = []
+            for h in hashes:
+                entry = self._entries.get((layout, int(h)))
+                if entry is None or not entry.complete():
+                    break
+                keys.append((layout, int(h)))
+            if keys:
+                _, held = self._leases.get(lease, (0.0, []))
+                self._leases[lease] = (time.monotonic(), held + keys)
+                self._pins.update(keys)
+                self._touch(keys)
+            return len(keys)
 
     def get(self, layout: str, rank: int, hashes: list[int]) -> list[ray.ObjectRef]:
         """The refs of ``rank``'s rows of ``hashes`` (the caller ``ray.get``s them: the bytes never
         pass through this actor again).  The caller borrows each object until it drops the ref,
         so an eviction here cannot pull a row out from under a fetch in flight."""
-        self._sweep()
-        rows = []
-        for h in hashes:
-            entry = self._entries.get((layout, int(h)))
-            shard = entry.shards[rank] if entry is not None and rank < len(entry.shards) else None
-            if shard is None:
-                raise KeyError(f"no shard for (layout={layout!r}, hash={int(h)}, rank={rank})")
-            rows.append(shard)
-        self._touch([(layout, int(h)) for h in hashes])
-        self._counts["hits"] += len(rows)
-        return rows
+        with self._lock:
+            self._sweep()
+            rows = []
+            for h in hashes:
+                entry = self._entries.get((layout, int(h)))
+                shard = entry.shards[rank] if entry is not None and rank < len(entry.shards) else None
+                if shard is None:
+                    raise KeyError(f"no shard for (layout={layout!r}, hash={int(h)}, rank={rank})")
+                rows.append(shard)
+            self._touch([(layout, int(h)) for h in hashes])
+            self._counts["hits"] += len(rows)
+            return rows
 
     def release(self, lease: str) -> None:
-        self._unpin(lease)
-        self._sweep()
+        with self._lock:
+            self._unpin(lease)
+            self._sweep()
 
     def stats(self) -> dict:
         """``borrowed`` counts shards held as anything but an object this store put (always 0).
         Reading the bytes back cannot tell a view of the caller's argument from a copy: the view
         alone keeps a dead publisher's buffer mapped, outside the store's own memory and accounting."""
-        self._sweep()
-        shards = [s for e in self._entries.values() for s in e.shards if s is not None]
+        with self._lock:
+            self._sweep()
+            shards = [s for e in self._entries.values() for s in e.shards if s is not None]
+            copying = len(self._copying)
         return {
+            "copying": copying,
             "borrowed": sum(not isinstance(s, ray.ObjectRef) for s in shards),
             "entries": len(self._entries),
             "complete": sum(e.complete() for e in self._entries.values()),
@@ -169,10 +198,11 @@ class KVBlockStore:
         }
 
     def clear(self, layout: str | None = None) -> int:
-        keys = [k for k in self._entries if layout is None or k[0] == layout]
-        for key in keys:
-            self._bytes -= self._entries.pop(key).nbytes
-        return len(keys)
+        with self._lock:
+            keys = [k for k in self._entries if layout is None or k[0] == layout]
+            for key in keys:
+                self._bytes -= self._entries.pop(key).nbytes
+            return len(keys)
 
     # -- internals
     def _touch(self, keys: list[tuple[str, int]]) -> None:
@@ -215,7 +245,7 @@ def node_store(node_id: str | None = None, capacity_bytes: int = 4 << 30) -> Act
     if handle is None:
         handle = KVBlockStore.options(
             name=store_name(node_id), namespace=STORE_NAMESPACE, lifetime="detached",
-            get_if_exists=True, max_concurrency=1,
+            get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(capacity_bytes)
         _node_stores[node_id] = handle
