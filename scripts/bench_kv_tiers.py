@@ -488,6 +488,10 @@ def plot(data: dict, path: Path) -> None:
             for k, style, label in (("offload", "-o", "offload (device -> host tier)"), ("bare_out", "--o", "bare out"),
                                     ("onload", "-s", "onload (host tier -> device)"), ("bare_in", "--s", "bare in")):
                 ax.plot(xs, [r[f"{k}_GBps"] for r in rs], style, label=label)
+            if rs and "onload_device_s" in rs[0]:  # device time: the host issued the copies ahead
+                for k, style in (("offload", ":o"), ("onload", ":s")):
+                    ax.plot(xs, [r["bytes"] / r[f"{k}_device_s"] / 1e9 for r in rs], style,
+                            label=f"{k}, device time")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("blocks copied")
