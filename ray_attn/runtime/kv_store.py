@@ -64,8 +64,9 @@ class _Entry:
         return all(s is not None for s in self.shards)
 
 
-@ray.remote(num_cpus=0, max_concurrency=STORE_THREADS)
-class KVBlockStore:
+class BlockStore:
+    """The store's state and rules; the actor is ``KVBlockStore`` (this class under ``ray.remote``)."""
+
     def __init__(self, capacity_bytes: int, lease_ttl_s: float = LEASE_TTL_S):
         self.capacity_bytes = int(capacity_bytes)
         self.lease_ttl_s = float(lease_ttl_s)
@@ -230,6 +231,9 @@ class KVBlockStore:
         deadline = time.monotonic() - self.lease_ttl_s
         for lease in [k for k, (t, _) in self._leases.items() if t < deadline]:
             self._unpin(lease)
+
+
+KVBlockStore = ray.remote(num_cpus=0, max_concurrency=STORE_THREADS)(BlockStore)
 
 
 # ------------------------------------------------------------------ finding the stores

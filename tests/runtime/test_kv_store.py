@@ -300,3 +300,58 @@ def test_node_store_is_one_detached_named_actor_per_node(actors):
         client.release(got, lease)
     finally:
         forget_store(name)
+
+
+# -- the store's rules in this process (BlockStore: the actor's class before ray.remote) -------------
+def test_lookups_and_gets_go_on_while_a_put_copies(ray_local, monkeypatch):
+    """A put's copies run outside the lock: a lookup issued while they are under way is answered
+    at once, counting the rows held before and none of those being copied; they count once copied.
+    The order of events is forced (the copy waits for the lookup), not timed."""
+    import threading
+
+    store = kv_store.BlockStore(1 << 20)
+    rng = np.random.default_rng(6)
+    assert store.put("L", 0, 1, [1], blocks(rng, 1, 100)) == 1
+    copying, go = threading.Event(), threading.Event()
+    real_put = ray.put
+
+    def slow_put(value, **kw):
+        copying.set()
+        assert go.wait(timeout=scaled(60))
+        return real_put(value, **kw)
+
+    monkeypatch.setattr(kv_store.ray, "put", slow_put)
+    done = []
+    t = threading.Thread(target=lambda: done.append(store.put("L", 0, 1, [2, 3], blocks(rng, 2, 100))))
+    t.start()
+    assert copying.wait(timeout=scaled(60))
+    assert store.lookup("L", [1, 2, 3], "during") == 1  # answered while the put copies
+    assert store.stats()["copying"] == 2 and not done
+    # the same rows put again meanwhile are counted as on their way, not copied twice
+    monkeypatch.setattr(kv_store.ray, "put", real_put)
+    assert store.put("L", 0, 1, [2], blocks(rng, 1, 100)) == 1 and store.stats()["bytes"] == 300
+    go.set()
+    t.join(timeout=scaled(60))
+    assert done == [2]
+    assert store.lookup("L", [1, 2, 3], "after") == 3
+    assert store.stats()["copying"] == 0 and store.stats()["bytes"] == 300
+
+
+def test_object_store_pressure_drops_rows_instead_of_raising(ray_local, monkeypatch):
+    """A full object store (ObjectStoreFullError on the store's own put) drops that row and the
+    ones after it -- a lookup stops at the gap anyway -- and returns their bytes to the budget."""
+    store = kv_store.BlockStore(1 << 20)
+    rng = np.random.default_rng(7)
+    real_put, calls = ray.put, []
+
+    def full_after_one(value, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise ray.exceptions.ObjectStoreFullError("full")
+        return real_put(value, **kw)
+
+    monkeypatch.setattr(kv_store.ray, "put", full_after_one)
+    assert store.put("L", 0, 1, [1, 2, 3], blocks(rng, 3, 100)) == 1
+    stats = store.stats()
+    assert stats["bytes"] == 100 and stats["dropped"] == 2 and stats["copying"] == 0
+    assert store.lookup("L", [1, 2, 3], "x") == 1
