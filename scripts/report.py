@@ -361,7 +361,7 @@ def main():
     moe()
     kv_tiers()
     kv_tiers("bench_kv_tiers_cuda", "python scripts/bench_kv_tiers.py --device cuda --part host --users 32 "
-             "--turns 6 --concurrency 10 --fit-users 8 --fit-repeats 2`; `--part copy --iters 30`; `--part share "
+             "--turns 6 --concurrency 10 --fit-users 8 --fit-repeats 2`; `--part copy --iters 30`; `--part share --share-min-tokens 16 "
              "--executor inprocess --users 8 --turns 3 --doc-tokens 2048 --concurrency 4`; `--part breakeven")
     serving()
     serving_http()
