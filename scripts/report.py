@@ -237,7 +237,7 @@ def kv_tiers(name: str = "bench_kv_tiers", cmd: str = "python scripts/bench_kv_t
         print(table([r for r in rows if r["part"] == "host"],
                     ["run", "num_blocks", "out_tok_s", "req_s", "cpu_s", "ttft_p50_s", "ttft_p99_s",
                      "ttft_p50_later_turns_s", "hit_rate", "hit_tokens_device", "hit_tokens_host", "offloaded_MB",
-                     "onloaded_MB", "copy_s"] + (["blocks_per_onload"] if "blocks_per_onload" in rows[0] else []),
+                     "onloaded_MB", "copy_s"] + (["blocks_per_onload"] if any("blocks_per_onload" in r for r in rows) else []),
                     {"blocks_per_onload": lambda v: f"{v:,.0f}", "out_tok_s": num, "req_s": lambda v: f"{v:.2f}", "cpu_s": lambda v: f"{v:.1f}",
                      "ttft_p50_s": s, "ttft_p99_s": s, "ttft_p50_later_turns_s": s, "hit_rate": pct,
                      "offloaded_MB": mb, "onloaded_MB": mb, "copy_s": s}))
