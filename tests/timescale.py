@@ -59,3 +59,13 @@ os.environ[ENV] = f"{TIME_SCALE:.2f}"
 def scaled(seconds: float) -> float:
     """``seconds`` (right for an idle machine) stretched for this one."""
     return seconds * TIME_SCALE
+
+
+def wait_for(pred, timeout: float, every: float = 0.1):
+    """``pred()`` once truthy, polling for up to ``timeout`` seconds (scaled); its last value."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)

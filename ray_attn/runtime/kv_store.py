@@ -72,6 +72,9 @@ class BlockStore:
         self.lease_ttl_s = float(lease_ttl_s)
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()  # LRU first
         self._leases: dict[str, tuple[float, list[tuple[str, int]]]] = {}
+        # Released leases, kept one TTL: calls run on several threads, so a client's release may
+        # run before the lookup it answers (a slow store's); that lookup must then pin nothing.
+        self._released: dict[str, float] = {}
         self._pins: Counter[tuple[str, int]] = Counter()
         self._bytes = 0
         self._counts = Counter(puts=0, dropped=0, evicted=0, hits=0, lookups=0)
@@ -149,7 +152,7 @@ class BlockStore:
                 if entry is None or not entry.complete():
                     break
                 keys.append((layout, int(h)))
-            if keys:
+            if keys and lease not in self._released:
                 _, held = self._leases.get(lease, (0.0, []))
                 self._leases[lease] = (time.monotonic(), held + keys)
                 self._pins.update(keys)
@@ -176,6 +179,7 @@ class BlockStore:
     def release(self, lease: str) -> None:
         with self._lock:
             self._unpin(lease)
+            self._released[lease] = time.monotonic()
             self._sweep()
 
     def stats(self) -> dict:
@@ -231,6 +235,8 @@ class BlockStore:
         deadline = time.monotonic() - self.lease_ttl_s
         for lease in [k for k, (t, _) in self._leases.items() if t < deadline]:
             self._unpin(lease)
+        for lease in [k for k, t in self._released.items() if t < deadline]:
+            del self._released[lease]
 
 
 KVBlockStore = ray.remote(num_cpus=0, max_concurrency=STORE_THREADS)(BlockStore)
@@ -317,7 +323,8 @@ class SharedKVClient:
                     self._forget(name)  # dead: counts as 0, and the next refresh looks again
             counts.append(count)
         best = max(range(len(stores)), key=lambda i: (counts[i], -i))
-        # A slow store may still pin under this lease: release it there too (calls arrive in order).
+        # A slow store may still pin under this lease: release it there too.  The store runs calls
+        # on several threads, so the release may run first; it remembers the lease and pins nothing.
         for i, (name, handle) in enumerate(stores):
             if i != best or counts[i] == 0:
                 handle.release.remote(lease)

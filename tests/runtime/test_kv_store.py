@@ -11,7 +11,7 @@ from ray_attn.runtime import kv_store
 from ray_attn.runtime.kv_store import (
     KVBlockStore, SharedKVClient, forget_store, get_store, node_store, store_name,
 )
-from tests.timescale import scaled
+from tests.timescale import scaled, wait_for
 
 BIG = 2**64 - 1  # chain hashes are unsigned 64-bit: the top of the range must survive the trip
 
@@ -217,11 +217,12 @@ def test_client_picks_the_longest_run_and_survives_dead_stores(actors):
 
     count, name, lease = client.lookup(chain)
     assert (count, name) == (4, long_name) and lease
-    # The loser's lease is gone already; the winner's holds until the replica releases it.
-    assert ray.get(short.stats.remote())["leases"] == 0
+    # The loser's lease goes (its release is sent, not awaited, and the store runs calls on several
+    # threads, so a stats call may run first: wait); the winner's holds until the replica releases it.
+    assert wait_for(lambda: ray.get(short.stats.remote())["leases"] == 0, 30)
     assert ray.get(long.stats.remote())["leases"] == 1
     client.release(name, lease)
-    assert ray.get(long.stats.remote())["leases"] == 0
+    assert wait_for(lambda: ray.get(long.stats.remote())["leases"] == 0, 30)
 
     assert client.lookup([99] + chain) == (0, None, None)
     assert SharedKVClient("nobody", tp=1, stores=[(long_name, long)], timeout_s=scaled(30)).lookup(chain) == (0, None, None)
@@ -335,6 +336,22 @@ def test_lookups_and_gets_go_on_while_a_put_copies(ray_local, monkeypatch):
     assert done == [2]
     assert store.lookup("L", [1, 2, 3], "after") == 3
     assert store.stats()["copying"] == 0 and store.stats()["bytes"] == 300
+
+
+def test_a_release_that_runs_before_its_lookup_leaves_nothing_pinned(ray_local):
+    """The client releases a slow store's lease without waiting for its lookup; the store's threads
+    may run that release first.  The late lookup still answers, but pins nothing (else the rows
+    stay pinned, unevictable, for a whole TTL)."""
+    store = kv_store.BlockStore(1 << 20)
+    rng = np.random.default_rng(8)
+    assert store.put("L", 0, 1, [1, 2], blocks(rng, 2, 100)) == 2
+    store.release("late")
+    assert store.lookup("L", [1, 2], "late") == 2
+    assert store.stats()["leases"] == 0 and store.stats()["pinned"] == 0
+    # another lease pins as before, and its release unpins
+    assert store.lookup("L", [1, 2], "fresh") == 2 and store.stats()["pinned"] == 2
+    store.release("fresh")
+    assert store.stats()["leases"] == 0 and store.stats()["pinned"] == 0
 
 
 def test_object_store_pressure_drops_rows_instead_of_raising(ray_local, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 
 from tests.serve.conftest import LIMITS, MAX_NUM_SEQS
 from tests.serve.helpers import direct_generate, workload
-from tests.timescale import scaled
+from tests.timescale import scaled, wait_for
 
 pytestmark = pytest.mark.slow
 VOCAB = 512
@@ -39,16 +39,6 @@ def read_sse(resp: httpx.Response) -> tuple[list[dict], bool]:
             continue
         events.append(json.loads(line[6:]))
     return events, done
-
-
-def wait_for(pred, timeout: float, every: float = 0.1):
-    """``pred()`` once truthy, polling for up to ``timeout`` seconds (scaled); its last value."""
-    deadline = time.monotonic() + scaled(timeout)
-    while True:
-        value = pred()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(every)
 
 
 def drained(c) -> bool:
