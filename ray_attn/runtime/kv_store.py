@@ -74,7 +74,9 @@ class BlockStore:
         self._leases: dict[str, tuple[float, list[tuple[str, int]]]] = {}
         # Released leases, kept one TTL: calls run on several threads, so a client's release may
         # run before the lookup it answers (a slow store's); that lookup must then pin nothing.
-        self._released: dict[str, float] = {}
+        # Only leases that pinned nothing here are kept, oldest first (the sweep stops at the first
+        # one young enough).
+        self._released: OrderedDict[str, float] = OrderedDict()
         self._pins: Counter[tuple[str, int]] = Counter()
         self._bytes = 0
         self._counts = Counter(puts=0, dropped=0, evicted=0, hits=0, lookups=0)
@@ -178,8 +180,10 @@ class BlockStore:
 
     def release(self, lease: str) -> None:
         with self._lock:
-            self._unpin(lease)
-            self._released[lease] = time.monotonic()
+            if lease in self._leases:
+                self._unpin(lease)
+            else:
+                self._released[lease] = time.monotonic()
             self._sweep()
 
     def stats(self) -> dict:
@@ -198,6 +202,7 @@ class BlockStore:
             "bytes": self._bytes,
             "capacity_bytes": self.capacity_bytes,
             "leases": len(self._leases),
+            "released_leases": len(self._released),
             "pinned": len(self._pins),
             **self._counts,
         }
@@ -235,8 +240,8 @@ class BlockStore:
         deadline = time.monotonic() - self.lease_ttl_s
         for lease in [k for k, (t, _) in self._leases.items() if t < deadline]:
             self._unpin(lease)
-        for lease in [k for k, t in self._released.items() if t < deadline]:
-            del self._released[lease]
+        while self._released and next(iter(self._released.values())) < deadline:
+            self._released.popitem(last=False)
 
 
 KVBlockStore = ray.remote(num_cpus=0, max_concurrency=STORE_THREADS)(BlockStore)
