@@ -14,7 +14,7 @@ import ray
 from ray_attn.engine import EngineDeadError, LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor, WorkerFailure
 from tests.runtime.test_engine_tp import GREEDY, config, workload
-from tests.timescale import scaled
+from tests.timescale import scaled, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -189,7 +189,4 @@ def test_a_rank_that_never_joins_raises_instead_of_hanging(ray_local, monkeypatc
     with pytest.raises(RuntimeError, match="did not join the TP group"):
         cluster.AttentionCluster(config(tp=2))
     # its ranks and bundles are given back (the tests after it need them)
-    deadline = time.monotonic() + scaled(30)
-    while ray.available_resources().get("CPU", 0) < before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray.available_resources().get("CPU", 0) >= before
+    assert wait_for(lambda: ray.available_resources().get("CPU", 0) >= before, 30, 0.5)

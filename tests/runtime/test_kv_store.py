@@ -260,6 +260,14 @@ def test_client_does_not_wait_for_a_slow_store(actors):
     assert time.monotonic() - t0 < timeout + scaled(5)
 
 
+def registered(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=kv_store.STORE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
 def _kill_named_store(name: str) -> None:
     """Kill this node's store if a test before made one (our own local Ray: detached actors live
     as long as it), and wait until its name is free."""
@@ -269,14 +277,7 @@ def _kill_named_store(name: str) -> None:
     except ValueError:
         return
     ray.kill(old)
-    deadline = time.monotonic() + scaled(30)
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=kv_store.STORE_NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"store {name} still registered after ray.kill")
+    assert wait_for(lambda: not registered(name), 30), f"store {name} still registered after ray.kill"
 
 
 def test_node_store_is_one_detached_named_actor_per_node(actors):

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import FRONT, LIMITS, REPO
-from tests.timescale import scaled
+from tests.timescale import scaled, wait_for
 
 pytestmark = pytest.mark.slow
 RETRY = str(LIMITS["retry_after_s"])
@@ -79,9 +79,7 @@ def answered(socks) -> list[socket.socket]:
 
 def wait_answered(socks, n: int) -> list[socket.socket]:
     """The sockets answered once ``n`` of them are (or the deadline passed)."""
-    deadline = time.monotonic() + scaled(20)
-    while len(answered(socks)) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(answered(socks)) >= n, 20, 0.05)
     return answered(socks)
 
 

@@ -13,7 +13,7 @@ from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor
 from ray_attn.serve.loop import EngineLoop, Event, LoopDead, QueueFull, drive_blocking
 from tests.serve.helpers import direct_generate, engine_config, sampling_params, workload
-from tests.timescale import scaled
+from tests.timescale import scaled, wait_for
 
 
 def make_engine(**kw):
@@ -106,9 +106,7 @@ def test_abort_frees_blocks_and_leaves_others_alone(reference):
     try:
         victim = Collect()
         rid = loop.submit(list(range(1, 60)), SamplingParams(max_tokens=200), victim)
-        deadline = time.monotonic() + scaled(30)
-        while len(victim.tokens) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(victim.tokens) >= 2, 30, 0.01)
         others = [Collect() for _ in bodies]
         for b, s in zip(bodies, others):
             loop.submit(b["prompt_token_ids"], sampling_params(b), s)
@@ -117,9 +115,7 @@ def test_abort_frees_blocks_and_leaves_others_alone(reference):
         assert victim.events[-1].finish_reason == "abort"
         assert all(s.done.wait(scaled(60)) for s in others)
         assert [s.tokens for s in others] == want
-        deadline = time.monotonic() + scaled(10)
-        while loop.stats()["in_flight"] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: not loop.stats()["in_flight"], 10, 0.02)
         st = loop.stats()
         assert st["in_flight"] == 0 and st["kv_blocks_used"] == 0
     finally:
@@ -159,9 +155,7 @@ def test_failed_step_ends_requests_with_error_and_marks_loop_dead():
         loop.submit([1, 2, 3], SamplingParams(max_tokens=10), s)
         assert s.done.wait(scaled(30))
         assert s.events[-1].finish_reason == "error" and "rank 1 died" in s.events[-1].error
-        deadline = time.monotonic() + scaled(5)
-        while loop.alive and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: not loop.alive, 5, 0.01)
         assert not loop.alive and not loop.stats()["engine_alive"]
         with pytest.raises(LoopDead, match="rank 1 died"):
             loop.submit([1], SamplingParams(max_tokens=1), Collect())

@@ -10,7 +10,7 @@ import pytest
 openai = pytest.importorskip("openai")  # the test extra has it; the GPU machine does not
 
 from tests.serve.conftest import MODEL_ID  # noqa: E402
-from tests.timescale import scaled  # noqa: E402
+from tests.timescale import scaled, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -222,18 +222,13 @@ def test_bench_serve_measures_the_app_over_http(served):
 def test_n_samples_share_the_prompts_blocks(client, served):
     """The n samples are queued together and admitted in one step: the first computes the
     prompt's full blocks and the others hit them in that same step (/stats counts the hits)."""
-    import time
-
     prompt = np.random.default_rng(3).integers(3, 400, 60).tolist()  # 3 full 16-token blocks
     with httpx.Client(base_url=served.url, timeout=scaled(30)) as c:
         before = c.get("/stats").json()["prefix_cache_hits"]
         out = client.completions.create(model=MODEL_ID, prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=9)
         assert len(out.choices) == 4
-        deadline = time.monotonic() + scaled(10)
-        while (hits := c.get("/stats").json()["prefix_cache_hits"] - before) < 3 * 48 \
-                and time.monotonic() < deadline:
-            time.sleep(0.2)  # /stats is the engine loop's last snapshot
-    assert hits >= 3 * 48  # three samples found the first one's 48 prompt tokens
+        # /stats is the engine loop's last snapshot: three samples found the first one's 48 prompt tokens
+        assert wait_for(lambda: c.get("/stats").json()["prefix_cache_hits"] - before >= 3 * 48, 10, 0.2)
 
 
 # ----------------------------------------------------------------------------------- issue 23
