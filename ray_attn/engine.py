@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from ray_attn.config import EngineConfig
+from ray_attn.engine_stats import EngineDeadError, EngineStats, SubmittedStep
 from ray_attn.planner import OutOfBlocksError, Planner
 from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts import them from here)
     CASCADE_BREAK_EVEN_BYTES,
     CASCADE_BREAK_EVEN_BYTES_GRAPHED,
     cascade_threshold,
 )
+from ray_attn.request_checks import check_new_request
 from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams, TokenLogprobs  # noqa: F401
 from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.kv_tiers import planner_tiers
@@ -47,44 +48,6 @@ def _workers_use_graphs(executor) -> bool | None:
     """What the ranks reported after loading (a capture can fail and fall back to eager)."""
     infos = getattr(executor, "infos", None)
     return infos[0].get("cuda_graphs") if infos else None
-
-
-class EngineDeadError(RuntimeError):
-    """The ranks kept failing; the engine ended its requests and accepts no more."""
-
-
-@dataclass
-class _Submitted:
-    """A step handed to the ranks whose tokens the engine has not applied yet."""
-
-    step_id: int
-    reqs: list[Request]
-    samples: list[bool]  # per row: whether it samples (a prompt's last chunk, or a decode)
-    num_tokens: int
-    local: bool
-    cascade_groups: int  # prefix groups of a cascade step; 0 when it did not cascade
-    # (request, first prompt position, count) per row that computes prompt logprobs, in the
-    # order of the step's PromptLogprobsInputs
-    prompt_spans: list = None
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    tokens_generated: int = 0
-    tokens_computed: int = 0
-    cascade_steps: int = 0
-    multi_group_cascade_steps: int = 0
-    local_steps: int = 0
-    preemptions: int = 0
-    prefix_cache_hit_tokens: int = 0
-    recoveries: int = 0
-    last_recovery_s: float | None = None
-    busy_s: float = 0.0
-    kv_copy_s: float = 0.0  # rank 0's time copying between KV tiers (planner/tiers.py)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class LLMEngine:
@@ -120,7 +83,7 @@ class LLMEngine:
         if self.async_scheduling is None:
             infos = getattr(executor, "infos", None) or [{}]
             self.async_scheduling = str(infos[0].get("device", "")).startswith("cuda")
-        self._submitted: _Submitted | None = None  # async: the step whose tokens are still out
+        self._submitted: SubmittedStep | None = None  # async: the step whose tokens are still out
         self._eos = frozenset(config.model.eos_token_ids)
         self._failures: list[float] = []  # on the clock that stops during recoveries
         self._recovering_s = 0.0  # seconds spent in recover(), kept off that clock
@@ -151,38 +114,8 @@ class LLMEngine:
         if self.dead:
             raise EngineDeadError(f"engine stopped after repeated worker failures: {self.dead}")
         params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        vocab = self.config.model.vocab_size
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        total = len(prompt) + params.max_tokens
-        limit = self.config.model.max_position_embeddings
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:  # an index past the logits' row on rank 0 would fail the whole step
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        resumed = [int(t) for t in output_token_ids]
-        bad = [t for t in resumed if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"output_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(resumed) >= params.max_tokens:
-            raise ValueError(f"output_token_ids: {len(resumed)} tokens leave nothing to generate under "
-                             f"max_tokens={params.max_tokens}")
-        if resumed and params.prompt_logprobs is not None:
-            raise ValueError("output_token_ids: a resumed request cannot ask for prompt_logprobs")
-        if total > limit:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
-                             f"exceeds the model's {limit}-token context")
-        bs = self.config.cache.block_size
-        blocks = -(-total // bs)
-        if blocks > self.planner.pool.num_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks ({total} tokens) but the cache "
-                             f"holds only {self.planner.pool.num_blocks}")
+        prompt, resumed = check_new_request(self.config, self.planner.pool.num_blocks, prompt_token_ids,
+                                            params, output_token_ids)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -319,7 +252,7 @@ class LLMEngine:
         self.flush()  # a rank refuses a plain step while a deferred answer is waiting
         self.async_scheduling = on
 
-    def _submit(self, plan) -> tuple[_Submitted, StepInput]:
+    def _submit(self, plan) -> tuple[SubmittedStep, StepInput]:
         """The step's message; each row that samples gets a placeholder token until its output
         is applied (with async scheduling the next plan reads it as that row's input)."""
         reqs = [self.requests[i] for i in plan.req_ids]
@@ -352,11 +285,11 @@ class LLMEngine:
                 r.pending += 1
                 r.sampled_row = row
         a = plan.attn
-        return _Submitted(step_in.step_id, reqs, samples, a.num_actual_tokens,
+        return SubmittedStep(step_in.step_id, reqs, samples, a.num_actual_tokens,
                           a.local_attn_metadata is not None,
                           plan.num_cascade_groups if a.use_cascade else 0, spans), step_in
 
-    def _apply(self, done: _Submitted, out) -> list[RequestOutput]:
+    def _apply(self, done: SubmittedStep, out) -> list[RequestOutput]:
         """Write a step's sampled tokens over their placeholders and finish what is done."""
         if out is None or out.step_id != done.step_id:
             got = None if out is None else out.step_id

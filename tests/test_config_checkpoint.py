@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from ray_attn.config import EngineConfig, ModelConfig
-from ray_attn.hf_config import hf_config_dict
+from ray_attn.hf_export import hf_config_dict
 from ray_attn.model import build_model, save_random_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import json
 import os
 
 from ray_attn.config import ModelConfig
-from ray_attn.hf_config import hf_config_dict
+from ray_attn.hf_export import hf_config_dict
 from ray_attn.model import weights
 from ray_attn.model.base import CausalLM
 from ray_attn.model.gemma2 import Gemma2ForCausalLM

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ray_attn.hf_config import hf_config_dict  # noqa: F401 -- its home before the families
+from ray_attn.hf_export import hf_config_dict  # noqa: F401 -- its home before the families
 from ray_attn.model.layers import FusedShard, Init, Shard
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -24,15 +24,28 @@ planner then finds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from .block_pool import ROOT_HASH, prompt_hashes
+from .block_pool import ROOT_HASH, BlockPool, prompt_hashes
 from .errors import InvalidRequestError
+from .slots import RequestTable
+from .tiers import KVTiers
 
-if TYPE_CHECKING:
-    from .kv_cache import KVCacheManager
+
+class BlockIndexOwner(Protocol):
+    """What the index reads of the manager that owns it (``KVCacheManager``, which imports this
+    module): named here, so that the two modules do not import each other."""
+
+    block_size: int
+    table: RequestTable
+    pool: BlockPool
+    tiers: KVTiers | None
+
+    def fill_hashes(self, slots, toks, full): ...
+
+    def max_hit_blocks(self, num_tokens: int, num_new_tokens: int | None) -> int: ...
 
 
 @dataclass(slots=True)
@@ -63,7 +76,7 @@ class StepPrefixIndex:
 
     __slots__ = ("kv", "block_size", "_filled", "_parts")
 
-    def __init__(self, kv: KVCacheManager):
+    def __init__(self, kv: BlockIndexOwner):
         self.kv = kv
         self.block_size = kv.block_size
         self._filled: dict[int, tuple[int, int]] = {}  # chain hash -> (row, column) computing it

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from ray_attn.config import ARCHITECTURES, Architecture, ModelConfig
-from ray_attn.hf_config import READERS, WRITERS
+from ray_attn.hf_config import READERS
+from ray_attn.hf_export import WRITERS
 from ray_attn.model import (MODELS, Gemma2ForCausalLM, LlamaForCausalLM, MptForCausalLM, Qwen2ForCausalLM,
                             Qwen3ForCausalLM, build_model, save_random_checkpoint)
 from ray_attn.model.layers import alibi_slopes

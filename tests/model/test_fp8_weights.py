@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, check_runnable
-from ray_attn.hf_config import hf_config_dict
+from ray_attn.hf_export import hf_config_dict
 from ray_attn.model import build_model
 from ray_attn.model import fp8 as F8
 from ray_attn.model.quantization import parse_quantization
