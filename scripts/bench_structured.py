@@ -4,9 +4,10 @@ and the whole engine step, at batch 64 and 256 with all rows constrained, half, 
 - device: ``SamplingTensors.stage`` (the bitmask's pinned, non-blocking copy) + ``sample_on_device``
   over [batch, vocab] float32 logits, greedy and sampled (on a GPU the mask is one Triton kernel);
   the cost is the time above the same step with no constrained row.
-- fill: ``structured_output.fill_bitmask`` for the constrained rows (one xgrammar batch call, what
-  rank 0 runs while the step's forward is on the GPU), JSON-schema matchers on a synthetic 128k
-  vocabulary, in the states a short JSON object passes through.
+- compile and fill, per grammar backend (``--backends``: xgrammar, guidance): the schema's compile
+  on a fresh compiler, and ``structured_output.fill_bitmask`` for the constrained rows (one batch
+  call into the backend, what rank 0 runs while the step's forward is on the GPU), JSON-schema
+  matchers on a synthetic 128k vocabulary, in the states a short JSON object passes through.
 - engine: ``LLMEngine.step`` in one process (``--model``, Llama-3-8B shape on a GPU) decoding
   ``batch`` requests, the constrained ones under a JSON schema (an array of at least 50 objects,
   so that they keep going), with async scheduling: the step time against the same batch unconstrained,
@@ -103,27 +104,41 @@ def synthetic_vocab(vocab: int) -> list[bytes]:
     return hf.byte_vocab(vocab, alphabet='abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 {}[]":,._-', longest=8)
 
 
-def driver_costs(batches: list[int], vocab: int, pieces: list[bytes]) -> list[dict]:
+def _compiler(vocab: int, pieces: list[bytes], backend: str):
     import xgrammar as xgr
 
-    from ray_attn.structured_output import GrammarState, fill_bitmask
+    from ray_attn.structured_output import GrammarCompiler
+
+    info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[0])
+    return GrammarCompiler(None, vocab, tokenizer_info=info, backend=backend)
+
+
+def driver_costs(batches: list[int], vocab: int, pieces: list[bytes], backend: str) -> list[dict]:
+    """Compiling SCHEMA (a fresh compiler: the vocabulary's tables, then the grammar) and
+    ``fill_bitmask`` over rows in the states of its first object, for one backend."""
+    from ray_attn.grammar_backends import _ByteVocab
+    from ray_attn.structured_output import StructuredOutputsParams, fill_bitmask
 
     t0 = time.perf_counter()
-    info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[0])
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
-    setup_s = time.perf_counter() - t0
-    rows = []
+    compiler = _compiler(vocab, pieces, backend)
+    tables_s = time.perf_counter() - t0
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    t0 = time.perf_counter()
+    compiled = compiler.compile(spec)
+    compile_s = time.perf_counter() - t0
+    encode = _ByteVocab(pieces, [0], [])  # PREFIX's bytes as tokens, accepted by either backend
+    rows = [dict(part="compile", backend=backend, us=compile_s * 1e6, tables_s=round(tables_s, 2), vocab=vocab)]
     for batch in batches:
         for frac in (0.5, 1.0):
             g = int(batch * frac)
             states = []
             for i in range(g):  # rows spread over the states of one object
-                s = GrammarState(xgr.GrammarMatcher(compiled), vocab)
-                assert s.matcher.accept_string(PREFIX[: (i * 7) % len(PREFIX)])
+                s = compiler.matcher(compiled, spec)
+                assert all(s.accept(t) for t in encode(PREFIX[: (i * 7) % len(PREFIX)]))
                 states.append(s)
             us = bl.host_timeit(lambda: fill_bitmask(states)) * 1e6
-            rows.append(dict(part="rank 0 fill", batch=batch, constrained=g, temperature=None, us=us,
-                             vocab=vocab, setup_s=round(setup_s, 2)))
+            rows.append(dict(part="rank 0 fill", backend=backend, batch=batch, constrained=g, temperature=None,
+                             us=us, vocab=vocab))
     return rows
 
 
@@ -136,13 +151,11 @@ ENGINE_SCHEMA = {"type": "object", "required": ["notes"], "properties": {"notes"
 
 
 def engine_costs(batches: list[int], vocab: int, pieces: list[bytes], model: str, steps: int,
-                 dev: torch.device, executor: str) -> list[dict]:
+                 dev: torch.device, executor: str, backend: str) -> list[dict]:
     """Median ``LLMEngine.step`` time decoding each batch with none, half and all rows
     constrained (async scheduling; the rank in this process, or a Ray actor as deployments run
     it, where rank 0's fill runs beside the driver's planning), and the tokens a step gave per row."""
-    import xgrammar as xgr
-
-    from ray_attn.structured_output import GrammarCompiler, StructuredOutputsParams
+    from ray_attn.structured_output import StructuredOutputsParams
 
     mc = ModelConfig.from_name(model, vocab_size=vocab, dtype="bfloat16" if dev.type == "cuda" else "float32")
     cfg = EngineConfig(model=mc, cache=CacheConfig(num_blocks=max(batches) * 8 + 64, block_size=64),
@@ -153,8 +166,7 @@ def engine_costs(batches: list[int], vocab: int, pieces: list[bytes], model: str
 
         ray.init(address="local", num_gpus=1 if dev.type == "cuda" else 0, include_dashboard=False)
     eng = LLMEngine(cfg, InProcessExecutor(cfg) if executor == "inprocess" else None)
-    info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[0])
-    eng.grammar_compiler = GrammarCompiler(None, vocab, tokenizer_info=info)
+    eng.grammar_compiler = _compiler(vocab, pieces, backend)
     spec = StructuredOutputsParams(json=json.dumps(ENGINE_SCHEMA))
     rng = np.random.default_rng(0)
     rows = []
@@ -191,7 +203,7 @@ def engine_costs(batches: list[int], vocab: int, pieces: list[bytes], model: str
             rows.append(dict(part="engine step", batch=batch, constrained=g, temperature=1.0, us=us,
                              added_us=us - base, pct_of_own_step=round(100 * (us - base) / base, 2),
                              tokens_per_row_step=round(tokens / (steps * batch), 3), vocab=vocab, model=model,
-                             executor=executor, **med))
+                             executor=executor, backend=backend, **med))
     eng.shutdown()
     if executor == "ray":
         ray.shutdown()
@@ -207,6 +219,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="engine part: timed steps per point")
     ap.add_argument("--name", default="bench_structured", help="result file name in benchmarks/results")
     ap.add_argument("--executor", default="inprocess,ray", help="engine part: inprocess, ray or both")
+    ap.add_argument("--backends", default="xgrammar,guidance", help="grammar backends of the fill, "
+                    "compile and engine parts")
     ap.add_argument("--tekken", default=None, help="Mistral's tekken_240911.json (or .json.gz) for a real "
                     "131k vocabulary; default: a synthetic JSON-ish one of --vocab pieces")
     args = ap.parse_args()
@@ -226,19 +240,19 @@ def main() -> None:
                 if frac and temperature == 0:
                     rows.append(dict(part="bitmask put", batch=batch, constrained=int(batch * frac),
                                      temperature=None, us=put * 1e6, vocab=vocab))
-    try:
-        rows += driver_costs(batches, vocab, pieces)
-    except ImportError:
-        print("xgrammar is not installed: the fill part is skipped")
+    backends = args.backends.split(",")
+    for backend in backends:
+        rows += driver_costs(batches, vocab, pieces, backend)
     model = args.model or ("llama-3-8b" if dev.type == "cuda" else "one-layer")
     if model != "none":
         for executor in args.executor.split(","):
-            rows += engine_costs(batches, vocab, pieces, model, args.steps, dev, executor)
+            for backend in backends:
+                rows += engine_costs(batches, vocab, pieces, model, args.steps, dev, executor, backend)
     for r in rows:
         cost = r.get("added_us", r["us"])
         if r["part"] != "engine step":
             r["pct_of_8b_step_b64"] = None if ref is None else round(100 * cost / ref, 2)
-    bl.print_table(rows, ["part", "executor", "batch", "constrained", "temperature", "us", "added_us",
+    bl.print_table(rows, ["part", "backend", "executor", "batch", "constrained", "temperature", "us", "added_us",
                           "pct_of_8b_step_b64", "pct_of_own_step", "tokens_per_row_step", "call_us", "worker_us",
                           "grammar_us"],
                    title=f"structured outputs per step ({dev}, vocab {vocab}; 8B step at b64: {ref} us)")

@@ -5,7 +5,9 @@ a constrained row's mask for N+1; rank 0 can, once N+1's forward is queued (``wo
 N's tokens are on their way to the host by then, and the fill runs while the GPU works.  The
 matchers here mirror the driver's (``structured_output.GrammarSync`` sends each one's spec and
 output tokens once); each step a row's matcher takes the row's newest token, which is its last
-input token -- on the host in the plan, or, for a placeholder, in step N's output.
+input token -- on the host in the plan, or, for a placeholder, in step N's output.  Each
+grammar comes with its backend's name (``grammar_backends.py``): xgrammar's and llguidance's
+matchers live side by side, each backend's vocabulary sent once.
 """
 
 from __future__ import annotations
@@ -13,42 +15,41 @@ from __future__ import annotations
 import numpy as np
 
 from ray_attn.runtime.messages import StepInput, StepOutput
-from ray_attn.structured_output import BITS, GrammarState, fill_bitmask
-
-MAX_COMPILED = 256  # compiled grammars kept (by spec); a matcher keeps its own alive
+from ray_attn.grammar_backends import BACKENDS
+from ray_attn.structured_output import BITS, MAX_COMPILED, GrammarState, fill_bitmask, trim_oldest
 
 
 class RankGrammars:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self.words = (vocab_size + BITS - 1) // BITS
-        self.info = None
-        self.compiled: dict = {}
+        self.tokenizers: dict[str, object] = {}  # backend -> its vocabulary
+        self.compiled: dict = {}  # spec -> (backend, compiled), oldest first; a matcher keeps its own alive
         self.rows: dict[str, GrammarState] = {}
         self.taken: dict[str, int] = {}  # output tokens each matcher has taken
 
     def bitmask(self, step: StepInput, previous: StepOutput | None) -> np.ndarray:
         """int32 [G, words]: the allowed next tokens of the step's constrained rows.  ``previous``
         is the output of the step before (async scheduling), whose tokens fill placeholders."""
-        import xgrammar as xgr
-
         si = step.sampling
         for key in si.grammar_drop or ():
             self.rows.pop(key, None)
             self.taken.pop(key, None)
-        if si.grammar_tokenizer is not None:
-            self.info = xgr.TokenizerInfo.deserialize_json(si.grammar_tokenizer)
-        for spec, text in (si.grammar_specs or {}).items():
-            if len(self.compiled) >= MAX_COMPILED:
-                self.compiled.pop(next(iter(self.compiled)))
-            self.compiled[spec] = xgr.CompiledGrammar.deserialize_json(text, self.info)
+        for name, payload in (si.grammar_tokenizer or {}).items():
+            self.tokenizers[name] = BACKENDS[name].rank_tokenizer(payload, self.vocab_size)
+        for spec, (name, text) in (si.grammar_specs or {}).items():
+            if name not in self.tokenizers:
+                raise RuntimeError(f"rank 0: a {name} grammar came before that backend's vocabulary")
+            self.compiled[spec] = (name, BACKENDS[name].rank_compiled(self.tokenizers[name], text))
         for key, (spec, tokens) in (si.grammar_new or {}).items():
             if spec not in self.compiled:
                 raise RuntimeError(f"rank 0: request {key!r} needs a grammar it was never sent")
-            row = self.rows[key] = GrammarState(xgr.GrammarMatcher(self.compiled[spec]), self.vocab_size)
+            name, compiled = self.compiled[spec]
+            row = self.rows[key] = GrammarState(BACKENDS[name].rank_matcher(compiled), self.vocab_size)
             for t in tokens:
                 row.accept(t)
             self.taken[key] = len(tokens)
+        trim_oldest(self.compiled, MAX_COMPILED)  # as GrammarSync does after the step's grammars
         newest = self._newest_tokens(step, previous)
         live: dict[int, GrammarState] = {}  # row -> its matcher, for the rows not yet finished
         for g, (key, want) in enumerate(zip(si.grammar_keys, si.grammar_counts.tolist())):

@@ -90,8 +90,8 @@ class SamplingInputs:
     grammar_keys: list[str] | None = None  # [G] the rows' request ids
     grammar_counts: np.ndarray | None = None  # int32 [G] output tokens its matcher takes first
     grammar_new: dict | None = None  # request id -> (spec, output token ids)
-    grammar_specs: dict | None = None  # spec -> xgrammar's JSON of the compiled grammar
-    grammar_tokenizer: str | None = None  # xgrammar's JSON of the TokenizerInfo
+    grammar_specs: dict | None = None  # spec -> (backend, its compiled grammar as text)
+    grammar_tokenizer: dict | None = None  # backend -> its vocabulary (grammar_backends.py)
     grammar_drop: list[str] | None = None  # request ids whose matchers rank 0 forgets
     # The allowed next tokens (bit id % 32 of word id // 32), when the caller fills them itself
     # (benchmarks, tests); rank 0 sets it from its matchers otherwise.

@@ -1,10 +1,14 @@
 """Structured outputs in the engine (in-process rank): the device bitmask against a float64 numpy
 reference, grammars honoured with sync and async scheduling alike, and under async scheduling a
-constrained row sitting out the step after each of its own while the other rows run every step."""
+constrained row sitting out the step after each of its own while the other rows run every step.
+Each engine test runs with the ``auto`` backend (xgrammar, and guidance for ``GUIDED``: both
+backends in one batch) and with ``guidance`` for every spec; rank 0 rebuilds each matcher from
+what ``GrammarSync`` sends (``tests/runtime/test_grammar_backends.py`` walks the grammars alone)."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -48,40 +52,55 @@ def test_bitmask_masks_exactly_the_clear_bits(device, V, rng):
     np.testing.assert_array_equal(got, want)
 
 
-def engine(tok, asyn, thread=False):
+BACKENDS = ["auto", "guidance"]
+
+
+def engine(tok, asyn, thread=False, backend="auto"):
     """An in-process engine; ``thread``: its rank samples a deferred constrained step on a thread
     of its own, as a rank in its own process (a Ray actor) does."""
     cfg = config(eos_token_ids=[EOS_ID]).model_copy(update={"async_scheduling": asyn})
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
     eng.executor.worker.sample_on_thread = thread
-    eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
+    eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID], backend=backend)
     return eng
 
 
-LONG = StructuredOutputsParams(regex=r"[a-c ]{200}")  # never complete within max_tokens
+# Never complete within max_tokens, and each state's mask differs from the one before it: a
+# matcher advanced by a wrong token (or by none) masks differently from the driver's.
+LONG = StructuredOutputsParams(regex=r"(ab ){200}")
+# A maxLength beside a pattern: xgrammar would keep only one of them, so auto compiles it on guidance.
+GUIDED_SCHEMA = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}},
+                 "required": ["code"], "additionalProperties": False}
 SPECS = [StructuredOutputsParams(json=json.dumps(SCHEMA)), StructuredOutputsParams(regex=r"[a-c]{3}-\d\d"),
-         StructuredOutputsParams(choice=("yes", "no", "maybe"))]
+         StructuredOutputsParams(choice=("yes", "no", "maybe")), StructuredOutputsParams(json=json.dumps(GUIDED_SCHEMA))]
 
 
 def check(tok, spec, ids):
     import re
 
+    import jsonschema
+
     text = tok.decode(ids, skip_special_tokens=True)
     if spec.json is not None:
-        obj = json.loads(text)
-        assert obj["name"] in ("fox", "dog") and 0 <= obj["n"] <= 99 and set(obj) == {"name", "n"}
+        jsonschema.validate(json.loads(text), json.loads(spec.json))
     elif spec.regex is not None:
         assert re.fullmatch(spec.regex, text), text
     else:
         assert text in spec.choice
 
 
+def test_auto_puts_both_backends_in_one_batch(tok):
+    c = GrammarCompiler(tok, VOCAB, [EOS_ID])
+    assert [c.compile(s).backend for s in SPECS] == ["xgrammar"] * 3 + ["guidance"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("thread", [False, True])
-def test_grammars_hold_and_async_gives_what_sync_gives(tok, thread):
+def test_grammars_hold_and_async_gives_what_sync_gives(tok, thread, backend):
     prompt = tok("hello world")["input_ids"]
     params = [SamplingParams(max_tokens=48, structured_outputs=s, temperature=t, seed=i)
               for i, (s, t) in enumerate((s, t) for t in (0.0, 1.0) for s in SPECS)]
-    outs = {a: engine(tok, a, thread).generate([prompt] * len(params), params) for a in (False, True)}
+    outs = {a: engine(tok, a, thread, backend).generate([prompt] * len(params), params) for a in (False, True)}
     for sp, o, oa in zip(params, outs[False], outs[True]):
         assert o.finish_reason == "stop" and o.output_token_ids[-1] == EOS_ID
         check(tok, sp.structured_outputs, o.output_token_ids)
@@ -119,21 +138,24 @@ class RestartingExecutor(DyingExecutor):
         return 0.0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("asyn", [False, True])
 @pytest.mark.parametrize("trouble", ["restart", "preempt"])
-def test_rank_matchers_survive_restarts_and_preemption(tok, asyn, trouble):
+def test_rank_matchers_survive_restarts_and_preemption(tok, asyn, trouble, backend):
     """A restarted rank gets every matcher again (the driver's GrammarSync is reset), and a
-    preempted request's matcher goes on where it was: the same outputs as an untroubled run."""
+    preempted request's matcher goes on where it was: the same outputs as an untroubled run.
+    A re-prefilled row's matcher takes the row's last input token (its newest output), as a
+    decode row's does; LONG's masks change with every token, so any other advance shows."""
     prompt = tok("hello world")["input_ids"]
     specs = SPECS + [LONG] * 3  # long outputs: a pool of 6 blocks cannot hold them all
     params = [SamplingParams(max_tokens=40, structured_outputs=sp, temperature=1.0, seed=i)
               for i, sp in enumerate(specs)]
-    reference = engine(tok, asyn).generate([prompt] * len(params), params)
+    reference = engine(tok, asyn, backend=backend).generate([prompt] * len(params), params)
     cfg = config(eos_token_ids=[EOS_ID], num_blocks=6 if trouble == "preempt" else 96)
     cfg = cfg.model_copy(update={"async_scheduling": asyn})
     ex = RestartingExecutor(cfg, fail_on={5, 9} if trouble == "restart" else set())
     eng = LLMEngine(cfg, ex)
-    eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
+    eng.grammar_compiler = GrammarCompiler(tok, VOCAB, [EOS_ID], backend=backend)
     outs = eng.generate([prompt] * len(params), params)
     if trouble == "restart":
         assert eng.stats.recoveries == 2
@@ -143,9 +165,9 @@ def test_rank_matchers_survive_restarts_and_preemption(tok, asyn, trouble):
     for sp, o in zip(params, outs):
         if o.finish_reason == "stop":
             check(tok, sp.structured_outputs, o.output_token_ids)
-        else:  # cut by max_tokens: still inside the grammar's alphabet
-            assert o.finish_reason == "length" and sp is not None
-            assert set(tok.decode(o.output_token_ids, skip_special_tokens=True)) <= set("abc ")
+        else:  # cut by max_tokens: a prefix of LONG's one text
+            assert o.finish_reason == "length" and sp.structured_outputs is LONG
+            assert ("ab " * 200).startswith(tok.decode(o.output_token_ids, skip_special_tokens=True))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -184,8 +206,6 @@ def test_a_bitmask_of_the_wrong_shape_is_refused_by_name():
 def test_rank_grammars_refuse_a_matcher_out_of_step(tok):
     """Rank 0 raises, naming the request, rather than fill a mask from a matcher that is behind
     or ahead of the driver's, or from one it was never sent."""
-    from types import SimpleNamespace
-
     from ray_attn.runtime.grammars import RankGrammars
     from ray_attn.runtime.messages import SamplingInputs
     from ray_attn.structured_output import GrammarSync
@@ -214,6 +234,67 @@ def test_rank_grammars_refuse_a_matcher_out_of_step(tok):
     sync.matchers.add("r1")  # ... but here the driver wrongly thinks it sent the matcher
     with pytest.raises(RuntimeError, match="no grammar matcher for request 'r1'"):
         rank.bitmask(step(), None)
+
+
+def byte_compiler(backend: str) -> GrammarCompiler:
+    """A compiler over raw byte strings where id 0 is an ordinary token ("a"), id 4 the stop."""
+    import xgrammar as xgr
+
+    pieces = [b"a", b"b", b"c", b"-", b"\x00"] + [bytes([c]) for c in range(ord("d"), ord("z") + 1)]
+    info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=len(pieces), stop_token_ids=[4])
+    return GrammarCompiler(None, len(pieces), tokenizer_info=info, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_resent_history_keeps_token_0_and_drops_only_placeholders(backend):
+    """A matcher sent to rank 0 (again, after a restart) comes with the request's output so far:
+    every real id goes, 0 included, and only the -1 of the token still in flight is left out
+    (rank 0 takes that one from the step before's output).  Rank 0's mask is then the driver's."""
+    from ray_attn.runtime.grammars import RankGrammars
+    from ray_attn.runtime.messages import SamplingInputs
+    from ray_attn.structured_output import GrammarSync, fill_bitmask
+
+    compiler = byte_compiler(backend)
+    V = compiler.vocab_size
+    spec = StructuredOutputsParams(regex="abc|bca|cab")  # after "a" only "b"; after "b" "c" or "ca"
+    driver = compiler.matcher(compiler.compile(spec), spec)
+    history = [0, 1, 2]  # "abc": the driver's matcher has taken all three
+    assert all(driver.accept(t) for t in history)
+    req = SimpleNamespace(request_id="r", grammar=driver, token_ids=[5, 6] + [0, 1, -1], num_prompt_tokens=2,
+                          output_token_ids=[0, 1, -1])  # the 2 still on its way from the step before
+    si = SamplingInputs()
+    GrammarSync().fill(si, [0], [req])
+    plan = SimpleNamespace(attn=SimpleNamespace(query_start_loc=np.array([0, 1], np.int32)),
+                           input_token_ids=np.array([-1], np.int32))
+    step = SimpleNamespace(plan=plan, sampling=si, prev_token_index=np.array([0]), prev_token_rows=np.array([0]))
+    got = RankGrammars(V).bitmask(step, SimpleNamespace(token_ids=np.array([2])))
+    np.testing.assert_array_equal(got, fill_bitmask([driver]))  # only the stop token now
+    assert np.flatnonzero(np.unpackbits(got[0].view(np.uint8), bitorder="little")[:V]).tolist() == [4]
+
+
+def test_a_grammar_rank_0_let_go_of_is_sent_again():
+    """Rank 0 keeps the newest MAX_COMPILED grammars; GrammarSync keeps the same list, so a
+    request with an older spec sends it again rather than find rank 0 without it."""
+    from ray_attn.runtime.grammars import RankGrammars
+    from ray_attn.runtime.messages import SamplingInputs
+    from ray_attn.structured_output import MAX_COMPILED, GrammarSync, fill_bitmask
+
+    compiler = byte_compiler("xgrammar")
+    sync, rank = GrammarSync(), RankGrammars(compiler.vocab_size)
+    plan = SimpleNamespace(attn=SimpleNamespace(query_start_loc=np.array([0, 1], np.int32)),
+                           input_token_ids=np.array([6], np.int32))
+    specs = [StructuredOutputsParams(regex=f"a{{{i}}}") for i in range(1, MAX_COMPILED + 3)] + \
+        [StructuredOutputsParams(regex="a{1}")]
+    for i, spec in enumerate(specs):
+        g = compiler.matcher(compiler.compile(spec), spec)
+        req = SimpleNamespace(request_id=f"r{i}", grammar=g, token_ids=[5, 6], num_prompt_tokens=2,
+                              output_token_ids=[])
+        si = SamplingInputs()
+        sync.fill(si, [0], [req])
+        got = rank.bitmask(SimpleNamespace(plan=plan, sampling=si, prev_token_index=None), None)
+        np.testing.assert_array_equal(got, fill_bitmask([g]))
+        sync.drop(req.request_id)
+    assert len(rank.compiled) == len(sync.specs) == MAX_COMPILED and list(rank.compiled) == list(sync.specs)
 
 
 @pytest.mark.slow
