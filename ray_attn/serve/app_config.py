@@ -13,6 +13,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from ray_attn.structured_output import StructuredOutputsConfig
 
 # ------------------------------------------------------------------------------------- app config
 def default_engine_config() -> EngineConfig:
@@ -105,6 +106,9 @@ class ServeAppConfig(BaseModel):
         None, description="How tool calls are read out of the model's text with tool_choice auto "
                           "(vLLM's --tool-call-parser): hermes (Hermes, Qwen), llama3_json, mistral. "
                           "Unset: auto is refused; required and named calls still work.")
+    structured_outputs: StructuredOutputsConfig = Field(
+        default_factory=StructuredOutputsConfig, description="Structured outputs (vLLM's "
+        "structured_outputs_config): `backend` xgrammar, guidance or auto.")
     strict_request_fields: bool = Field(
         False, description="Answer 400 naming the field to an OpenAI request with a field no schema "
                            "defines. Default: log it and ignore it, as vLLM does (clients send "
@@ -205,9 +209,15 @@ class ServeAppConfig(BaseModel):
         return self
 
     def tokenizer_folder(self) -> Optional[str]:
+        """Where the tokenizer comes from: ``tokenizer``, else the checkpoint's own (a GGUF file's
+        metadata holds one)."""
         if self.tokenizer:
             return self.tokenizer
         ckpt = self.engine.checkpoint
+        from ray_attn.gguf_file import gguf_path
+
+        if ckpt and gguf_path(ckpt):
+            return gguf_path(ckpt)
         if ckpt and any(os.path.exists(os.path.join(ckpt, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             return ckpt
         return None

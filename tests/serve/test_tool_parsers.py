@@ -11,7 +11,7 @@ import pytest
 
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.openai.chat import _parser
-from ray_attn.serve.openai.tools import PARSERS, ToolCallStream
+from ray_attn.serve.openai.tools import PARSERS, ToolCallStream, forced_calls
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
 CALL2 = {"name": "get_time", "arguments": {"tz": "UTC"}}
@@ -70,3 +70,32 @@ def test_auto_without_a_parser_is_a_400_naming_tool_choice():
     with pytest.raises(HTTPError) as e:
         _parser(SimpleNamespace(cfg=SimpleNamespace(tool_call_parser=None)))
     assert "tool_choice" in str(e.value.body())
+
+
+NAMED = SimpleNamespace(function=SimpleNamespace(name="get_time"))
+
+
+@pytest.mark.parametrize("text,choice", [
+    ('[{"name": "get_time", "parameters": {"tz": "U\x11C"}}]', "required"),  # a raw control character
+    ('[{"name": "get_time", "parameters": {"tz": "UTC"}}', "required"),  # cut short by a stop string
+    ('{"name": "get_time"}', "required"),  # JSON, but no list of calls
+    ('{"tz": "a\x01"}', NAMED),
+    ('["UTC"]', NAMED),
+])
+def test_a_forced_call_that_does_not_parse_is_a_500_naming_tool_choice(text, choice):
+    """Never a reply with neither content nor calls (finish_reason stop, tool_calls None)."""
+    for call in (lambda: forced_calls(text, choice, "stop"),
+                 lambda: ToolCallStream(None, choice).feed(text, True, "stop")):
+        with pytest.raises(HTTPError) as e:
+            call()
+        body = e.value.body()
+        assert e.value.status == 500 and body["error"]["param"] == "tool_choice"
+        assert body["error"]["type"] == "server_error" and "does not parse" in body["error"]["message"]
+
+
+def test_a_forced_call_cut_by_max_tokens_has_no_calls_and_a_whole_one_parses():
+    assert forced_calls('[{"name": "get_ti', "required", "length") == []
+    [c] = forced_calls('[{"name": "get_time", "parameters": {"tz": "UTC"}}]', "required", "stop")
+    assert (c.name, json.loads(c.arguments)) == ("get_time", {"tz": "UTC"})
+    [c] = forced_calls('{"tz": "CET"}', NAMED, "stop")
+    assert (c.name, json.loads(c.arguments)) == ("get_time", {"tz": "CET"})

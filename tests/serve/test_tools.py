@@ -1,7 +1,8 @@
 """Tool calling over HTTP against the TP=2 Serve app (``tool_call_parser: hermes``; the test chat
 template renders tools in a system turn): forced calls always parse and validate, on a random
 model, streamed deltas concatenate to the whole call, auto mode reads Hermes calls out of the
-text, and tool results go back into the conversation."""
+text, and tool results go back into the conversation.  A forced call whose text does not parse
+is a 500 naming tool_choice (an error event when streamed), never an empty answer."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.slow
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
                                                                                      "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+# A length-bounded string: xgrammar 0.2.9 let raw control characters into it, and the call came
+# back as tool_calls=None, content=None, finish_reason "stop".
+TIME = {"type": "object", "properties": {"tz": {"type": "string", "minLength": 1, "maxLength": 5}}, "required": ["tz"],
         "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
@@ -60,7 +63,7 @@ def test_required_always_returns_calls_that_validate(served, seed):
 
 
 def test_named_function_is_called(served):
-    for seed in range(3):
+    for seed in range(6):
         out = chat(served, tool_choice={"type": "function", "function": {"name": "get_time"}},
                    temperature=1.0, seed=seed)
         [(name, args)] = calls_of(out["choices"][0])
@@ -122,6 +125,25 @@ def test_openai_sdk_reads_the_calls(served):
     calls = out.choices[0].message.tool_calls
     assert calls and calls[0].function.name in SCHEMAS
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS[calls[0].function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_that_does_not_parse_is_a_500_naming_it(served, stream):
+    """A stop string cuts the forced call right after it opens: finish_reason stop with text
+    that is no call.  The answer says so (a 500, or the stream's error event), not an empty message."""
+    body = {"model": MODEL_ID, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 96, "tool_choice": "required",
+            "stop": ["name"], "temperature": 1.0, "seed": 1, "stream": stream}
+    if not stream:
+        r = httpx.post(served.url + "/v1/chat/completions", timeout=scaled(180), json=body)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+    else:
+        with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=scaled(180), json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.status_code == 200 and not any(ch["delta"].get("tool_calls") for e in events
+                                                for ch in e.get("choices", []))
+        [err] = [e["error"] for e in events if "error" in e]
+    assert err["param"] == "tool_choice" and err["type"] == "server_error" and "does not parse" in err["message"]
 
 
 @pytest.mark.parametrize("body,field", [

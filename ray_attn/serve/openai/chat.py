@@ -95,7 +95,7 @@ async def create_chat_completion(server, request: Request):
             c = d.choice
             text, delta = d.text, {}
             if mode is not None:
-                text, calls = streams[c.index].feed(d.text, d.finished)
+                text, calls = streams[c.index].feed(d.text, d.finished, c.finish_reason)
                 if calls:
                     delta["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
             if text:
@@ -116,7 +116,7 @@ async def create_chat_completion(server, request: Request):
         if mode == "auto":
             message["content"], calls = parser.parse(c.text)
         elif mode is not None:
-            message["content"], calls = None, forced_calls(c.text, mode)
+            message["content"], calls = None, forced_calls(c.text, mode, c.finish_reason)
         if calls:
             message["tool_calls"] = [call.to_json() for call in calls]
         d = {"index": c.index, "message": message,

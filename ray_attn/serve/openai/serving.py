@@ -379,7 +379,13 @@ def stream_response(choices: ChoiceSet, req: SamplingFields, head: dict, chunk, 
                 yield first
             async for d in choices.deltas():
                 if d.text or d.token_ids or d.finished:
-                    line = sse(dict(head, choices=[chunk(d)], usage=choices.usage() if every else None))
+                    try:
+                        ch = chunk(d)
+                    except HTTPError as e:  # a choice with no answer to give (a forced tool call
+                        yield sse_error(e)  # that does not parse): the stream ends with the error
+                        choices.abort()
+                        break
+                    line = sse(dict(head, choices=[ch], usage=choices.usage() if every else None))
                     c = d.choice
                     if ctx.resumable:  # an error end is not progress: a resumed request may finish
                         reason = c.finish_reason if d.finished and c.finish_reason != "error" else None

@@ -2,8 +2,9 @@
 ``json_schema``), vLLM's ``structured_outputs`` and its older ``guided_*`` fields, all read into
 one ``StructuredOutputsParams`` and compiled here -- on a worker thread, so neither the HTTP event
 loop nor the engine loop waits for a large schema -- before the request reaches the engine.  The
-engine then finds the grammar in the compiler's cache.  A spec that does not compile is a 400
-naming the field it came in.
+engine then finds the grammar in the compiler's cache, compiled by the app's
+``structured_outputs.backend`` (xgrammar, guidance or auto: ``structured_output.GrammarCompiler``).
+A spec that does not compile is a 400 naming the field it came in.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def grammar_compiler(server) -> GrammarCompiler:
     with _LOCK:
         c = getattr(server, "grammar_compiler", None)
         if c is None:
-            c = GrammarCompiler(server.tokenizer, server.vocab_size, server.eos_token_ids)
+            c = GrammarCompiler(server.tokenizer, server.vocab_size, server.eos_token_ids,
+                                backend=server.cfg.structured_outputs.backend)
             server.grammar_compiler = c
             server.engine.grammar_compiler = c
         return c

@@ -9,7 +9,8 @@
   that does not parse stays content, as in vLLM.
 - ``"required"`` and a named function are forced through structured outputs, so the call always
   parses: a JSON array of ``{"name", "parameters"}`` over the tools' schemas, or the named
-  function's parameters.
+  function's parameters.  One that still does not (cut by a stop string, a grammar fault) is a
+  500 naming ``tool_choice``, never a reply with neither content nor calls.
 - Streaming sends content as it comes until a call may have begun, then the calls whole in the
   last delta: each tool call's deltas concatenate to the non-streamed call.
 """
@@ -170,16 +171,32 @@ def forced_spec(tools, tool_choice, parallel_tool_calls: Optional[bool]) -> Opti
     return StructuredOutputsParams(json=json.dumps(_parameters(tool)))
 
 
-def forced_calls(text: str, tool_choice) -> list[ToolCall]:
-    """The calls of a forced output (it matches ``forced_spec``'s grammar unless cut short by
-    max_tokens, in which case there are none)."""
+def forced_calls(text: str, tool_choice, finish_reason: Optional[str] = "stop") -> list[ToolCall]:
+    """The calls of a forced output.  It matches ``forced_spec``'s grammar unless cut short by
+    max_tokens (``finish_reason`` "length"), in which case there are none.  Text that ended any
+    other way and is not the call (a grammar that let a wrong byte through, a stop string that cut
+    it) is a 500 naming tool_choice: a forced call never comes back as an empty answer."""
+    if finish_reason == "length":
+        return []
     try:
         obj = json.loads(text)
-    except ValueError:
-        return []
+    except ValueError as e:
+        raise _unparsable(text, f"not JSON: {e}") from None
     if tool_choice == "required":
+        if not isinstance(obj, list) or not obj or not all(
+                isinstance(o, dict) and isinstance(o.get("name"), str) and "parameters" in o for o in obj):
+            raise _unparsable(text, 'not a list of {"name", "parameters"} objects')
         return [ToolCall(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in obj]
+    if not isinstance(obj, dict):
+        raise _unparsable(text, "the arguments are not a JSON object")
     return [ToolCall(tool_choice.function.name, text)]
+
+
+def _unparsable(text: str, why: str):
+    from ray_attn.serve.http import HTTPError
+
+    return HTTPError(500, [("tool_choice", f"tool_choice: the forced tool call the model wrote does not "
+                                           f"parse ({why}); its text: {text[:200]!r}")])
 
 
 class ToolCallStream:
@@ -189,11 +206,12 @@ class ToolCallStream:
         self.parser, self.tool_choice = parser, tool_choice
         self.text, self.sent = "", 0
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCall]]:
-        """(content to send now, the calls once finished)."""
+    def feed(self, delta: str, finished: bool, finish_reason: Optional[str] = "stop") -> tuple[str, list[ToolCall]]:
+        """(content to send now, the calls once finished); a forced call that does not parse
+        raises ``forced_calls``'s 500."""
         self.text += delta
         if self.parser is None:  # forced: the whole output is the call
-            return "", (forced_calls(self.text, self.tool_choice) if finished else [])
+            return "", (forced_calls(self.text, self.tool_choice, finish_reason) if finished else [])
         if not finished:
             safe = max(self.sent, self.parser.safe_prefix(self.text))
             out, self.sent = self.text[self.sent:safe], safe
