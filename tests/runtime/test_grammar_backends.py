@@ -249,3 +249,30 @@ def test_auto_falls_back_to_guidance_when_xgrammar_cannot_compile(tok, compilers
 def test_an_unknown_backend_is_refused_by_name(tok):
     with pytest.raises(ValueError, match="structured_outputs.backend: one of auto, xgrammar, guidance"):
         GrammarCompiler(tok, VOCAB, [EOS_ID], backend="outlines")
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_our_mask_reads_each_backends_bitmask_as_the_backend_does(tok, compilers, backend):
+    """The layout: ``apply_token_bitmask`` keeps exactly the ids each library says are allowed
+    by its own other reading -- llguidance's one-byte-per-id logit bias, xgrammar's own
+    ``apply_token_bitmask_inplace`` -- at every state of a few walks."""
+    import torch
+    import xgrammar as xgr
+
+    from ray_attn.runtime.logits_processors import apply_token_bitmask
+
+    spec = StructuredOutputsParams(json=json.dumps(SCHEMAS["lengths"]))
+    c = compilers[backend]
+    for seed in range(3):
+        rng, state = np.random.default_rng(seed), c.matcher(c.compile(spec), spec)
+        while not state.terminated:
+            words = fill_bitmask([state])
+            ours = torch.isfinite(apply_token_bitmask(torch.zeros(1, VOCAB), torch.from_numpy(words)))[0]
+            if backend == "guidance":
+                theirs = torch.from_numpy(np.frombuffer(state.matcher.m.compute_logit_bias(), np.uint8)[:VOCAB] > 0)
+            else:
+                logits = torch.zeros(1, VOCAB)
+                xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(words))
+                theirs = torch.isfinite(logits)[0]
+            assert torch.equal(ours, theirs)
+            assert state.accept(int(rng.choice(np.flatnonzero(ours.numpy()))))
