@@ -1,4 +1,5 @@
-"""HF-format safetensors in and out, and the seeded random weights the tests and demo run on.
+"""HF-format safetensors in and out (GGUF files in, through ``gguf_weights``), and the seeded
+random weights the tests run on.
 
 A checkpoint is read tensor by tensor through ``safe_open(...).get_slice``, so a rank reads only
 its own slice of each sharded weight from disk, never the whole model.  Everything here works on
@@ -16,7 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ray_attn import gguf_file
 from ray_attn.hf_export import hf_config_dict  # noqa: F401 -- its home before the families
+from ray_attn.model import gguf_weights
 from ray_attn.model.layers import FusedShard, Init, Shard
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,7 +86,10 @@ def write_random_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, 
 
 
 def checkpoint_names(folder: str) -> list[str]:
-    """Every tensor name a checkpoint folder holds."""
+    """Every tensor name a checkpoint folder (or GGUF file) holds, by HF name."""
+    path = gguf_file.gguf_path(folder)
+    if path is not None:
+        return gguf_weights.checkpoint_names(path)
     return list(_weight_map(folder))
 
 
@@ -107,7 +113,11 @@ def load_checkpoint(shards: dict[str, Shard | FusedShard], folder: str, *, tied:
     """Copy each shard's slice of its checkpoint tensor in; every check runs before any copy.
     ``architecture`` names the model in errors; ``prefix`` is the one ``shards``' names carry (a
     multimodal checkpoint's ``language_model.``), ``ignored_prefixes`` those of tensors the text
-    model does not read (its vision tower)."""
+    model does not read (its vision tower).  A GGUF checkpoint is dequantized as it loads
+    (``gguf_weights``)."""
+    path = gguf_file.gguf_path(folder)
+    if path is not None:
+        return gguf_weights.load_gguf(shards, path, tied=tied, architecture=architecture)
     wm = _weight_map(folder)
     missing = [n for n in shards if n not in wm]
     if missing:

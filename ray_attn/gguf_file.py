@@ -1,0 +1,143 @@
+"""GGUF checkpoints (llama.cpp's one-file format), read as vLLM reads them: the model's config,
+its tokenizer and chat template from the file's metadata through transformers' GGUF support, its
+tensors through the ``gguf`` package (``ray_attn.model.gguf_weights`` loads them).
+
+A checkpoint path names a GGUF when it is a file, or a folder without config.json that holds one
+``.gguf``.  Everything a worker could not load -- an architecture we do not serve, a tensor type
+``gguf`` cannot dequantize, a file that is not a GGUF -- is refused here, by name, when the
+driver validates the config: before any actor starts.
+
+Reading a GGUF's metadata is slow (``GGUFReader`` walks every token of the vocabulary: ~2 s for
+SmolLM2's 49k), so a process reads each file once (``reader``, ``gguf_fields``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from ray_attn import hf_config
+
+SUFFIX = ".gguf"
+# general.architecture -> the family that serves it.  llama.cpp writes Mistral as "llama" too
+# (transformers then reads it as "mistral" from general.name; both run our Llama family).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Tensors llama.cpp writes that change what the model computes and that we do not implement.
+REFUSED_TENSORS = {"rope_freqs.weight": "Llama 3.1 RoPE frequency factors"}
+
+
+def gguf_path(checkpoint: str) -> str | None:
+    """The GGUF file ``checkpoint`` names, or None for an HF-format folder.  A ``.gguf`` path that
+    does not exist, or a folder of several ``.gguf`` files, is an error naming them."""
+    if os.path.isdir(checkpoint):
+        if os.path.isfile(os.path.join(checkpoint, "config.json")):
+            return None  # HF format (a .gguf beside it is not what the folder's config describes)
+        found = sorted(f for f in os.listdir(checkpoint) if f.lower().endswith(SUFFIX))
+        if len(found) > 1:
+            raise ValueError(f"checkpoint folder {checkpoint!r} holds {len(found)} GGUF files ({', '.join(found)}); "
+                             "name the one to serve")
+        return os.path.join(checkpoint, found[0]) if found else None
+    if os.path.isfile(checkpoint):
+        return checkpoint
+    if checkpoint.lower().endswith(SUFFIX):
+        raise FileNotFoundError(f"GGUF checkpoint {checkpoint!r} does not exist")
+    return None
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns  # a rewritten file is read again
+
+
+def reader(path: str):
+    """The file's ``gguf.GGUFReader`` (memory-mapped; one per process and file)."""
+    return _reader(*_identity(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, size: int, mtime: int):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # bad magic (ValueError), truncated (IndexError, struct / mmap errors)
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=None)
+def dequantizable_types() -> frozenset[str]:
+    """The tensor types (``GGMLQuantizationType`` names) ``gguf.quants.dequantize`` implements:
+    found by dequantizing one zero block of each, so a newer ``gguf`` brings its new types."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    ok = set()
+    for qtype in GGMLQuantizationType:
+        _, type_size = GGML_QUANT_SIZES[qtype]
+        try:
+            dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        ok.add(qtype.name)
+    return frozenset(ok)
+
+
+def architecture(path: str) -> str:
+    """The file's ``general.architecture`` (llama.cpp's name: "llama", "qwen2", ...)."""
+    field = reader(path).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path}: GGUF metadata lacks general.architecture")
+    return field.contents()
+
+
+def check_servable(path: str) -> None:
+    """Refuse, by name, a GGUF whose architecture or tensors no worker could load."""
+    arch = architecture(path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)} (llama covers Mistral)")
+    ok = dequantizable_types()
+    bad = [f"{t.name} ({t.tensor_type.name})" for t in reader(path).tensors if t.tensor_type.name not in ok]
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} tensor(s) of a type gguf cannot dequantize: {', '.join(bad[:4])}"
+                         f"{' ...' if len(bad) > 4 else ''}; supported types: {', '.join(sorted(ok))}")
+    for t in reader(path).tensors:
+        if t.name in REFUSED_TENSORS:
+            raise ValueError(f"{path}: tensor {t.name!r} ({REFUSED_TENSORS[t.name]}) is not supported")
+
+
+def hf_config_dict(path: str) -> dict:
+    """The HF config transformers reads from the file's metadata (``load_gguf_checkpoint``, what
+    ``AutoConfig.from_pretrained(folder, gguf_file=...)`` builds on), with its ``architectures``."""
+    return dict(_hf_config_dict(*_identity(path)))
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_config_dict(path: str, size: int, mtime: int) -> dict:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        hf = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"{path}: transformers cannot read this GGUF's config ({e})") from None
+    model_type = hf.get("model_type")
+    if model_type not in hf_config.MODEL_TYPES:
+        raise ValueError(f"{path}: GGUF model_type {model_type!r} is not supported")
+    hf["architectures"] = [hf_config.MODEL_TYPES[model_type]]
+    return hf
+
+
+def gguf_fields(path: str) -> dict:
+    """``ModelConfig`` fields of a GGUF checkpoint.  ``dtype`` is float32: a GGUF holds no compute
+    dtype, and its weights dequantize to float32 exactly (give model.dtype to run another)."""
+    check_servable(path)
+    return hf_config.fields_from_hf(hf_config_dict(path), path) | {"dtype": "float32"}
+
+
+def load_tokenizer(path: str):
+    """The tokenizer (with its chat template) transformers builds from the GGUF's metadata."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(path))
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
