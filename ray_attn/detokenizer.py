@@ -10,16 +10,6 @@ difference once it no longer ends in U+FFFD (an incomplete character).
 Stop strings are matched in the text, not in tokens: a string can end inside a token, or span
 several.  While streaming, the last ``len(longest stop) - 1`` characters are held back, so a
 client never sees the beginning of a stop string that then turns out to complete.
-
-With ``track_offsets`` each token also gets the offset in ``text`` where its text starts (the
-completions ``logprobs.text_offset``).  That is not the length of the text before it: a token
-that ends in an incomplete character adds nothing until a later token completes it, and that
-later token then releases the held bytes' character *and* its own text.  So a token that releases
-a piece ending in its own decoded text starts at ``len(piece) - len(own)`` into the piece; any
-other token (held, or one whose bytes complete an earlier token's character, or a skipped
-special token) starts where its piece does -- at the character it belongs to.  vLLM instead sums
-the lengths of the tokens' own strings, which drifts from the text after the first split
-character (each half counts as one U+FFFD).
 """
 
 from __future__ import annotations
@@ -31,8 +21,7 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output t
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 track_offsets: bool = False):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         ctx = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -45,9 +34,6 @@ class IncrementalDetokenizer:
         self.num_tokens = 0  # output tokens consumed (up to the one that completed a stop string)
         self.stop_reason: str | None = None  # the stop string found, if any
         self._sent = 0
-        # Per consumed token, where its text starts in ``text`` (only with track_offsets: it costs
-        # one more decode per token, which only logprobs need).
-        self.offsets: list[int] | None = [] if track_offsets else None
 
     @property
     def stopped(self) -> bool:
@@ -64,18 +50,9 @@ class IncrementalDetokenizer:
             self._window.append(int(t))
             self.num_tokens += 1
             before = len(self.text)
-            piece = self._next_piece()
-            self.text += piece
-            if self.offsets is not None:
-                own = self.token_text(t)
-                self.offsets.append(before + len(piece) - len(own) if piece.endswith(own) else before)
+            self.text += self._next_piece()
             if self.stop:
                 self._find_stop(before)
-                if self.stopped and self.offsets is not None:
-                    # the cut may end the text before this token (and before earlier ones
-                    # inside the stop string)
-                    n = len(self.text)
-                    self.offsets[:] = [min(o, n) for o in self.offsets]
         return self.stopped
 
     def _next_piece(self, final: bool = False) -> str:

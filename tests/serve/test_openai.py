@@ -282,16 +282,16 @@ def test_logit_bias_forces_and_bans_tokens(client):
     assert chat.choices[0].model_extra["token_ids"] == [77] * 3
 
 
-def test_text_offset_points_into_the_text_on_multibyte_output(client):
-    """Seeded sampled output over a vocabulary full of byte fragments: every token's text_offset
-    is where its text is in the returned text (the issue saw 18 of 20 runs inconsistent)."""
+def test_text_offset_counts_the_token_strings_on_multibyte_output(client):
+    """Seeded sampled output over a vocabulary full of byte fragments: each token's text_offset
+    is the previous one's plus the length of the previous token's string (vLLM's count; issue 37:
+    the old offsets into the text did not add up over the tokens)."""
     from tests.serve.test_openai_offsets import check_offsets
 
     for seed in range(12):
         out = client.completions.create(model=MODEL_ID, prompt="日本語のテキスト 🚀", max_tokens=16,
                                         temperature=1.0, seed=seed, logprobs=1)
-        c = out.choices[0]
-        check_offsets(c.text, c.logprobs.model_dump())
+        check_offsets(out.choices[0].logprobs.model_dump())
 
 
 def test_usage_reports_cached_prompt_tokens(client, served):

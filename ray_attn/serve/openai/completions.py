@@ -3,14 +3,13 @@
 import dataclasses
 import time
 import uuid
-from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ray_attn.serve import resume as resuming
 from ray_attn.serve.http import HTTPError, read_body
-from ray_attn.serve.openai.logprobs import prompt_entries, prompt_logprobs_json
+from ray_attn.serve.openai.logprobs import prompt_entries, prompt_logprobs_json, token_chars
 from ray_attn.serve.openai.protocol import CompletionRequest
 from ray_attn.serve.openai.structured import compile_structured, structured_spec
 from ray_attn.serve.openai.serving import (
@@ -63,10 +62,10 @@ async def create_completion(server, request: Request):
 
         def chunk(d):
             c = d.choice
-            text, entries = d.text, d.logprobs
+            text, entries = d.text, echo.shifted(c, d.logprobs)
             if req.echo and c.index not in opened:  # the prompt opens each choice's first chunk
                 opened.add(c.index)
-                text, entries = echo.text(c) + text, echo.entries(c, entries)
+                text, entries = echo.text(c) + text, prompt_entries(c) + entries
             ch = {"index": c.index, "text": text, "logprobs": _logprobs(entries) if req.logprobs is not None
                   else None, "finish_reason": c.finish_reason if d.finished else None,
                   "stop_reason": c.stop_reason if d.finished else None}
@@ -79,41 +78,49 @@ async def create_completion(server, request: Request):
 
 class _Echo:
     """The prompt in front of each choice when ``echo`` is set: the prompt as sent when it was
-    text, else its tokens decoded; with logprobs, its tokens' entries before the completion's,
-    whose offsets move past the prompt's text."""
+    text, else its tokens decoded; with logprobs, its tokens' entries before the completion's.
+    The offsets run on over the prompt's entries into the completion's (vLLM's count over
+    prompt + output tokens), in every streamed chunk as in the whole answer."""
 
     def __init__(self, server, req, raw_prompts):
         self.server, self.req, self.raw = server, req, raw_prompts
-        self._decoded: dict[int, tuple[str, list[int]]] = {}  # prompt index -> (text, offsets)
+        self._decoded: dict[int, str] = {}  # prompt index -> its tokens decoded
+        self._chars: dict[int, int] = {}  # prompt index -> its token strings' lengths, summed
 
-    def _decode(self, c) -> tuple[str, Optional[list[int]]]:
-        """The prompt's tokens decoded as output is (``IncrementalDetokenizer``), with each
-        token's offset in that text; ("", None) without a tokenizer."""
+    def _decode(self, c) -> str:
+        """The prompt's tokens decoded as output is (``IncrementalDetokenizer``); "" without a
+        tokenizer."""
         tok = self.server.tokenizer
         if tok is None:
-            return "", None
+            return ""
         if c.prompt_index not in self._decoded:
             from ray_attn.detokenizer import IncrementalDetokenizer
 
-            d = IncrementalDetokenizer(tok, (), skip_special_tokens=self.req.skip_special_tokens,
-                                       track_offsets=True)
+            d = IncrementalDetokenizer(tok, (), skip_special_tokens=self.req.skip_special_tokens)
             d.add(c.prompt_ids)
             d.finish()
-            self._decoded[c.prompt_index] = d.text, d.offsets
+            self._decoded[c.prompt_index] = d.text
         return self._decoded[c.prompt_index]
 
     def text(self, c) -> str:
         if not self.req.echo:
             return ""
         p = self.raw[c.prompt_index]
-        return p if isinstance(p, str) else self._decode(c)[0]
+        return p if isinstance(p, str) else self._decode(c)
+
+    def shifted(self, c, completion: list) -> list:
+        """The completion's entries, their offsets moved past the prompt's entries when echoed."""
+        if not self.req.echo or not completion:
+            return completion
+        if c.prompt_index not in self._chars:
+            self._chars[c.prompt_index] = token_chars(c, c.prompt_ids)
+        shift = self._chars[c.prompt_index]
+        return [dataclasses.replace(e, offset=e.offset + shift) for e in completion]
 
     def entries(self, c, completion: list) -> list:
         if not self.req.echo:
             return completion
-        shift = len(self.text(c))
-        return (prompt_entries(c, self._decode(c)[1])
-                + [dataclasses.replace(e, offset=e.offset + shift) for e in completion])
+        return prompt_entries(c) + self.shifted(c, completion)
 
 
 def _logprobs(entries) -> dict:

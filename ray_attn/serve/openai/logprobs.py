@@ -1,6 +1,12 @@
 """Logprobs as the OpenAI endpoints return them: each token's text resolved (``token_id:N``
 without a tokenizer), floored at vLLM's -9999 (JSON has no -inf), and vLLM's ``prompt_logprobs``
-shape.  ``c`` is a ``serving.Choice``: its ``detok``, ``prompt_ids`` and ``prompt_logprobs``."""
+shape.  ``c`` is a ``serving.Choice``: its ``detok``, ``prompt_ids`` and ``prompt_logprobs``.
+
+Completions' ``text_offset`` is counted as vLLM counts it (``_create_completion_logprobs``): the
+first entry at 0, each next one at the previous one's offset plus the length of the previous
+token's string.  The token strings are each token decoded on its own, so a token that ends inside
+a multi-byte character counts its U+FFFD: the offsets add up over ``tokens``, not over the
+decoded text (which holds one character where its two byte tokens show two U+FFFD)."""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ class LogprobEntry:
 
     token: str
     logprob: Optional[float]
-    offset: int  # where the token's text starts in the choice's text
+    offset: int  # the sum of the lengths of the token strings before it (vLLM's text_offset)
     top: Optional[list[tuple[str, float]]]
 
 
@@ -33,19 +39,22 @@ def logprob_entry(c, lp, offset: int) -> LogprobEntry:
                         [(text(c, i), max(v, MIN_LOGPROB)) for i, v in lp.top])
 
 
-def prompt_entries(c, offsets: Optional[list[int]] = None) -> list[LogprobEntry]:
+def prompt_entries(c) -> list[LogprobEntry]:
     """The prompt's tokens as logprob entries (completions' ``echo``), the first without
-    logprobs; at ``offsets`` in the echoed text, or else each at the sum of the token texts
-    before it (vLLM's count; without a tokenizer there is no text to point into)."""
+    logprobs; the first at 0, each next one past the previous token's string."""
     out, offset = [], 0
     lps = c.prompt_logprobs or [None] * len(c.prompt_ids)
-    for i, (t, lp) in enumerate(zip(c.prompt_ids, lps)):
-        at = offset if offsets is None else offsets[i]
-        e = (LogprobEntry(token_text(c, t), None, at, None) if lp is None
-             else logprob_entry(c, lp, at))
+    for t, lp in zip(c.prompt_ids, lps):
+        e = (LogprobEntry(token_text(c, t), None, offset, None) if lp is None
+             else logprob_entry(c, lp, offset))
         out.append(e)
         offset += len(e.token)
     return out
+
+
+def token_chars(c, token_ids) -> int:
+    """The lengths of the tokens' strings, summed: where the entry after them starts."""
+    return sum(len(token_text(c, t)) for t in token_ids)
 
 
 def prompt_logprobs_json(c) -> Optional[list]:

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Optional
 
 from ray_attn.serve.http import HTTPError, not_taken, request_failed
 from ray_attn.serve.loop import Event, LoopDead, QueueFull
-from ray_attn.serve.openai.logprobs import LogprobEntry, logprob_entry, token_text
+from ray_attn.serve.openai.logprobs import LogprobEntry, logprob_entry, token_chars, token_text
 from ray_attn.serve.openai.protocol import SamplingFields, unknown_fields
 from ray_attn.serve.resume import NOT_RESUMABLE, ResumeContext, choice_progress, progress_line
 from ray_attn.serve.schemas import out_of_vocab, prompt_errors, validation_errors
@@ -72,6 +72,9 @@ class Choice:
     error: Optional[str] = None
     accepted: bool = False
     num_cached_tokens: int = 0  # its prompt tokens that were prefix-cache hits
+    # the next logprobs entry's offset: the token strings' lengths so far (vLLM's text_offset),
+    # carried on across stream chunks and a resume so that streamed offsets equal the whole answer's
+    text_offset: int = 0
     prompt_logprobs: Optional[list] = None  # TokenLogprobs per prompt token (the first None), when asked
     # max_tokens=0 with echo: the engine samples one token (it computes the prompt's logprobs
     # in the step that samples), which is thrown away here
@@ -155,6 +158,8 @@ class ChoiceSet:
         """Give ``c`` the tokens already streamed, their text taken as sent; True when it had
         finished (nothing to queue)."""
         c.token_ids = list(prior.token_ids)
+        if c.params.logprobs is not None:  # the lost stream sent an entry per token
+            c.text_offset = token_chars(c, c.token_ids)
         if c.detok is not None and c.token_ids:
             c.detok.add(c.token_ids)
             c.detok.take(final=prior.finished)
@@ -185,15 +190,13 @@ class ChoiceSet:
         lps = getattr(ev, "logprobs", None) or [None] * len(ev.token_ids)
         stopped = False
         for t, lp in zip(ev.token_ids, lps):
-            offset = 0  # without a tokenizer there is no text
             if c.detok is not None:
                 stopped = c.detok.add([t])
-                if c.detok.offsets is not None:
-                    offset = c.detok.offsets[-1]
             c.token_ids.append(t)
             new_ids.append(t)
             if lp is not None:
-                entry = logprob_entry(c, lp, offset)
+                entry = logprob_entry(c, lp, c.text_offset)
+                c.text_offset += len(entry.token)
                 c.logprobs.append(entry)
                 new_lps.append(entry)
             if stopped:
@@ -340,7 +343,7 @@ def build_choices(server, req: SamplingFields, prompts: list[list[int]], max_tok
                 from ray_attn.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(server.tokenizer, ids, stops, req.include_stop_str_in_output,
-                                               req.skip_special_tokens, track_offsets=num_logprobs is not None)
+                                               req.skip_special_tokens)
             params = sampling_params(req, max(mt, 1), num_logprobs, choice_seed(req.seed, j), prompt_logprobs,
                                      structured)
             choices.append(Choice(len(choices), p, ids, params, detok, hidden_output=mt == 0))
