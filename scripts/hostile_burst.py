@@ -12,6 +12,12 @@ waits on this machine, the app's what the replica adds.  Client addresses are
     serve run deploy/serve_config.yaml &
     python scripts/hostile_burst.py --requests 1000 --addresses 50 --check
 
+Each poller's latencies are summarised over the asks that overlapped the burst (from its first
+request to its last answer): percentiles (p50, p90, p99, max) and how many took longer than
+``--health-deadline``; an idle ask before or after the burst says nothing about it.  A third
+poller asks ``--control-path`` (``/stats``: a replica route that awaits nothing), so that what
+/health adds of its own is told apart from what every route of the replica waits.
+
 With ``--check`` it exits 1 when any answer is foreign or a /health took longer than
 ``--health-deadline`` (or failed).  Writes the counts as JSON (``--output``).
 The run is bounded: every request has ``--timeout``, and the poller stops when the burst ends.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import sys
 import time
@@ -40,6 +47,7 @@ class Outcome:
     samples: list = field(default_factory=list)  # a few foreign answers, for the report
     health_s: list = field(default_factory=list)
     health_failures: int = 0
+    health_polls: list = field(default_factory=list)  # (wall time sent, latency s), answered 200
 
     def foreign(self, what: str, detail: str) -> None:
         self.counts[f"foreign_{what}"] += 1
@@ -88,34 +96,55 @@ async def one_request(client: httpx.AsyncClient, url: str, stream: bool, max_tok
 
 def poll_health(url: str, every: float, ready, stop, timeout: float, results) -> None:
     """GET ``url`` every ``every`` s on a fresh connection until ``stop`` is set; put
-    ``(latencies, failures)`` on ``results``.  It runs in a process of its own: in the burst's
-    event loop it would wait behind 400 coroutines, and what it timed would be this client's
-    loop, not the server (a 2-core CI box saw 2 asks in 3.7 s, one of them 2.7 s)."""
-    latencies, failures = [], 0
+    ``(polls, failures)`` on ``results``, a poll being (wall time sent, latency) of a 200.  It
+    runs in a process of its own: in the burst's event loop it would wait behind 400 coroutines,
+    and what it timed would be this client's loop, not the server (a 2-core CI box saw 2 asks in
+    3.7 s, one of them 2.7 s)."""
+    polls, failures = [], 0
     ready.set()
     while not stop.is_set():
-        t0 = time.perf_counter()
+        sent, t0 = time.time(), time.perf_counter()
         try:
             with httpx.Client(timeout=timeout) as c:  # a fresh connection each time
                 r = c.get(url)
             if r.status_code == 200:
-                latencies.append(time.perf_counter() - t0)
+                polls.append((sent, time.perf_counter() - t0))
             else:
                 failures += 1
         except httpx.HTTPError:
             failures += 1
         stop.wait(every)
-    results.put((latencies, failures))
+    results.put((polls, failures))
+
+
+def percentile(values: list, q: float):
+    """The ``q``-quantile (0..1) by nearest rank; None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v) - 1e-9) - 1))]
+
+
+def latency_summary(polls: list, start: float, end: float, deadline: float) -> dict:
+    """The asks that overlapped [start, end] (wall times): their count, percentiles and how many
+    took longer than ``deadline``."""
+    during = [lat for sent, lat in polls if sent <= end and sent + lat >= start]
+    out = {"n": len(during), "over_deadline": sum(lat > deadline for lat in during)}
+    for name, q in (("p50_s", 0.5), ("p90_s", 0.9), ("p99_s", 0.99), ("max_s", 1.0)):
+        x = percentile(during, q)
+        out[name] = None if x is None else round(x, 3)
+    return out
 
 
 async def burst(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
-                max_tokens: int, timeout: float) -> tuple[Outcome, float]:
+                max_tokens: int, timeout: float) -> tuple[Outcome, float, float]:
+    """The burst's outcome, its wall time and the wall time it began."""
     out = Outcome()
     per = -(-requests // addresses)
     clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address=f"127.0.0.{first_address + a}"),
                                  timeout=timeout, limits=httpx.Limits(max_connections=per + 1))
                for a in range(addresses)]
-    t0 = time.perf_counter()
+    began, t0 = time.time(), time.perf_counter()
     try:
         await asyncio.gather(*[one_request(clients[i % addresses], url, (i % 100) < stream_share * 100,
                                            max_tokens, out) for i in range(requests)])
@@ -123,7 +152,7 @@ async def burst(url: str, requests: int, addresses: int, first_address: int, str
         wall = time.perf_counter() - t0
         for c in clients:
             await c.aclose()
-    return out, wall
+    return out, wall, began
 
 
 def proxy_health_url(url: str) -> str:
@@ -133,15 +162,18 @@ def proxy_health_url(url: str) -> str:
 
 
 def burst_with_health(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
-                      max_tokens: int, timeout: float, health_every: float) -> tuple[Outcome, float, list]:
-    """The burst, with two pollers in spawned processes from before the first request until after
-    the last answer: the app's ``/health`` and Serve's proxy's ``/-/healthz``.  The second says
-    how long any route through the proxy waits on this machine during the burst, so that what
-    the app adds is told apart from what the proxy does."""
+                      max_tokens: int, timeout: float, health_every: float,
+                      control_path: str = "") -> tuple[Outcome, float, float, tuple, tuple]:
+    """The burst, with pollers in spawned processes from before the first request until after
+    the last answer: the app's ``/health``, Serve's proxy's ``/-/healthz`` and, with
+    ``control_path``, an app route that awaits nothing (``/stats``).  The proxy's says how long
+    any route through the proxy waits on this machine during the burst, the control's how long
+    any route of the replica does: what /health adds of its own is the difference."""
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     pollers = []
-    for target in (url + "/health", proxy_health_url(url)):
+    targets = [url + "/health", proxy_health_url(url)] + ([url + control_path] if control_path else [])
+    for target in targets:
         ready, results = ctx.Event(), ctx.Queue()
         proc = ctx.Process(target=poll_health, args=(target, health_every, ready, stop, timeout, results),
                            daemon=True)
@@ -151,15 +183,17 @@ def burst_with_health(url: str, requests: int, addresses: int, first_address: in
         for _, ready, _ in pollers:
             if not ready.wait(timeout):
                 raise RuntimeError(f"a health poller did not start within {timeout} s")
-        out, wall = asyncio.run(burst(url, requests, addresses, first_address, stream_share, max_tokens, timeout))
+        out, wall, began = asyncio.run(burst(url, requests, addresses, first_address, stream_share, max_tokens,
+                                             timeout))
     finally:
         stop.set()
     # A poller's last ask may still be in flight: it ends within one request timeout.
     polled = [results.get(timeout=timeout + 30) for _, _, results in pollers]
     for proc, _, _ in pollers:
         proc.join(timeout=30)
-    out.health_s, out.health_failures = polled[0]
-    return out, wall, polled[1]
+    out.health_polls, out.health_failures = polled[0]
+    out.health_s = [lat for _, lat in out.health_polls]
+    return out, wall, began, polled[1], (polled[2] if control_path else ([], 0))
 
 
 def main(argv=None) -> int:
@@ -173,24 +207,35 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--health-every", type=float, default=0.1)
     ap.add_argument("--health-deadline", type=float, default=1.0)
+    ap.add_argument("--control-path", default="/stats",
+                    help="an app route that awaits nothing, polled beside /health ('' for none)")
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/hostile_burst.json"))
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     if not 1 <= a.addresses <= 250 - a.first_address + 1:
         ap.error("--addresses: the source addresses must stay within 127.0.0.1-250")
-    out, wall, (proxy_s, proxy_failures) = burst_with_health(
-        a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout, a.health_every)
+    out, wall, began, (proxy_polls, proxy_failures), (control_polls, control_failures) = burst_with_health(
+        a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout, a.health_every,
+        a.control_path)
     worst = max(out.health_s, default=None)
+    proxy_s = [lat for _, lat in proxy_polls]
     report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share,
                   wall_s=round(wall, 2), **dict(sorted(out.counts.items())), foreign=out.num_foreign,
                   health_checks=len(out.health_s), health_failures=out.health_failures,
                   health_max_s=None if worst is None else round(worst, 3),
+                  health_during_burst=latency_summary(out.health_polls, began, began + wall, a.health_deadline),
                   proxy_health_checks=len(proxy_s), proxy_health_failures=proxy_failures,
-                  proxy_health_max_s=round(max(proxy_s), 3) if proxy_s else None, foreign_samples=out.samples)
+                  proxy_health_max_s=round(max(proxy_s), 3) if proxy_s else None,
+                  proxy_health_during_burst=latency_summary(proxy_polls, began, began + wall, a.health_deadline),
+                  **({"control_path": a.control_path, "control_failures": control_failures,
+                      "control_during_burst": latency_summary(control_polls, began, began + wall, a.health_deadline)}
+                     if a.control_path else {}),
+                  foreign_samples=out.samples)
     print(json.dumps(report, indent=2))
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
-    bad = out.num_foreign or out.health_failures or proxy_failures or (worst is not None and worst > a.health_deadline) \
+    bad = out.num_foreign or out.health_failures or proxy_failures or control_failures \
+        or (worst is not None and worst > a.health_deadline) \
         or not out.health_s
     return 1 if a.check and bad else 0
 

@@ -14,6 +14,7 @@ HTTP API (FastAPI ingress):
   GET  /metrics       this replica's metrics as Prometheus text (``ray_attn/serve/prometheus.py``)
   POST /v1/generate   JSON body (GenerateRequest); ``"stream": true`` answers with server-sent events
   GET  /health        200 when the engine loop runs and every worker answers its ping, else 503
+                      (the latest ping's answer: a poll never waits on one, ``serve/health.py``)
   GET  /stats         KV blocks, prefix-cache hit rate, cascade rate, steps/s, tokens/s, queue depth
 
 Request bodies are read with a byte cap and a deadline and parsed as JSON by pydantic (strict,
@@ -24,7 +25,6 @@ and every error of every route, FastAPI's own included, has the body of ``ray_at
 """
 
 
-import asyncio
 import logging
 import time
 import uuid
@@ -36,6 +36,7 @@ from ray import serve
 
 from ray_attn.serve.admission import Admission, AdmissionMiddleware
 from ray_attn.serve.generate import generate
+from ray_attn.serve.health import ReplicaHealth
 from ray_attn.serve.http import HTTPError, error_responses, install_error_handlers
 from ray_attn.serve.ingress import REPLICA_HEADER, RoutedHTTPRequest, build_routed_app, run_asgi
 from ray_attn.serve.loop import EngineLoop
@@ -116,6 +117,8 @@ class LLMServer:
                                    self.cfg.body_timeout_s, on_refused=self.metrics.on_rejected)
         self.loop = EngineLoop(self.engine, self.cfg.max_in_flight, hooks=self.metrics,
                                request_id_prefix=f"{replica}-{uuid.uuid4().hex[:6]}").start()
+        self.health_state = ReplicaHealth(self.loop, self.engine, self.executor, self.cfg.step_timeout_s,
+                                          self.cfg.health_ping_timeout_s)
         self.vocab_size = engine_cfg.model.vocab_size
         log.info("ray_attn replica %s ready: TP=%d, %d KV blocks, kernel %s, capacity %d requests",
                  replica, engine_cfg.parallel.tensor_parallel_size, self.executor.num_blocks,
@@ -148,39 +151,11 @@ class LLMServer:
 
     # -- lifetime -----------------------------------------------------------------------------
     async def check_health(self) -> None:
-        """Serve calls this every health_check_period_s; raising makes Serve replace the replica."""
-        ok, _, detail = await self._probe()
-        if not ok:
-            raise RuntimeError(detail)
-
-    async def _probe(self) -> tuple[bool, int, Optional[str]]:
-        if not self.loop.alive:
-            return False, 0, self.loop._dead_reason()
-        dead = getattr(self.engine, "dead", None)  # set once ranks failed too often to recover
-        if dead:
-            return False, 0, f"engine stopped after repeated worker failures: {dead}"
-        running = self.loop.current_step_s()
-        if running > self.cfg.step_timeout_s:
-            return False, 0, (f"engine step has run for {running:.0f}s (step_timeout_s="
-                              f"{self.cfg.step_timeout_s:.0f}); a rank is hung")
-        workers = list(getattr(self.executor, "workers", None) or [])
-        if not workers:
-            return True, 1, None  # in-process: the loop is the whole engine
-        if getattr(self.executor, "compiled", False):
-            # Compiled-graph actors run the graph's loop: a dead one surfaces on the next step,
-            # which the engine recovers from (or ends the requests and sets engine.dead).
-            return True, len(workers), None
-        # A plain async ping of each rank (workers take max_concurrency=2, so it does not queue
-        # behind a step).  During an in-place rank restart it may fail once or twice: Serve
-        # needs 3 failures in a row before it replaces the replica.
-        try:
-            ranks = await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in workers]),
-                                           self.cfg.health_ping_timeout_s)
-        except asyncio.TimeoutError:
-            return False, 0, f"worker ping timed out after {self.cfg.health_ping_timeout_s}s"
-        except Exception as e:  # noqa: BLE001 - a dead actor raises RayActorError and friends
-            return False, 0, f"worker ping failed: {type(e).__name__}: {e}"
-        return True, len(ranks), None
+        """Serve calls this every health_check_period_s; raising makes Serve replace the replica.
+        It waits for a fresh worker ping (``serve/health.py``), which /health then answers from."""
+        h = await self.health_state.check()
+        if not h.ok:
+            raise RuntimeError(h.detail)
 
     def __del__(self):
         loop = getattr(self, "loop", None)
@@ -205,10 +180,10 @@ class LLMServer:
 
     @fastapi_app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(self):
-        ok, workers, detail = await self._probe()
-        body = HealthResponse(status="ok" if ok else "unhealthy", workers=workers, detail=detail)
-        return JSONResponse(body.model_dump(), status_code=200 if ok else 503,
-                            headers=None if ok else {"Retry-After": str(self.cfg.retry_after_s)})
+        h = await self.health_state.poll()
+        body = HealthResponse(status="ok" if h.ok else "unhealthy", workers=h.workers, detail=h.detail)
+        return JSONResponse(body.model_dump(), status_code=200 if h.ok else 503,
+                            headers=None if h.ok else {"Retry-After": str(self.cfg.retry_after_s)})
 
     @fastapi_app.get("/stats", response_model=StatsResponse)
     async def stats(self):
