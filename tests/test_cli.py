@@ -4,6 +4,8 @@ for a placement group that can never be placed."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from ray_attn.cli import main
@@ -11,8 +13,15 @@ from tests.timescale import scaled
 
 
 @pytest.mark.parametrize("argv,line", [
-    (["demo", "--tp", "3"], "ray-attn: error: tensor_parallel_size=3 must divide num_attention_heads=4"),
+    # The demo's real model (SmolLM2-135M-Instruct: 9 query heads) and its Llama-4-style part (4 heads).
+    (["demo", "--tp", "2"], "ray-attn: error: tensor_parallel_size=2 must divide num_attention_heads=9"),
     (["demo", "--tp", "0"], "ray-attn: error: tensor_parallel_size: Input should be greater than 0"),
+    (["demo", "--part", "llama4", "--llama4-tp", "3"],
+     "ray-attn: error: tensor_parallel_size=3 must divide num_attention_heads=4"),
+    (["demo", "--checkpoint", "/nonexistent/m.gguf"],
+     "ray-attn: error: checkpoint='/nonexistent/m.gguf': GGUF checkpoint "
+     "'/nonexistent/m.gguf' does not exist"),
+    (["serve", "/nonexistent/m.gguf"], "ray-attn: error: model: GGUF checkpoint '/nonexistent/m.gguf' does not exist"),
 ])
 def test_bad_arguments_get_one_line(argv, line, capsys):
     with pytest.raises(SystemExit) as e:
@@ -37,14 +46,13 @@ def test_cuda_on_a_cluster_without_gpus_fails_at_once(capsys):
         if started and ray.is_initialized():
             ray.shutdown()
     assert e.value.code == 2
-    assert "parallel.device='cuda' needs 2 GPU(s)" in capsys.readouterr().err
+    assert "parallel.device='cuda' needs 3 GPU(s)" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path):
-    """``ray-attn serve FOLDER``: the folder alone gives the shapes (config.json), the EOS and the
-    tokenizer with its chat template; a chat completion through the openai client is HF's greedy
-    continuation of the templated prompt."""
+@contextlib.contextmanager
+def serving(*argv: str):
+    """``ray-attn serve ARGV`` in a subprocess on a free port, until it answers /v1/models; yields
+    the base URL.  SIGINT at the end: the CLI shuts Serve and its own Ray cluster down."""
     import os
     import signal
     import subprocess
@@ -53,30 +61,14 @@ def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path)
     from pathlib import Path
 
     import httpx
-    import openai
-    import torch
-    import transformers
 
-    from tests.model.test_families import reinit
     from tests.serve.conftest import free_port
-    from tests.tokenizer_fixture import EOS_ID, build_tokenizer
-
-    folder = tmp_path / "tiny-qwen3"
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, eos_token_id=EOS_ID,
-        bos_token_id=None)).eval()
-    reinit(hf, seed=6, norm_offset=False)
-    hf.save_pretrained(str(folder))
-    build_tokenizer(folder, 512)
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
     port = free_port()
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-               RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen([sys.executable, "-m", "ray_attn.cli", "serve", str(folder), "--device", "cpu",
-                             "--tp", "1", "--port", str(port), "--max-num-seqs", "4"],
+               RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "ray_attn.cli", "serve", *argv, "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + scaled(300)
@@ -89,27 +81,112 @@ def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path)
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(1)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=scaled(120)) as c:
-            [card] = c.models.list().data
-            assert card.id == "tiny-qwen3" and card.model_extra["max_model_len"] == 512
-            msgs = [{"role": "user", "content": "hello world"}]
-            out = c.chat.completions.create(model="tiny-qwen3", messages=msgs, max_tokens=10, temperature=0,
-                                            extra_body={"return_token_ids": True})
-        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=EOS_ID,
-                               pad_token_id=0)[0, len(ids):].tolist()
-        choice = out.choices[0]
-        assert choice.model_extra["token_ids"] == want
-        assert choice.message.content == tok.decode(want, skip_special_tokens=True)
-        assert choice.finish_reason == ("stop" if want[-1] == EOS_ID else "length")
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
-        proc.send_signal(signal.SIGINT)  # the CLI shuts Serve and its own Ray cluster down
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(scaled(90))
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def chat_matches_hf(url, model_id, tok, hf, eos_id, max_model_len):
+    """One greedy chat completion through the openai client: HF's greedy continuation of the
+    templated prompt, decoded by the same tokenizer."""
+    import openai
+    import torch
+
+    with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=scaled(120)) as c:
+        [card] = c.models.list().data
+        assert card.id == model_id and card.model_extra["max_model_len"] == max_model_len
+        msgs = [{"role": "user", "content": "hello world"}]
+        out = c.chat.completions.create(model=model_id, messages=msgs, max_tokens=10, temperature=0,
+                                        extra_body={"return_token_ids": True})
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = torch.tensor([list(ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                           eos_token_id=eos_id, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == want
+    assert choice.message.content == tok.decode(want, skip_special_tokens=True)
+    assert choice.finish_reason == ("stop" if want[-1] == eos_id else "length")
+
+
+@pytest.mark.slow
+def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path):
+    """``ray-attn serve FOLDER``: the folder alone gives the shapes (config.json), the EOS and the
+    tokenizer with its chat template; a chat completion through the openai client is HF's greedy
+    continuation of the templated prompt."""
+    import transformers
+
+    from tests.model.test_families import reinit
+    from tests.tokenizer_fixture import EOS_ID, build_tokenizer
+
+    folder = tmp_path / "tiny-qwen3"
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, eos_token_id=EOS_ID,
+        bos_token_id=None)).eval()
+    reinit(hf, seed=6, norm_offset=False)
+    hf.save_pretrained(str(folder))
+    build_tokenizer(folder, 512)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    with serving(str(folder), "--device", "cpu", "--tp", "1", "--max-num-seqs", "4") as url:
+        chat_matches_hf(url, "tiny-qwen3", tok, hf, EOS_ID, 512)
+
+
+def tiny_chat_gguf(folder):
+    """A tiny random Llama as a GGUF holding its tokenizer and ChatML template (tests/model/gguf_fixture.py)."""
+    import transformers
+
+    from tests.model.gguf_fixture import tiny_hf, write_gguf
+    from tests.tokenizer_fixture import CHATML, build_tokenizer
+
+    build_tokenizer(folder / "tok", 512)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder / "tok"), local_files_only=True)
+    return write_gguf(tiny_hf("llama", seed=4, vocab_size=512, max_position_embeddings=512), folder / "tiny-chat.gguf",
+                      "Q8_0", tokenizer=tok, chat_template=CHATML)
+
+
+@pytest.mark.slow
+def test_serve_a_gguf_file_with_the_openai_client(tmp_path):
+    """``ray-attn serve x.gguf`` at TP=2: config, EOS, tokenizer and chat template all from the
+    file's metadata; the answer is HF transformers' greedy one on the same GGUF."""
+    import torch
+    import transformers
+
+    from ray_attn.gguf_file import load_tokenizer
+    from tests.tokenizer_fixture import EOS_ID
+
+    path = tiny_chat_gguf(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    with serving(str(path), "--device", "cpu", "--tp", "2", "--max-num-seqs", "4") as url:
+        chat_matches_hf(url, "tiny-chat.gguf", load_tokenizer(str(path)), hf, EOS_ID, 512)
+
+
+def test_serve_config_of_a_gguf_and_of_no_checkpoint(tmp_path):
+    """A GGUF file or a folder of one is the checkpoint, and its own tokenizer; no checkpoint at
+    all serves the embedded SmolLM2-135M-Instruct GGUF, with its tokenizer, under its name."""
+    import argparse
+
+    from ray_attn.presets import default_gguf
+    from ray_attn.serve.cli import add_arguments, serve_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    path = tiny_chat_gguf(tmp_path)
+    for given in (str(path), str(tmp_path)):
+        cfg = serve_config(p.parse_args([given, "--tp", "2"]))
+        assert cfg.engine.checkpoint == given and cfg.tokenizer_folder() == str(path)
+        assert (cfg.engine.model.num_attention_heads, cfg.engine.parallel.tensor_parallel_size) == (4, 2)
+    assert serve_config(p.parse_args([str(path), "--tokenizer", str(tmp_path / "tok")])).tokenizer_folder() == \
+        str(tmp_path / "tok")
+    default = serve_config(p.parse_args([]))
+    assert default.engine.checkpoint == default_gguf() == default.tokenizer_folder()
+    assert default.model_id() == "SmolLM2-135M-Instruct"
+    assert (default.engine.model.architecture, default.engine.model.num_hidden_layers) == ("LlamaForCausalLM", 30)
 
 
 def test_serve_flags_for_replicas_resumption_and_spreading():

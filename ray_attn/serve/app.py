@@ -143,7 +143,11 @@ class LLMServer:
             return None
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        from ray_attn.gguf_file import gguf_path, load_tokenizer
+
+        gguf = gguf_path(folder)  # a GGUF file (or a folder of one): the tokenizer of its metadata
+        tok = load_tokenizer(gguf) if gguf else AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=False)
         if len(tok) > vocab_size:
             raise ValueError(f"tokenizer at {folder!r} has {len(tok)} tokens but the model's "
                              f"vocab_size is {vocab_size}")

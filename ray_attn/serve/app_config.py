@@ -209,9 +209,15 @@ class ServeAppConfig(BaseModel):
         return self
 
     def tokenizer_folder(self) -> Optional[str]:
+        """Where the tokenizer comes from: ``tokenizer``, else the checkpoint's own (a GGUF file's
+        metadata holds one)."""
         if self.tokenizer:
             return self.tokenizer
         ckpt = self.engine.checkpoint
+        from ray_attn.gguf_file import gguf_path
+
+        if ckpt and gguf_path(ckpt):
+            return gguf_path(ckpt)
         if ckpt and any(os.path.exists(os.path.join(ckpt, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             return ckpt
         return None

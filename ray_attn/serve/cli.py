@@ -15,9 +15,11 @@ from ray_attn.serve.schemas import ServeAppConfig, app_args_from_file, default_e
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="HF checkpoint folder (config.json, safetensors and, when "
-                                            "present, the tokenizer); omitted: the small random CPU model")
+                                            "present, the tokenizer) or GGUF file (config, tokenizer and "
+                                            "chat template from its metadata); omitted: the embedded "
+                                            "SmolLM2-135M-Instruct GGUF")
     p.add_argument("--config", help="a Serve YAML (deploy/serve_config*.yaml) whose app args the flags override")
-    p.add_argument("--tokenizer", help="tokenizer folder (default: the checkpoint's own)")
+    p.add_argument("--tokenizer", help="tokenizer folder or GGUF file (default: the checkpoint's own)")
     p.add_argument("--served-model-name", help="the `model` name clients send (default: the folder's name)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
@@ -38,18 +40,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
 
 
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_engine() -> dict:
+    """The engine `ray-attn serve` runs with no checkpoint and no YAML: the embedded real model
+    (SmolLM2-135M-Instruct, ``presets.default_gguf``), so that a first request gets words, on the
+    small CPU engine's cache and step sizes.  One rank: on a few CPU cores TP ranks only add
+    all-reduces (scripts/bench_cpu_vs_hf.py); ``--tp 3`` divides its heads."""
+    from ray_attn.presets import default_gguf
+
+    engine = default_engine_config().model_dump(mode="json", exclude={"model"})
+    engine["parallel"] |= {"tensor_parallel_size": 1}
+    return engine | {"checkpoint": default_gguf()}
+
+
 def serve_config(args):
     """The Serve app's config: ``ray-attn serve``'s flags over a YAML's app ``args`` (or over the
-    small random CPU model).  A checkpoint folder brings its own shapes (config.json) and, when it
-    holds one, its tokenizer."""
+    embedded SmolLM2).  A checkpoint folder brings its own shapes (config.json) and, when it holds
+    one, its tokenizer; a GGUF file its config, tokenizer and chat template."""
+    from ray_attn.gguf_file import gguf_path
+
     app: dict = {}
     if args.config:
         app = dict(app_args_from_file(args.config))
-    engine = dict(app.get("engine") or ({} if args.model else default_engine_config().model_dump(mode="json")))
+    engine = dict(app.get("engine") or ({} if args.model else default_model_engine()))
+    if not args.model and not app.get("engine"):
+        app.setdefault("served_model_name", DEFAULT_SERVED_NAME)
     if args.model:
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ValueError(f"model: {args.model!r} is not a checkpoint folder (no config.json in it)")
-        engine.pop("model", None)  # the checkpoint's config.json is the model
+        try:
+            is_gguf = gguf_path(args.model) is not None
+        except OSError as e:
+            raise ValueError(f"model: {e}") from None
+        if not is_gguf and not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"model: {args.model!r} is not a checkpoint folder (no config.json in it) "
+                             "nor a GGUF file")
+        engine.pop("model", None)  # the checkpoint's config is the model
         engine["checkpoint"] = args.model
     sections = {"model": {"dtype": args.dtype}, "cache": {"kv_cache_dtype": args.kv_cache_dtype, "host_cache_gib": args.host_cache_gib,
                                                    "kv_sharing": args.kv_sharing},

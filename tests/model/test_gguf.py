@@ -184,3 +184,22 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
     msgs = [{"role": "user", "content": "hello"}]
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
         want.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("model_type,qtype,with_tokenizer", [("llama", "Q8_0", True), ("qwen2", "F16", False),
+                                                              ("qwen3", "Q4_0", False)])
+def test_the_config_is_the_one_transformers_reads(tmp_path, model_type, qtype, with_tokenizer):
+    """``gguf_file.transformers_config`` reads the metadata from our one reader with transformers'
+    own tables: it must equal what ``load_gguf_checkpoint`` builds, key for key."""
+    from ray_attn.gguf_file import reader, transformers_config
+    from tests.tokenizer_fixture import CHATML, build_tokenizer
+
+    tok = None
+    if with_tokenizer:
+        build_tokenizer(tmp_path / "tok", 512)
+        tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True)
+    hf = tiny_hf(model_type, vocab_size=512)
+    path = write_gguf(hf, tmp_path / "m.gguf", qtype, tokenizer=tok, chat_template=CHATML if tok else None)
+    want = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert transformers_config(reader(str(path))) == want
+    assert ("eos_token_id" in want) == with_tokenizer
