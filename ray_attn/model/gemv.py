@@ -11,7 +11,8 @@ Measured on an H200, replayed from CUDA graphs over 32 layers' weights
 down_proj 31.2 -> 28.8 us, qkv 15.3 -> 14.6 us; gate_up (55 us) and the LM head are as fast in
 cuBLAS.  At two rows or more cuBLAS's tiles share each weight load across the rows and this
 kernel loses (o_proj 13.2 vs 14.0 us at two rows, 2x slower at four), so it serves one row only.
-Everything else -- CPU, other dtypes, wider N, more rows -- is ``F.linear``.
+Everything else -- other dtypes, wider N, more rows -- is ``F.linear``; float32 on CPU is
+oneDNN's matmul (``use_onednn``).
 """
 
 from __future__ import annotations
@@ -98,8 +99,30 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.dtype == x.dtype and w.stride(1) == 1)
 
 
+def _onednn_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# float32 on CPU: oneDNN's matmul (the op torch.compile's CPU backend emits) instead of F.linear's
+# MKL sgemm, which ran SmolLM2-135M's decode linears at batch 8 in 64 ms against oneDNN's 36 (2
+# AMD EPYC cores; batch 1: 21 vs 16 ms; scripts/bench_cpu_vs_hf.py).  Same float32 math, another
+# summation order.  RAY_ATTN_CPU_ONEDNN=0 turns it off (read once, at import).
+CPU_ONEDNN = os.environ.get("RAY_ATTN_CPU_ONEDNN", "1") != "0" and _onednn_available()
+
+
+def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (CPU_ONEDNN and not x.is_cuda and x.dim() == 2 and x.dtype == torch.float32
+            and w.dtype == torch.float32 and w.is_contiguous() and x.is_contiguous())
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA (CPU: exactly F.linear)."""
+    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA, and oneDNN's matmul for
+    float32 on CPU (``use_onednn``)."""
     if use_gemv(x, w):
         return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
+    if use_onednn(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)

@@ -27,10 +27,19 @@ def inputs(m, n, k, dtype, device, bias, seed=0):
     return x, w, b
 
 
-def test_cpu_is_exactly_f_linear():
+def test_cpu_float32_is_onednn_within_float64_and_other_dtypes_exactly_f_linear():
+    """float32 on CPU runs oneDNN's matmul (``gemv.use_onednn``): another summation order than
+    F.linear's, so it is held to float64 (70 unit terms: errors ~1e-6; 1e-5 catches a dropped
+    bias or a transposed weight); bfloat16 stays exactly F.linear."""
     x, w, b = inputs(2, 33, 70, torch.float32, "cpu", True)
     assert not G.use_gemv(x, w)
-    assert torch.equal(G.linear(x, w, b), F.linear(x, w, b))
+    assert G.use_onednn(x, w) == G.CPU_ONEDNN
+    want = F.linear(x.double(), w.double(), b.double())
+    assert (G.linear(x, w, b).double() - want).abs().max().item() < 1e-5
+    assert (G.linear(x, w).double() - F.linear(x.double(), w.double())).abs().max().item() < 1e-5
+    xb, wb, bb = (t.bfloat16() for t in (x, w, b))
+    assert not G.use_onednn(xb, wb) and torch.equal(G.linear(xb, wb, bb), F.linear(xb, wb, bb))
+    assert not G.use_onednn(x, w.t().contiguous().t())  # a strided weight: F.linear
 
 
 @pytest.mark.parametrize("m", [1, 3, 4])

@@ -1,0 +1,74 @@
+"""The batched pure-decode path of the torch kernel (``backend/cpu_decode.py``) against the
+per-sequence reference run in float64: GQA, ragged lengths, page ids past a sequence's end,
+sliding windows, soft cap, fp16/bf16 caches, and the LSE.  Tolerance 1e-5 (float32 math
+over <= 300 keys of unit-scale scores; a wrong mask or head mapping moves outputs by ~1e-1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_attn.backend import cpu_decode
+from ray_attn.backend.kernels import TorchKernel
+from ray_attn.backend.reference import paged_attention_ref
+
+ATOL = 1e-5
+
+
+def case(rng, lens, heads=8, kv_heads=2, dim=32, block=16, dtype=torch.float32):
+    num_blocks = sum(-(-n // block) for n in lens) + 3
+    k = torch.randn(num_blocks, block, kv_heads, dim, generator=rng).to(dtype)
+    v = torch.randn(num_blocks, block, kv_heads, dim, generator=rng).to(dtype)
+    perm = torch.randperm(num_blocks, generator=rng)
+    width = max(-(-n // block) for n in lens) + 1  # one page id past every sequence: must be ignored
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        pages = -(-n // block)
+        table[b, :pages] = perm[used:used + pages]
+        table[b, pages:] = perm[-1]  # a page of other (nonzero) keys
+        used += pages
+    q = torch.randn(len(lens), heads, dim, generator=rng)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window,softcap,dtype", [((-1, -1), 0.0, torch.float32), ((20, 0), 0.0, torch.float32),
+                                                  ((-1, -1), 5.0, torch.bfloat16), ((7, -1), 0.0, torch.float16)])
+def test_batched_decode_equals_the_float64_reference(rng, window, softcap, dtype):
+    lens = [1, 17, 300, 64, 33]
+    q, k, v, table, kv_lens = case(rng, lens, dtype=dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    assert cpu_decode.supports(q, k, cu, 1, None, torch.float32)
+    got, lse = cpu_decode.paged_decode(q, k, v, seqused_k=kv_lens, block_table=table, scale=0.3,
+                                       window_size=window, softcap=softcap)
+    want, want_lse = paged_attention_ref(q.double(), k.double(), v.double(), cu_seqlens_q=cu, seqused_k=kv_lens,
+                                         block_table=table, scale=0.3, causal=True, window_size=window,
+                                         softcap=softcap, compute_dtype=torch.float64)
+    assert (got.double() - want).abs().max().item() < ATOL
+    assert (lse.double() - want_lse).abs().max().item() < ATOL
+    assert want.std() > 0.1
+
+
+def test_the_torch_kernel_takes_the_batched_path_only_for_pure_decode(rng, monkeypatch):
+    lens = [5, 40]
+    q, k, v, table, kv_lens = case(rng, lens)
+    calls = []
+    real = cpu_decode.paged_decode
+    monkeypatch.setattr(cpu_decode, "paged_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    kern, out = TorchKernel(), torch.empty_like(q)
+    kw = dict(seqused_k=kv_lens, max_seqlen_k=40, block_table=table, scale=0.2, causal=True, return_lse=True)
+    lse = kern.varlen_paged(q, k, v, out, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1, **kw)
+    assert calls == [1]
+    want, want_lse = paged_attention_ref(q, k, v, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                         seqused_k=kv_lens, block_table=table, scale=0.2, causal=True)
+    assert (out - want).abs().max().item() < ATOL and (lse - want_lse).abs().max().item() < ATOL
+    # A prefill step (two queries for the second sequence) and ALiBi run the reference loop.
+    q3 = torch.cat([q, q[1:]])
+    kern.varlen_paged(q3, k, v, torch.empty_like(q3), cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+                      max_seqlen_q=2, **kw)
+    kern.varlen_paged(q, k, v, out, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
+                      alibi_slopes=torch.ones(8), **kw)
+    kern.varlen_paged(q.double(), k.double(), v.double(), out.double(),
+                      cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1, **kw)
+    assert calls == [1]
