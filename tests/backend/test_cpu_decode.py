@@ -35,18 +35,20 @@ def case(rng, lens, heads=8, kv_heads=2, dim=32, block=16, dtype=torch.float32):
 
 @pytest.mark.parametrize("window,softcap,dtype", [((-1, -1), 0.0, torch.float32), ((20, 0), 0.0, torch.float32),
                                                   ((-1, -1), 5.0, torch.bfloat16), ((7, -1), 0.0, torch.float16)])
-def test_batched_decode_equals_the_float64_reference(rng, window, softcap, dtype):
+@pytest.mark.parametrize("return_lse", [True, False])  # False: torch's fused SDPA (without a soft cap)
+def test_batched_decode_equals_the_float64_reference(rng, window, softcap, dtype, return_lse):
     lens = [1, 17, 300, 64, 33]
     q, k, v, table, kv_lens = case(rng, lens, dtype=dtype)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     assert cpu_decode.supports(q, k, cu, 1, None, torch.float32)
     got, lse = cpu_decode.paged_decode(q, k, v, seqused_k=kv_lens, block_table=table, scale=0.3,
-                                       window_size=window, softcap=softcap)
+                                       window_size=window, softcap=softcap, return_lse=return_lse)
     want, want_lse = paged_attention_ref(q.double(), k.double(), v.double(), cu_seqlens_q=cu, seqused_k=kv_lens,
                                          block_table=table, scale=0.3, causal=True, window_size=window,
                                          softcap=softcap, compute_dtype=torch.float64)
     assert (got.double() - want).abs().max().item() < ATOL
-    assert (lse.double() - want_lse).abs().max().item() < ATOL
+    if return_lse:
+        assert (lse.double() - want_lse).abs().max().item() < ATOL
     assert want.std() > 0.1
 
 
@@ -63,6 +65,10 @@ def test_the_torch_kernel_takes_the_batched_path_only_for_pure_decode(rng, monke
     want, want_lse = paged_attention_ref(q, k, v, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
                                          seqused_k=kv_lens, block_table=table, scale=0.2, causal=True)
     assert (out - want).abs().max().item() < ATOL and (lse - want_lse).abs().max().item() < ATOL
+    out2 = torch.empty_like(q)
+    assert kern.varlen_paged(q, k, v, out2, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
+                             **(kw | {"return_lse": False})) is None
+    assert calls == [1, 1] and (out2 - want).abs().max().item() < ATOL
     # A prefill step (two queries for the second sequence) and ALiBi run the reference loop.
     q3 = torch.cat([q, q[1:]])
     kern.varlen_paged(q3, k, v, torch.empty_like(q3), cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
@@ -71,4 +77,4 @@ def test_the_torch_kernel_takes_the_batched_path_only_for_pure_decode(rng, monke
                       alibi_slopes=torch.ones(8), **kw)
     kern.varlen_paged(q.double(), k.double(), v.double(), out.double(),
                       cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1, **kw)
-    assert calls == [1]
+    assert calls == [1, 1]
