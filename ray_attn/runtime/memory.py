@@ -11,7 +11,9 @@ Now (``profile_cuda_memory``), as vLLM's ``determine_available_memory``:
 1. ``torch.cuda.empty_cache()``; what is still allocated is the weights (and the model's
    persistent buffers).
 2. A profile forward of ``max_num_batched_tokens`` tokens -- prompts of up to the model's
-   context, real paged attention over a temporary one-layer KV cache that every layer shares --
+   context, planned by the planner's own code as a real step is (``profile_plan``: chunked-local
+   virtual batches included), real paged attention over a temporary one-layer KV cache that
+   every layer shares --
    then the logits of ``max_num_seqs`` rows and the costliest sampling path (temperature, seeds,
    top-k/top-p sort, min-p, penalties, 20 logprobs on every row).  The peak of
    ``torch.cuda.max_memory_allocated`` over the weights, less the temporary cache, is the peak
@@ -108,29 +110,31 @@ def profile_prompt_lens(num_tokens: int, max_model_len: int) -> list[int]:
     return [max_model_len] * full + ([rest] if rest else [])
 
 
-def _profile_metadata(lens: list[int], block_size: int):
-    """A prefill of whole prompts over fresh blocks: numpy metadata, checked on the host."""
+def profile_plan(lens: list[int], config, block_size: int, vocab_size: int):
+    """The profile step as the planner plans a real one: a ``Planner`` of its own (numpy, no
+    prefix cache, no cascade) admits one request per prompt over fresh blocks and builds the
+    step's ``StepPlan`` -- so a model with chunked-local layers gets its local virtual batches
+    (a prompt longer than ``attention_chunk_size`` needs them), a sliding window its window, and
+    whatever the planner adds to a step later reaches the profile too.  Returns the plan
+    (values checked on the host) and the blocks its cache must hold."""
     from ray_attn.backend.validate import check_metadata_values
-    from ray_attn.metadata import FlashAttentionMetadata
+    from ray_attn.planner import Planner
+    from ray_attn.planner.plan import ScheduledRequest
 
-    lens_a = np.asarray(lens, np.int64)
-    nblk = -(-lens_a // block_size)
-    table = np.zeros((len(lens), int(nblk.max())), np.int32)
-    first = np.concatenate([[0], np.cumsum(nblk)[:-1]])
-    for r, (f, n) in enumerate(zip(first.tolist(), nblk.tolist())):
-        table[r, :n] = np.arange(f, f + n)
-    pos = np.concatenate([np.arange(n) for n in lens])
-    rows = np.repeat(np.arange(len(lens)), lens_a)
-    slots = table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
-    m = FlashAttentionMetadata(
-        num_actual_tokens=int(lens_a.sum()), max_query_len=int(lens_a.max()),
-        query_start_loc=np.concatenate([[0], np.cumsum(lens_a)]).astype(np.int32),
-        max_seq_len=int(lens_a.max()), seq_lens=lens_a.astype(np.int32), block_table=table,
-        slot_mapping=slots.astype(np.int32))
-    num_blocks = int(nblk.sum())
-    check_metadata_values(m, num_blocks, block_size)
-    m.host_checked = True
-    return m, pos, num_blocks
+    kinds = set(config.layer_kinds())
+    num_blocks = sum(-(-n // block_size) for n in lens)
+    planner = Planner(num_blocks=num_blocks, block_size=block_size, num_query_heads=config.num_attention_heads,
+                      num_kv_heads=config.num_key_value_heads, use_alibi=config.use_alibi,
+                      sliding_window=config.sliding_window if "sliding_attention" in kinds else None,
+                      attention_chunk_size=config.attention_chunk_size if "chunked_attention" in kinds else None,
+                      enable_prefix_caching=False, enable_cascade=False, max_model_len=max(lens),
+                      max_num_reqs_hint=len(lens))
+    # Token ids do not change the plan (no prefix cache); the forward draws its own.
+    plan = planner.plan([ScheduledRequest(f"profile-{i}", np.zeros(n, np.int64), n)
+                         for i, n in enumerate(lens)])
+    check_metadata_values(plan.attn, num_blocks, block_size)
+    plan.attn.host_checked = True
+    return plan, num_blocks
 
 
 def _profile_sampling(num_rows: int, vocab: int, device: torch.device):
@@ -166,7 +170,7 @@ def profile_run(model, num_tokens: int, num_seqs: int, max_model_len: int) -> in
         raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
     dev = model.device
     lens = profile_prompt_lens(num_tokens, max_model_len)
-    meta, pos, num_blocks = _profile_metadata(lens, model.block_size)
+    plan, num_blocks = profile_plan(lens, model.config, model.block_size, model.config.vocab_size)
     # One layer's cache, shared by every layer: the activations are what we measure, and a full
     # cache for the step would be the largest tensor of the run.
     cache = torch.zeros(model.kv_cache_shape(num_blocks), dtype=model.cache_dtype, device=dev)
@@ -176,7 +180,8 @@ def profile_run(model, num_tokens: int, num_seqs: int, max_model_len: int) -> in
         # whether or not a profile ran.
         gen = torch.Generator(device=dev).manual_seed(0)
         ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=dev, generator=gen)
-        hidden = model(ids, torch.from_numpy(pos).to(dev), meta.to_device(dev))
+        pos = torch.from_numpy(plan.positions.astype(np.int64)).to(dev)
+        hidden = model(ids, pos, plan.attn.to_device(dev))
         rows = torch.arange(num_seqs, device=dev) % num_tokens
         logits = model.compute_logits(hidden, rows)
         st = _profile_sampling(num_seqs, model.config.vocab_size, dev)

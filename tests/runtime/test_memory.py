@@ -152,6 +152,30 @@ def _size_a_worker(kv_cache_dtype: str) -> dict:
                 used=total - free, total=total)
 
 
+def _size_a_llama4_worker() -> dict:
+    """Issue 37.1's model: chunk 512 < max_num_batched_tokens 4096, head size 128, 8 experts
+    top-1 on every 2nd layer -- the engine could not start on a GPU."""
+    from ray_attn.runtime.worker import AttentionWorker
+
+    m = ModelConfig(architecture="Llama4ForCausalLM", vocab_size=8192, hidden_size=1024, intermediate_size=2048,
+                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                    attention_chunk_size=512, layer_types=["chunked_attention"] * 3 + ["full_attention"],
+                    no_rope_layers=[1, 1, 1, 0], num_local_experts=8, num_experts_per_tok=1,
+                    moe_intermediate_size=1024, moe_layers=[1, 3], max_position_embeddings=8192, dtype="bfloat16")
+    cfg = EngineConfig(model=m, cache=CacheConfig(memory_fraction=0.3), parallel=ParallelConfig(device="cuda"),
+                       max_num_seqs=64, max_num_batched_tokens=4096)
+    return AttentionWorker(cfg).load_model()
+
+
+@pytest.mark.gpu
+def test_a_chunked_local_model_sizes_its_cache_when_a_step_is_longer_than_a_chunk():
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        info = pool.apply(_size_a_llama4_worker)
+    assert info["num_blocks"] == info["memory"]["num_blocks"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_worker_sizes_its_cache_from_a_profile_step(kv_cache_dtype):
@@ -174,3 +198,97 @@ def test_worker_sizes_its_cache_from_a_profile_step(kv_cache_dtype):
     # the budget holds: nothing beyond total * fraction is in use once the cache exists (memory
     # other processes held at sizing time is in non_torch_bytes, so inside the budget too)
     assert r["used"] <= int(r["total"] * 0.3) + mem["graph_pool_reserve_bytes"]
+
+
+# ------------------------------------------------- the profile step on a GPU, CUDA calls mocked
+def _llama4_model(chunk: int = 64, max_len: int = 512):
+    """Llama-4-style: chunked-local layers (chunk < the profile step), NoPE full layer, MoE."""
+    m = ModelConfig(architecture="Llama4ForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    attention_chunk_size=chunk, layer_types=["chunked_attention", "full_attention"],
+                    no_rope_layers=[1, 0], num_local_experts=4, num_experts_per_tok=1, moe_intermediate_size=64,
+                    moe_layers=[1], max_position_embeddings=max_len, dtype="float32")
+    model = build_model(m, block_size=16, device="cpu")
+    model.init_random_weights(7)
+    return model
+
+
+class FakeCuda:
+    """The torch.cuda memory calls ``profile_cuda_memory`` makes, over a ledger the test sets:
+    weights allocated before, a profile whose peak is weights + activations + its temporary KV."""
+
+    def __init__(self, total, weights, activations, non_torch=0):
+        self.total, self.weights, self.activations, self.non_torch = total, weights, activations, non_torch
+        self.tmp_kv = 0  # set once the profile ran
+
+    def install(self, monkeypatch):
+        c = torch.cuda
+        monkeypatch.setattr(c, "mem_get_info", lambda d=None: (self.total - self.weights - self.non_torch, self.total))
+        monkeypatch.setattr(c, "memory_reserved", lambda d=None: self.weights)
+        monkeypatch.setattr(c, "memory_allocated", lambda d=None: self.weights)
+        monkeypatch.setattr(c, "max_memory_allocated", lambda d=None: self.weights + self.activations + self.tmp_kv)
+        for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+            monkeypatch.setattr(c, name, lambda d=None: None)
+
+
+def _engine_config(model, tokens: int, seqs: int = 4):
+    return EngineConfig(model=model.config, cache=CacheConfig(block_size=16, memory_fraction=0.5),
+                        max_num_batched_tokens=tokens, max_num_seqs=seqs)
+
+
+def test_profile_step_of_a_chunked_local_model_longer_than_a_chunk_runs_local_attention(monkeypatch):
+    """Issue 37.1: the profile step of ``max_num_batched_tokens`` tokens (more than the chunk) is
+    planned as a real step, local virtual batches included; before, the model refused it (no
+    ``local_attn_metadata``) and a Llama 4 engine could not start on a GPU."""
+    model = _llama4_model(chunk=64, max_len=512)
+    seen = []
+    real = FlashAttentionImpl.forward
+
+    def spy(self, layer, q, k, v, kv_cache, m, output=None):
+        loc = m.local_attn_metadata
+        seen.append((self.use_irope, None if loc is None else loc.local_seqused_k.tolist()))
+        return real(self, layer, q, k, v, kv_cache, m, output)
+
+    monkeypatch.setattr(FlashAttentionImpl, "forward", spy)
+    fake = FakeCuda(total=1 << 30, weights=10 << 20, activations=3 << 20)
+    fake.install(monkeypatch)
+    real_profile = memory.profile_run
+
+    def counted(*a, **kw):
+        fake.tmp_kv = real_profile(*a, **kw)
+        return fake.tmp_kv
+
+    monkeypatch.setattr(memory, "profile_run", counted)
+    prof = memory.profile_cuda_memory(model, _engine_config(model, 600), torch.device("cpu"), 4096, False)
+    # prompts [512, 88]: 8 full chunks of the first, then a chunk of 64 and one of 24 of the second
+    assert seen[0] == (True, [64] * 8 + [64, 24])
+    assert prof.peak_activation_bytes == 3 << 20 and prof.num_blocks > 0
+
+
+def test_profile_plan_splits_a_prompt_longer_than_a_chunk_into_virtual_batches():
+    """The planner's own local virtual batches: one per chunk the prompt touches."""
+    from ray_attn.runtime.memory import profile_plan
+
+    model = _llama4_model(chunk=64, max_len=512)
+    plan, nblk = profile_plan([200], model.config, 16, 300)
+    loc = plan.attn.local_attn_metadata
+    assert loc is not None and loc.local_seqused_k.tolist() == [64, 64, 64, 8]
+    assert loc.local_query_start_loc.tolist() == [0, 64, 128, 192, 200]
+    assert plan.positions.tolist() == list(range(200)) and nblk == 13
+
+
+def test_kv_sizing_leaves_the_profiles_temporary_kv_out_of_the_peak(monkeypatch):
+    """Issue 37.7: the temporary KV of the profile step is freed before the real cache exists, so
+    the peak activation memory is the measured peak less the weights less that KV."""
+    model = _tiny_model()
+    fake = FakeCuda(total=8 << 30, weights=100 << 20, activations=40 << 20, non_torch=200 << 20)
+    fake.install(monkeypatch)
+    tmp = 7 << 20
+    monkeypatch.setattr(memory, "profile_run", lambda *a, **kw: tmp)
+    fake.tmp_kv = tmp
+    prof = memory.profile_cuda_memory(model, _engine_config(model, 256), torch.device("cpu"), 1 << 16, True)
+    assert prof.weights_bytes == 100 << 20
+    assert prof.peak_activation_bytes == 40 << 20
+    assert prof.non_torch_bytes == 200 << 20
+    want = int((8 << 30) * 0.5) - (100 << 20) - (40 << 20) - (200 << 20) - memory.GRAPH_POOL_RESERVE_BYTES
+    assert prof.kv_bytes == want and prof.num_blocks == want // (1 << 16)
