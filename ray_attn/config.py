@@ -81,10 +81,11 @@ class EngineConfig(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Ranks and kernels.")
     checkpoint: Optional[str] = Field(None, description=(
-        "Folder with an HF-format checkpoint (config.json and safetensors); random weights from "
-        "model.seed when unset. With a checkpoint, model defaults to its config.json, and a model "
+        "Folder with an HF-format checkpoint (config.json and safetensors), a .gguf file or a folder "
+        "holding one; random weights from model.seed when unset. With a checkpoint, model defaults to "
+        "its config (config.json or the GGUF's metadata), and a model "
         "given as a mapping overrides fields of it (e.g. {dtype: bfloat16}); a model whose shapes "
-        "differ from config.json is refused."))
+        "differ from it is refused."))
     max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens in one step (chunked prefill splits longer prompts).")
     enable_cascade: bool = Field(True, description="Let the planner choose cascade attention for shared prefixes.")
@@ -134,11 +135,20 @@ def _checkpoint_fields(folder: str) -> dict:
         raise ValueError(f"checkpoint={folder!r}: {e}") from None
 
 
+def _holds_gguf(folder: str) -> bool:
+    import os
+
+    return os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")) and any(
+        f.endswith(".gguf") for f in os.listdir(folder))
+
+
 def check_matches_checkpoint(model: ModelConfig, folder: str) -> None:
     """Refuse, naming every field and both values, a model whose shapes differ from those of the
     checkpoint's config.json: its weights could not load (or would compute another family)."""
     own = ModelConfig(**_checkpoint_fields(folder))
-    diff = [f"{name}={getattr(model, name)!r} (config.json: {getattr(own, name)!r})"
+    # where the checkpoint's own config comes from: its config.json, or a GGUF's metadata
+    src = "GGUF metadata" if str(folder).endswith(".gguf") or _holds_gguf(folder) else "config.json"
+    diff = [f"{name}={getattr(model, name)!r} ({src}: {getattr(own, name)!r})"
             for name in CHECKPOINT_SHAPE_FIELDS if getattr(model, name) != getattr(own, name)]
     if diff:
         raise ValueError(f"model disagrees with checkpoint {folder!r}: {', '.join(diff)}; leave model unset "

@@ -123,7 +123,7 @@ def test_a_folder_of_one_gguf_is_the_checkpoint_and_two_are_refused(tmp_path):
 def test_a_model_mapping_overrides_and_a_disagreeing_model_is_refused(tmp_path):
     _, path = write(tmp_path, "llama", "F16")
     assert EngineConfig(checkpoint=str(path), model={"dtype": "bfloat16"}).model.dtype == "bfloat16"
-    with pytest.raises(ValueError, match=r"hidden_size=256 \(config.json: 128\)"):
+    with pytest.raises(ValueError, match=r"hidden_size=256 \(GGUF metadata: 128\)"):
         EngineConfig(checkpoint=str(path), model={"hidden_size": 256})
 
 
