@@ -138,6 +138,13 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             what="Llama 4, cascade forced where exact (every key in one chunk)",
             engine=dict(cascade_min_saved_kv_tokens=0),
             expect=lambda s, i: default(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
+        # Issue 37.2's setting: chunk 512, the mixed prompts (8 on a shared 1,200-token prefix, two
+        # of 1,500 and 2,400 tokens): long prefills through the grouped GEMM, decode batches of
+        # up to 12 through both expert paths, chunk boundaries inside prefills and decodes.
+        Row("llama4_moe_mixed", family="llama4_c512", prompts="mixed",
+            what="Llama 4, chunk 512, shared 1,200-token prefix + long prompts: sigmoid top-1 MoE on every "
+                 "2nd layer through prefill (grouped GEMM) and decode (small-batch kernels, grouped GEMM)",
+            expect=lambda s, i: default(s, i) or need(s["local_steps"] > 0, "no local-attention step")),
         Row("mixtral", family="mixtral", what="Mixtral: softmax top-2 of 8 experts, renormalised", expect=default),
         Row("qwen3_moe", family="qwen3_moe", what="Qwen3-MoE: top-4 of 16 experts (norm_topk_prob), a dense "
             "layer, q/k norms", expect=default),
@@ -280,7 +287,8 @@ class Gate:
         self.window, self.chunk = (384, 512) if gpu else (40, 48)
         # Llama 4's checkpoints: chunk 256 (decode crosses boundaries), and one chunk long enough
         # to hold every one_prefix prompt (so cascade is exact)
-        self.llama4_chunks = {"llama4": 256 if gpu else 32, "llama4_onechunk": 2048 if gpu else 512}
+        self.llama4_chunks = {"llama4": 256 if gpu else 32, "llama4_onechunk": 2048 if gpu else 512,
+                              "llama4_c512": 512 if gpu else 48}
         self.prompts = prompt_sets(self.size["vocab"], gpu, chunk=self.llama4_chunks["llama4"])
         self.controls = Controls(torch.device("cuda" if gpu else "cpu"))
         self.folders: dict[str, str] = {}

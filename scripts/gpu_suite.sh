@@ -18,6 +18,10 @@
 # fp8: the FP8-weight GPU tests, the fp8_weights_* accuracy rows (gpu_accuracy_fp8_weights.json) and
 # bench_fp8 (FP8_PARTS, default error,kernels); fp8_serving: bf16 and FP8-weight engines through the
 # serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
+# defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
+# scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
+# rows of the features changed; real_model (issue 38): SmolLM2 from .gg1/ + .gg2/ (the GGUF in two
+# parts, one a call: see that script) through the engine, scored against HF (gpu_real_model.py).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +109,30 @@ if [[ $stage == serving_http ]]; then
     ${SERVING_ARGS:-}
 fi
 if [[ $stage == serving || $stage == serving_tp2 || $stage == serving_http ]]; then
+  [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == defects || $stage == real_model ]] && [[ -d .whl && ! -f /tmp/site/.wheels ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.wheels || exit 1
+fi
+if [[ $stage == defects ]]; then
+  step timeout "${TESTS_TIMEOUT_S:-230}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_memory.py \
+    tests/runtime/test_structured_output.py tests/runtime/test_grammar_backends.py tests/backend/test_flash_attn.py \
+    tests/model/test_gpu.py tests/model/test_gemv.py tests/model/test_moe_small.py tests/model/test_gguf.py
+  bench scripts/probe_llama4_moe.py --device cuda
+  step timeout "${ROWS_TIMEOUT_S:-240}" python3 scripts/gpu_accuracy.py --suffix _defects \
+    --rows "${ACCURACY_ROWS:-llama4_moe_mixed,llama4,json_schema,bf16}"
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_defects.json "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == real_model ]]; then
+  gguf=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat .gg1/part_* .gg2/part_* > $gguf && echo "$(cat .gg2/sha256)  $gguf" | sha256sum -c - || exit 1
+  step python3 scripts/gpu_real_model.py --device cuda --gguf $gguf
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_real_model.json "$OUT"/ 2>/dev/null
+  if [[ -n ${ACCURACY_ROWS:-} ]]; then
+    step timeout "${ROWS_TIMEOUT_S:-300}" python3 scripts/gpu_accuracy.py --suffix _real_model --rows "$ACCURACY_ROWS"
+    [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_real_model.json "$OUT"/ 2>/dev/null
+  fi
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"

@@ -57,7 +57,7 @@ def hf_config(family: str, size: dict, *, window: int, chunk: int | None = None)
         return tf.Qwen3MoeConfig(**common, moe_intermediate_size=s["inter"] // 4, num_experts=16,
                                  num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[0],
                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
-    if family in ("llama4", "llama4_onechunk"):
+    if family in ("llama4", "llama4_onechunk", "llama4_c512"):
         # Scout's pattern over >= 4 layers: RoPE + chunked-local on 3 of 4, NoPE + full attention
         # (temperature tuning, at a floor_scale small enough to act within the prompts) on every
         # 4th; L2 q/k norm; MoE (8 experts, sigmoid top-1, shared expert) on alternate layers,
