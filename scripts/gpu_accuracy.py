@@ -357,13 +357,14 @@ class Gate:
 
     def grammar_scores(self, folder, attn, vocab, prompts, outs) -> tuple[float, float]:
         """(ours, HF bf16's masked greedy) agreement with HF fp32 under the same mask."""
-        _, compiled, _ = grammar(vocab)
+        compiler, compiled, spec = grammar(vocab)
+        new = lambda: compiler.matcher(compiled, spec)  # noqa: E731 -- the engine's own matcher, either backend
         ref = self.controls.fp32(folder, attn)
-        agree = 100 * hf.masked_agreement(ref, prompts, outs, compiled, vocab)
+        agree = 100 * hf.masked_agreement(ref, prompts, outs, new, vocab)
         model = hf.load_hf(folder, torch.bfloat16, self.controls.device, attn)
-        ctrl_outs = [hf.masked_greedy_generate(model, p, GRAMMAR_MAX_TOKENS, compiled, vocab) for p in prompts]
+        ctrl_outs = [hf.masked_greedy_generate(model, p, GRAMMAR_MAX_TOKENS, new, vocab) for p in prompts]
         del model
-        return agree, 100 * hf.masked_agreement(ref, prompts, ctrl_outs, compiled, vocab)
+        return agree, 100 * hf.masked_agreement(ref, prompts, ctrl_outs, new, vocab)
 
     @staticmethod
     def valid_json(vocab, outs) -> int:

@@ -205,47 +205,43 @@ def byte_vocab(vocab: int, seed: int = 0, alphabet: str = 'abcdefghijklmnopqrstu
     return out
 
 
-def _mask(matcher, vocab: int, device) -> torch.Tensor:
-    import xgrammar as xgr
+def _mask(state, device) -> torch.Tensor:
+    """The grammar state's allowed next tokens as the int32 bitmask rank 0 applies (either backend)."""
+    from ray_attn.structured_output import fill_bitmask
 
-    bm = xgr.allocate_token_bitmask(1, vocab)
-    matcher.fill_next_token_bitmask(bm)
-    return bm.to(device)
+    return torch.from_numpy(fill_bitmask([state])).to(device)
 
 
 @torch.no_grad()
-def masked_greedy_generate(model, prompt: list[int], max_tokens: int, compiled, vocab: int) -> list[int]:
-    """HF's greedy decode under the grammar (no KV cache: a forward per token, for clarity)."""
-    import xgrammar as xgr
-
+def masked_greedy_generate(model, prompt: list[int], max_tokens: int, new_matcher, vocab: int) -> list[int]:
+    """HF's greedy decode under the grammar (no KV cache: a forward per token, for clarity);
+    ``new_matcher()`` gives a fresh ``structured_output.GrammarState`` of the request's grammar."""
     from ray_attn.runtime.logits_processors import apply_token_bitmask
 
-    m, out = xgr.GrammarMatcher(compiled), []
-    while len(out) < max_tokens and not m.is_terminated():
+    m, out = new_matcher(), []
+    while len(out) < max_tokens and not m.terminated:
         logits = model(torch.tensor([prompt + out], device=model.device)).logits[0, -1:, :vocab].float()
-        tok = int(apply_token_bitmask(logits, _mask(m, vocab, model.device)).argmax())
-        assert m.accept_token(tok)
+        tok = int(apply_token_bitmask(logits, _mask(m, model.device)).argmax())
+        assert m.accept(tok)
         out.append(tok)
     return out
 
 
 @torch.no_grad()
-def masked_agreement(model, prompts, outputs, compiled, vocab: int) -> float:
+def masked_agreement(model, prompts, outputs, new_matcher, vocab: int) -> float:
     """``agreement`` under the grammar: HF's argmax over the tokens the grammar allows at each
     generated position, given the same history (the matcher follows the engine's tokens)."""
-    import xgrammar as xgr
-
     from ray_attn.runtime.logits_processors import apply_token_bitmask
 
     hits = total = 0
     for p, o in zip(prompts, outputs):
         logits = model(torch.tensor([p + o], device=model.device)).logits[0, len(p) - 1: len(p) + len(o) - 1, :vocab]
-        m = xgr.GrammarMatcher(compiled)
+        m = new_matcher()
         for i, tok in enumerate(o):
-            want = int(apply_token_bitmask(logits[i:i + 1].float(), _mask(m, vocab, model.device)).argmax())
+            want = int(apply_token_bitmask(logits[i:i + 1].float(), _mask(m, model.device)).argmax())
             hits += want == tok
             total += 1
-            if not m.accept_token(tok):
+            if not m.accept(tok):
                 total += len(o) - i - 1  # the engine left the grammar: the rest cannot agree
                 break
     return hits / max(total, 1)
