@@ -26,6 +26,37 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
 TIE = 1e-3  # nats between HF's logits of the two tokens at a fork: float32 noise is ~1e-5
 
 
+def timed_run(cfg, prompts, params) -> dict:
+    """Start an engine on ``cfg``'s ranks, generate, shut it down: the outputs and what the
+    tables report (start-up and generation seconds, engine and planner stats, kernel, rank infos)."""
+    from ray_attn.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    startup = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=True)
+        return dict(outs=outs, startup=startup, wall=time.perf_counter() - t0, stats=engine.stats,
+                    pstats=engine.planner.stats(), kernel=engine.executor.kernel_name, infos=engine.executor.infos)
+    finally:
+        engine.shutdown()
+
+
+def single_process(cfg, prompts, params) -> list:
+    """The same requests in one process (no Ray, TP=1): the reference every answer is checked against."""
+    from ray_attn.engine import LLMEngine
+    from ray_attn.runtime import InProcessExecutor
+
+    single_cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+        update={"tensor_parallel_size": 1, "use_compiled_graph": False})})
+    engine = LLMEngine(single_cfg, InProcessExecutor(single_cfg))
+    try:
+        return engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+
+
 # -- part 1: the real model -------------------------------------------------------------------------
 def real_config(path: str, tp: int, device: str, compiled: bool, num_blocks: int | None):
     from ray_attn.config import CacheConfig, EngineConfig, ParallelConfig
@@ -81,10 +112,9 @@ def compare(got: list[int], want: list[int], scores) -> tuple[bool, str]:
 def run_real(args, console) -> tuple[list, bool]:
     from rich.table import Table
 
-    from ray_attn.engine import LLMEngine, SamplingParams
+    from ray_attn.engine import SamplingParams
     from ray_attn.gguf_file import load_tokenizer
     from ray_attn.presets import default_gguf
-    from ray_attn.runtime import InProcessExecutor
 
     path = args.checkpoint or default_gguf()
     with console.status("reading the GGUF's config and tokenizer ..."):
@@ -96,28 +126,14 @@ def run_real(args, console) -> tuple[list, bool]:
     m = cfg.model
     console.rule(f"[bold]part 1[/]: {os.path.basename(path)} ({m.architecture}, {m.num_hidden_layers} layers, "
                  f"{m.num_attention_heads} query / {m.num_key_value_heads} KV heads), TP={args.tp}")
-    t0 = time.perf_counter()
-    with console.status(f"starting {args.tp} rank(s), each loading its shard of the GGUF ..."):
-        engine = LLMEngine(cfg)
-    startup = time.perf_counter() - t0
-    try:
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params, use_tqdm=True)
-        wall = time.perf_counter() - t0
-        stats, pstats = engine.stats, engine.planner.stats()
-        kernel, infos = engine.executor.kernel_name, engine.executor.infos
-    finally:
-        engine.shutdown()
+    console.print(f"starting {args.tp} rank(s), each loading its shard of the GGUF ...")
+    r = timed_run(cfg, prompts, params)
+    outs, startup, wall, stats, pstats, kernel, infos = (r[k] for k in (
+        "outs", "startup", "wall", "stats", "pstats", "kernel", "infos"))
     got = [o.output_token_ids for o in outs]
 
     with console.status("the same questions in a single process (no Ray, TP=1) ..."):
-        single_cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
-            update={"tensor_parallel_size": 1, "use_compiled_graph": False})})
-        ref_engine = LLMEngine(single_cfg, InProcessExecutor(single_cfg))
-        try:
-            single = [o.output_token_ids for o in ref_engine.generate(prompts, params)]
-        finally:
-            ref_engine.shutdown()
+        single = [o.output_token_ids for o in single_process(cfg, prompts, params)]
     hf_tokens, hf_scores = None, None
     if not args.no_hf:
         console.print("HF transformers' greedy generate on the same GGUF (float32) ...")
@@ -190,33 +206,16 @@ def demo_workload(num_groups: int, samples: int, prefix_len: int, num_long: int,
 def run_llama4(args, console) -> tuple[list, bool]:
     from rich.table import Table
 
-    from ray_attn.engine import LLMEngine
-    from ray_attn.runtime import InProcessExecutor
-
     cfg = demo_config(args.llama4_tp, args.device, args.compiled, None)
     prompts, params = demo_workload(args.groups, args.samples, args.prefix_len, args.long, 1100,
                                     args.max_tokens, cfg.model.vocab_size)
     console.rule(f"[bold]part 2[/]: a Llama-4-style model (random weights), {len(prompts)} requests, "
                  f"TP={args.llama4_tp}, {cfg.model.num_hidden_layers} layers {cfg.model.layer_kinds()}")
-    t0 = time.perf_counter()
-    engine = LLMEngine(cfg)
-    startup = time.perf_counter() - t0
-    try:
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params, use_tqdm=True)
-        wall = time.perf_counter() - t0
-        stats, pstats = engine.stats, engine.planner.stats()
-        kernel, infos = engine.executor.kernel_name, engine.executor.infos
-    finally:
-        engine.shutdown()
+    r = timed_run(cfg, prompts, params)
+    outs, startup, wall, stats, pstats, kernel, infos = (r[k] for k in (
+        "outs", "startup", "wall", "stats", "pstats", "kernel", "infos"))
     console.print("checking against a single-process (no Ray, TP=1) run ...")
-    single_cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
-        update={"tensor_parallel_size": 1, "use_compiled_graph": False})})
-    ref_engine = LLMEngine(single_cfg, InProcessExecutor(single_cfg))
-    try:
-        ref = ref_engine.generate(prompts, params)
-    finally:
-        ref_engine.shutdown()
+    ref = single_process(cfg, prompts, params)
     same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(outs, ref))
     table = Table(title="part 2: shared prompts, cascade and chunked-local attention")
     table.add_column("metric")
