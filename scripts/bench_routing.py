@@ -212,8 +212,12 @@ def main(argv=None) -> int:
     from ray import serve
 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _system_config={"metrics_report_interval_ms": 1000})
+    # Called in-process with a Ray already up (the tests: one started with the same metrics
+    # interval), that Ray is used and left up.
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _system_config={"metrics_report_interval_ms": 1000})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     metrics_port = ray._private.worker.global_worker.node.metrics_export_port
@@ -226,7 +230,8 @@ def main(argv=None) -> int:
                 rows.append(row)
     finally:
         serve.shutdown()
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     from scripts.benchlib import machine
 
     out = Path(args.out)

@@ -406,6 +406,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown rows {sorted(unknown)}; choose from {[r.name for r in all_rows]}")
     transformers.utils.logging.disable_progress_bar()
+    started = not ray.is_initialized()  # called in-process (the tests), a Ray already up stays up
     ensure_ray()
     path = Path(args.out) if args.out else (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
                                             / f"gpu_accuracy{args.suffix}.json")
@@ -427,7 +428,8 @@ def main() -> None:
         path.write_text(json.dumps(out, indent=1))
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], path.name).write_text(path.read_text())
-    ray.shutdown()
+    if started:
+        ray.shutdown()
     failed = [r["row"] for r in results if not r["passed"]]
     print(f"{len(results) - len(failed)}/{len(results)} rows passed" + (f"; failed: {failed}" if failed else ""))
     sys.exit(1 if failed else 0)

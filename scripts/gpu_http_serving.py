@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="as gpu_serving.py's --seed (same prompts)")
     p.add_argument("--only", default=None, help="comma-separated workload names (default: all)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--warmup-prompts", type=int, default=8,
+                   help="requests at concurrency 1 before the workloads (graph capture, warm pools)")
     p.add_argument("--engine-results", default=None,
                    help="gpu_serving.py's JSON to compare with (default: serving_h200{suffix}.json)")
     p.add_argument("--suffix", default=None, help="result file suffix (default: _tp{N} for TP > 1, _cpu on CPU)")
@@ -124,7 +126,9 @@ def main(argv=None) -> int:
     from ray_attn.serve.app import build_app
 
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x)
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()  # called in-process with a Ray up (the tests): used, left up
+    if started:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
         out["startup_s"] = time.perf_counter() - t0
         print(f"Serve app up in {out['startup_s']:.0f} s on port {a.port}")
         base = f"http://127.0.0.1:{a.port}"
-        warm = dataclasses.replace(works["random_concurrency_1"], num_prompts=8)
+        warm = dataclasses.replace(works["random_concurrency_1"], num_prompts=a.warmup_prompts)
         wargs = args_for(warm, a.preset, workload_seed(a.seed, "http_warmup"), ("--backend", "openai", "--base-url", base))
         asyncio.run(bench_serve.benchmark(wargs))  # first requests: graph capture done, pools warm
         for name in names:
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
         out["total_s"] = time.perf_counter() - t0
         save()
         serve.shutdown()
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     print(f"wrote {out_path}")
     return 0 if all(not w.get("num_errors") for w in out["workloads"].values()) else 1
 

@@ -47,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The one local Ray cluster of the run (tests/shared_ray.py), started on first use."""
+    from tests import shared_ray as cluster
+
+    cluster.ensure()
+    yield
+    cluster.shutdown()
+
+
 @pytest.fixture
 def rng(request):
     # Random inputs that differ per test case yet reproduce exactly on a rerun of that case.

@@ -24,23 +24,13 @@ def test_compare_takes_equal_answers_and_forks_at_near_ties_only():
 
 
 @pytest.mark.slow
-def test_demo_answers_through_tp_workers_match_single_process_and_hf(tmp_path, capsys):
-    import ray
-
+def test_demo_answers_through_tp_workers_match_single_process_and_hf(tmp_path, capsys, shared_ray):
     from ray_attn.cli import main
-    from ray_attn.runtime.cluster import init_local_ray
     from tests.test_cli import tiny_chat_gguf
 
     path = tiny_chat_gguf(tmp_path)
-    started = not ray.is_initialized()
-    if started:
-        init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        rc = main(["demo", "--part", "real", "--checkpoint", str(path), "--tp", "2", "--device", "cpu",
-                   "--questions", "3", "--answer-tokens", "12", "--json", str(tmp_path / "demo.json")])
-    finally:
-        if started:
-            ray.shutdown()
+    rc = main(["demo", "--part", "real", "--checkpoint", str(path), "--tp", "2", "--device", "cpu",
+               "--questions", "3", "--answer-tokens", "12", "--json", str(tmp_path / "demo.json")])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.count("Q: ") == 3 and out.count("A: ") == 3

@@ -39,7 +39,6 @@ from ray_attn.model.quantization import parse_quantization
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 from tests.model.test_families import qwen_config, reinit
 from tests.model.test_tensor_parallel import free_port
-from ray_attn.runtime.cluster import init_local_ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from fp8_checkpoints import BLOCK_QCONFIG, act_round, block_quantize  # noqa: E402
@@ -463,11 +462,9 @@ FORK_MARGIN = 0.1
 
 
 @pytest.mark.slow
-def test_engine_tp2_greedy_tokens_match_single_process(tmp_path):
+def test_engine_tp2_greedy_tokens_match_single_process(tmp_path, shared_ray):
     """A block-fp8 checkpoint through the engine: TP=2 Ray actors give the in-process engine's
     greedy tokens, up to forks at near-ties (FORK_MARGIN), which are rare."""
-    import ray
-
     from ray_attn.engine import LLMEngine, SamplingParams
     from ray_attn.runtime import InProcessExecutor
     from tests.runtime.test_engine_tp import GREEDY, workload
@@ -484,16 +481,11 @@ def test_engine_tp2_greedy_tokens_match_single_process(tmp_path):
         prompts, SamplingParams(max_tokens=GREEDY.max_tokens, logprobs=2))
     single = [o.output_token_ids for o in ref]
     assert len({tuple(t) for t in single}) > 1
-    started = not ray.is_initialized()
-    if started:
-        init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     eng = LLMEngine(cfg(2))
     try:
         got = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
     finally:
         eng.shutdown()
-        if started:
-            ray.shutdown()
     forks = 0
     for g, want, r in zip(got, single, ref):
         k = next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None)

@@ -1,16 +1,10 @@
 import pytest
-import ray
-
-from ray_attn.runtime.cluster import init_local_ray
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """One embedded Ray instance for the runtime tests (starting one costs ~5 s)."""
-    if not ray.is_initialized():
-        init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False)
+def ray_local(shared_ray):
+    """The run's one embedded Ray (tests/shared_ray.py; starting one costs 5-20 s)."""
     yield
-    ray.shutdown()
 
 
 RECOVERY_TIMES: list[tuple[str, float]] = []

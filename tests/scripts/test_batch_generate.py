@@ -41,6 +41,19 @@ def run(*args, timeout=scaled(120)) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=REPO)
 
 
+def run_here(capsys, *args) -> subprocess.CompletedProcess:
+    """The script's main in this process: replicas on the run's Ray (``shared_ray``) instead of a
+    Ray the subprocess starts (~10 s on two cores).  The CLI itself (exit status, messages on
+    stderr) is run as a subprocess by the tests of bad input above and below."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import batch_generate
+
+    capsys.readouterr()
+    rc = batch_generate.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["batch_generate.py", *map(str, args)], rc, out.out, out.err)
+
+
 def test_in_process_output_in_input_order_equals_generate(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "sub" / "out.jsonl"
     bodies = write_prompts(inp)
@@ -90,13 +103,13 @@ def by_index(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("executor,tp", [("in_process", 1), ("ray", 2)])
-def test_two_replicas_write_every_record_equal_to_generate(tmp_path, executor, tp):
+def test_two_replicas_write_every_record_equal_to_generate(tmp_path, executor, tp, shared_ray, capsys):
     """Two engine replicas (TP=2: each with its own placement group of 1 + 2 bundles): every
     line comes out once, with the engine's tokens, and both replicas took a share."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     bodies = write_prompts(inp, n=10, seed=23)
-    proc = run("--input", inp, "--output", out, "--executor", executor, "--tp", tp, "--replicas", 2,
-               "--max-in-flight", 3, timeout=scaled(300))
+    proc = run_here(capsys, "--input", inp, "--output", out, "--executor", executor, "--tp", tp, "--replicas", 2,
+                    "--max-in-flight", 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generate" in proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -110,7 +123,7 @@ def test_two_replicas_write_every_record_equal_to_generate(tmp_path, executor, t
 
 
 @pytest.mark.slow
-def test_resume_keeps_finished_records_and_redoes_the_rest(tmp_path):
+def test_resume_keeps_finished_records_and_redoes_the_rest(tmp_path, shared_ray, capsys):
     """An output left by a crash: 4 finished lines (one marked, to prove it is kept, not redone)
     and a torn fifth.  The resumed run, on 2 replicas, adds exactly the missing lines."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -122,8 +135,8 @@ def test_resume_keeps_finished_records_and_redoes_the_rest(tmp_path):
                         "usage": {"prompt_tokens": 0, "completion_tokens": len(want[i])}}) for i in done]
     head = "".join(line + "\n" for line in kept)
     out.write_text(head + '{"index": 9, "id": "r9", "token_ids": [1, ')  # the crash hit mid-line
-    proc = run("--input", inp, "--output", out, "--executor", "in_process", "--replicas", 2, "--resume",
-               "--max-in-flight", 2, timeout=scaled(300))
+    proc = run_here(capsys, "--input", inp, "--output", out, "--executor", "in_process", "--replicas", 2,
+                    "--resume", "--max-in-flight", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["skipped"] == len(done) and sum(summary["requests_per_replica"]) == 10 - len(done)

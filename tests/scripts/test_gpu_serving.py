@@ -6,15 +6,14 @@ Timings are not asserted (a busy CPU box); the figures' identities are."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
-import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -33,14 +32,15 @@ GOALS = {"offline_frac_of_roofline", "itl_c1_over_roofline", "chunked_prefill_fr
          "decode_256x1k_frac_of_mem_compute_roofline"}
 
 
-def run(*args, timeout=scaled(300)):
-    r = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r.stdout
+def run(script: str, *args) -> None:
+    """The script's main in this process, on the run's Ray (``shared_ray``): a subprocess would
+    import torch and start a Ray of its own first (~10 s on two cores)."""
+    module = importlib.import_module(Path(script).stem)
+    assert module.main([str(a) for a in args]) == 0
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def suite(tmp_path_factory, shared_ray):
     out = tmp_path_factory.mktemp("serving")
     mirror = tmp_path_factory.mktemp("mirror")
     run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--scale", "0.01", "--num-blocks", 2048,
@@ -123,7 +123,7 @@ def test_report_renders_the_serving_table(suite, monkeypatch, capsys):
         assert key in text, key
 
 
-def test_kv_capacity_counts_residents_against_the_ideal(tmp_path):
+def test_kv_capacity_counts_residents_against_the_ideal(tmp_path, shared_ray):
     # 120-token requests in 16-token blocks: 8 blocks each; 30 blocks hold 3 in whole blocks, 4 by
     # bytes; 6 requests then must preempt as they grow.
     out = tmp_path / "cap.json"
@@ -148,7 +148,7 @@ def test_ideal_requests_against_exact_division():
         ideal_requests(1, 0, 1, 16)
 
 
-def test_a_passed_deadline_marks_what_it_skipped(tmp_path):
+def test_a_passed_deadline_marks_what_it_skipped(tmp_path, shared_ray):
     run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--kv-dtypes", "auto,fp8",
         "--deadline-s", 0, "--result-dir", tmp_path)
     r = json.loads((tmp_path / "serving_h200_cpu.json").read_text())

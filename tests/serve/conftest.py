@@ -9,7 +9,6 @@ tests; ``/`` has room for the concurrent tests of one client.  Every deadline is
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ray_attn.runtime.cluster import init_local_ray
 from tests.timescale import scaled
 from tests.tokenizer_fixture import build_tokenizer
 
@@ -59,20 +57,10 @@ class Served:
 
 
 @pytest.fixture(scope="package")
-def ray_session():
-    import ray
-
-    started = False
-    if not ray.is_initialized():
-        # Replicas and workers import `ray_attn` from this checkout.
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
-        init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 _system_config={"metrics_report_interval_ms": 1000})
-        started = True
+def ray_session(shared_ray):
+    """The run's one embedded Ray (tests/shared_ray.py): replicas and workers import `ray_attn`
+    from this checkout (PYTHONPATH), metrics are reported every second."""
     yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="package")
