@@ -17,6 +17,7 @@ from ray_attn.model_config import (  # noqa: F401
     ARCHITECTURES, CHECKPOINT_SHAPE_FIELDS, FAMILY_FIXED, LLAMA4_FIELDS, MOE_ARCHITECTURES, MOE_FIELDS,
     ROPE_TYPES, SUPPORTED_HEAD_SIZES, Architecture, LayerType, ModelConfig, _Strict)
 from ray_attn.presets import MODEL_PRESETS  # named model shapes; re-exported here  # noqa: F401
+from ray_attn.spec_config import SpeculativeConfig, check_speculative
 
 
 class CacheConfig(_Strict):
@@ -100,6 +101,9 @@ class EngineConfig(_Strict):
         "token more than it returns. Unset: on when the ranks run on GPUs (on CPU the forward "
         "runs on the host, so there is nothing to overlap)."))
     num_sms: Optional[int] = Field(None, gt=0, description="SM count for the cascade heuristic; taken from the workers' GPU when unset.")
+    speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
+        "Speculative decoding (vLLM's SpeculativeConfig): proposed tokens verified as multi-token "
+        "decode queries (ray_attn/spec_config.py). None: off."))
 
     @model_validator(mode="before")
     @classmethod
@@ -125,6 +129,9 @@ class EngineConfig(_Strict):
                              "describes a quantized checkpoint's tensors, and no checkpoint is given; random "
                              "weights take quantization='fp8'")
         check_runnable(self.model, self.cache, self.parallel)
+        if self.speculative_config is not None:
+            check_speculative(self.speculative_config, self.model, self.parallel.tensor_parallel_size,
+                              self.async_scheduling)
         return self
 
 

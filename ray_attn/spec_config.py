@@ -1,0 +1,132 @@
+"""Speculative decoding's configuration (vLLM's ``SpeculativeConfig`` names), validated on the driver.
+
+A proposer guesses up to ``num_speculative_tokens`` next tokens of a decoding request; the target
+model verifies them all in one step, as a query of 1 + k tokens over the paged KV (the planner
+already plans multi-token queries for chunked prefill), and rank 0's rejection sampler keeps the
+longest prefix the target agrees with plus one token of its own (``runtime/spec_decode.py``).
+
+What each method needs is checked here, and what it needs of the target in
+``check_speculative`` (called by ``EngineConfig``'s validator): a config that cannot run is
+refused before any actor starts, with the field it is about.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from ray_attn.model_config import ModelConfig, _Strict
+
+# The most draft tokens a step verifies per request.  Past ~10 even a perfect proposer gains little
+# (a step's cost grows with its query), and every draft position costs a logits row on rank 0.
+MAX_SPECULATIVE_TOKENS = 16
+# vLLM's defaults for prompt lookup when neither bound is given ("arbitrarily chosen", it says).
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+class SpeculativeConfig(_Strict):
+    method: Literal["ngram", "draft_model"] = Field("ngram", description=(
+        "'ngram': prompt lookup -- the tokens that followed the latest earlier occurrence of the "
+        "request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own "
+        "prompt and output. 'draft_model': a smaller model with the same vocabulary."))
+    num_speculative_tokens: int = Field(..., description=(
+        f"Draft tokens proposed per request and step (1..{MAX_SPECULATIVE_TOKENS}): a speculating "
+        "request is verified as a query of 1 + k tokens."))
+    prompt_lookup_min: Optional[int] = Field(None, description=(
+        f"ngram: the shortest n-gram matched (default: prompt_lookup_max, or {DEFAULT_PROMPT_LOOKUP})."))
+    prompt_lookup_max: Optional[int] = Field(None, description=(
+        f"ngram: the longest n-gram matched (default: prompt_lookup_min, or {DEFAULT_PROMPT_LOOKUP})."))
+    model: Optional[str] = Field(None, description=(
+        "draft_model: the draft's checkpoint (an HF folder or a GGUF), with the target's vocabulary."))
+    draft_model_config: Optional[ModelConfig] = Field(None, description=(
+        "draft_model: the draft's shapes; with no `model`, random weights from its seed (tests). "
+        "Read from `model` when that is given."))
+    draft_tensor_parallel_size: Optional[int] = Field(None, description=(
+        "draft_model: the draft runs on the target's ranks, so this must equal the target's "
+        "tensor_parallel_size (vLLM's name; unset means that)."))
+    disable_by_batch_size: Optional[int] = Field(None, description=(
+        "Speculate only in steps with at most this many running requests: a large batch is "
+        "compute-bound, and verifying drafts there costs more than it saves. None: always."))
+
+    @model_validator(mode="after")
+    def _check(self):
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k!r} is out of range: it must lie in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size} must be >= 1 (or None)")
+        if self.method == "ngram":
+            for name in ("model", "draft_model_config", "draft_tensor_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for method='draft_model'; method='ngram' has no draft model")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v is not None and v < 1:
+                    raise ValueError(f"{name}={v} must be >= 1")
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"prompt_lookup_min={lo} is above prompt_lookup_max={hi}")
+        else:
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for method='ngram'")
+            if self.model is None and self.draft_model_config is None:
+                raise ValueError("method='draft_model' needs the draft: model (a checkpoint) or "
+                                 "draft_model_config (random weights)")
+        return self
+
+    @property
+    def ngram_bounds(self) -> tuple[int, int]:
+        """(min, max) n-gram lengths, vLLM's defaults filled in."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            return DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
+        return (lo if lo is not None else hi), (hi if hi is not None else lo)
+
+    def draft_config(self) -> ModelConfig | None:
+        """The draft model's config: its checkpoint's, overridden by ``draft_model_config``."""
+        if self.method != "draft_model":
+            return None
+        if self.model is None:
+            return self.draft_model_config
+        from ray_attn.checkpoint import pretrained_fields
+
+        try:
+            fields = pretrained_fields(self.model)
+        except OSError as e:
+            raise ValueError(f"speculative_config.model={self.model!r}: {e}") from None
+        over = {} if self.draft_model_config is None else self.draft_model_config.model_dump(exclude_unset=True)
+        return ModelConfig(**(fields | over))
+
+
+def check_speculative(spec: SpeculativeConfig, target: ModelConfig, tp: int, async_scheduling) -> None:
+    """What speculation needs of the engine it runs in; ``ValueError`` naming the field."""
+    if async_scheduling:
+        # The engine rolls each request back to its accepted length once the step's tokens are
+        # read; under async scheduling the next step would be planned before that length is
+        # known (placeholders covering a variable number of tokens): not built yet.
+        raise ValueError("speculative_config: async_scheduling=True is not supported with speculative "
+                         "decoding yet; leave it unset (speculation turns it off) or set it False")
+    if spec.method != "draft_model":
+        return
+    draft = spec.draft_config()
+    if spec.draft_tensor_parallel_size not in (None, tp):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
+                         f"differs from tensor_parallel_size={tp}: the draft runs on the target's ranks")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft's vocab_size={draft.vocab_size} differs from the "
+                         f"target's vocab_size={target.vocab_size}: its tokens would not be the target's")
+    if draft.num_attention_heads % tp:
+        raise ValueError(f"speculative_config: tensor_parallel_size={tp} must divide the draft's "
+                         f"num_attention_heads={draft.num_attention_heads}")
+    kv = draft.num_key_value_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ValueError(f"speculative_config: tensor_parallel_size={tp} and the draft's "
+                         f"num_key_value_heads={kv} must divide one another")
+    if draft.intermediate_size % tp:
+        raise ValueError(f"speculative_config: tensor_parallel_size={tp} must divide the draft's "
+                         f"intermediate_size={draft.intermediate_size}")
+    # Everything above holds of a draft that could run; running one (its own KV shard on the
+    # target's ranks, k passes a step) is not built yet.
+    raise ValueError("speculative_config.method='draft_model' is not implemented yet; use method='ngram'")

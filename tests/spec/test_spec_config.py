@@ -1,0 +1,73 @@
+"""SpeculativeConfig (vLLM's names) and what EngineConfig refuses about it, before any actor
+starts, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ray_attn.config import EngineConfig, ModelConfig, ParallelConfig
+from ray_attn.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+
+TARGET = dict(vocab_size=384, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+def engine(spec: dict, tp: int = 1, **kw) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(**TARGET), parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
+                        speculative_config=spec, **kw)
+
+
+def refused(match: str, spec: dict, **kw) -> None:
+    with pytest.raises(ValidationError, match=match):
+        engine(spec, **kw)
+
+
+def test_ngram_defaults_are_vllms():
+    cfg = engine({"method": "ngram", "num_speculative_tokens": 3}).speculative_config
+    assert cfg.ngram_bounds == (5, 5)
+    assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4).ngram_bounds == (4, 4)
+    assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2).ngram_bounds == (2, 2)
+    assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2, prompt_lookup_max=4).ngram_bounds == (2, 4)
+
+
+@pytest.mark.parametrize("k", [0, -1, MAX_SPECULATIVE_TOKENS + 1])
+def test_k_out_of_range_is_refused(k):
+    refused("num_speculative_tokens", {"num_speculative_tokens": k})
+
+
+def test_bad_lookup_bounds_and_crossed_methods_are_refused():
+    refused("prompt_lookup_min=4 is above prompt_lookup_max=2",
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    refused("prompt_lookup_min=0", {"num_speculative_tokens": 2, "prompt_lookup_min": 0})
+    refused("model is for method='draft_model'", {"num_speculative_tokens": 2, "model": "/x"})
+    refused("needs the draft", {"method": "draft_model", "num_speculative_tokens": 2})
+    refused("disable_by_batch_size", {"num_speculative_tokens": 2, "disable_by_batch_size": 0})
+
+
+def test_async_scheduling_on_is_refused_with_speculation():
+    refused("async_scheduling", {"num_speculative_tokens": 2}, async_scheduling=True)
+    assert engine({"num_speculative_tokens": 2}, async_scheduling=False).async_scheduling is False
+
+
+def draft(**over) -> dict:
+    return TARGET | dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=256) | over
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    refused("the draft's vocab_size=512 differs from the target's vocab_size=384",
+            {"method": "draft_model", "num_speculative_tokens": 2, "draft_model_config": draft(vocab_size=512)})
+
+
+def test_a_draft_whose_heads_tp_does_not_divide_is_refused():
+    spec = {"method": "draft_model", "num_speculative_tokens": 2,
+            "draft_model_config": draft(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)}
+    refused("tensor_parallel_size=2 must divide the draft's num_attention_heads=3", spec, tp=2)
+    refused("draft_tensor_parallel_size=1 differs from tensor_parallel_size=2",
+            {**spec, "draft_model_config": draft(), "draft_tensor_parallel_size": 1}, tp=2)
+
+
+def test_a_valid_draft_model_is_refused_until_it_runs():
+    refused("draft_model' is not implemented yet",
+            {"method": "draft_model", "num_speculative_tokens": 2, "draft_model_config": draft()})
