@@ -1,0 +1,2 @@
+"""Speculative decoding on the driver: proposers (``ngram``) and the engine's bookkeeping around
+the steps that verify their drafts (``decoder``)."""
