@@ -16,6 +16,12 @@ HTTP API (FastAPI ingress):
   GET  /health        200 when the engine loop runs and every worker answers its ping, else 503
                       (the latest ping's answer: a poll never waits on one, ``serve/health.py``)
   GET  /stats         KV blocks, prefix-cache hit rate, cascade rate, steps/s, tokens/s, queue depth
+  POST /admin/reload_api_keys  re-read the key files now (admin key; off unless one is configured)
+
+With API keys configured every route but /health needs ``Authorization: Bearer <key>``
+(``ray_attn/serve/auth.py``), checked before anything else -- admission counts, body reads --
+happens; every request gets an id (``X-Request-Id``) and a log line (``request_log.py``), and
+spans when tracing is on (``tracing.py``).
 
 Request bodies are read with a byte cap and a deadline and parsed as JSON by pydantic (strict,
 unknown fields forbidden on /v1/generate; logged and ignored on the OpenAI routes unless
@@ -35,6 +41,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 
 from ray_attn.serve.admission import Admission, AdmissionMiddleware
+from ray_attn.serve.auth import Auth, AuthMiddleware
 from ray_attn.serve.generate import generate
 from ray_attn.serve.health import ReplicaHealth
 from ray_attn.serve.http import HTTPError, error_responses, install_error_handlers
@@ -49,6 +56,7 @@ from ray_attn.serve.openai.responses import ModelList
 from ray_attn.serve.openai.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                             TokenizeCompletionRequest, TokenizeResponse, detokenize, tokenize)
 from ray_attn.serve.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
+from ray_attn.serve.request_log import ObservedLoop, RequestLog, RequestMiddleware
 from ray_attn.serve.scaling import scaling_options
 from ray_attn.serve.schemas import GenerateRequest, GenerateResponse, HealthResponse, ServeAppConfig, StatsResponse
 
@@ -78,8 +86,34 @@ def _replica_admission() -> Optional[Admission]:
         return None
 
 
+def _replica_server():
+    """The replica's LLMServer, or None outside a replica.  Unlike admission, a replica without
+    its ``auth`` is an error (500), never a server left open."""
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().servable_object
+    except RayServeException:
+        return None
+
+
+def _replica_auth() -> Optional[Auth]:
+    server = _replica_server()
+    return None if server is None else server.auth
+
+
+def _replica_requests() -> Optional[RequestLog]:
+    server = _replica_server()
+    return None if server is None else server.requests
+
+
 # ``@serve.ingress`` freezes a copy of the app: its middleware and handlers must be in place first.
+# Each add_middleware wraps the ones before it, so a request meets them in the reverse order:
+# its id and log line first (every answer has them), then the key check, then admission -- a
+# request without a valid key is never counted, and its body is never read.
 fastapi_app.add_middleware(AdmissionMiddleware, gate_of=_replica_admission)
+fastapi_app.add_middleware(AuthMiddleware, auth_of=_replica_auth)
+fastapi_app.add_middleware(RequestMiddleware, log_of=_replica_requests)
 install_error_handlers(fastapi_app)
 
 
@@ -91,6 +125,8 @@ class LLMServer:
         from ray_attn.engine import LLMEngine
 
         self.cfg = ServeAppConfig.model_validate(app_config)
+        # First: a key file that cannot be read stops the replica before any worker starts.
+        self.auth = Auth.from_config(self.cfg)
         engine_cfg: EngineConfig = self.cfg.engine
         self.tokenizer = self._load_tokenizer(self.cfg.tokenizer_folder(), engine_cfg.model.vocab_size)
         if self.tokenizer is not None and not engine_cfg.model.eos_token_ids \
@@ -113,11 +149,17 @@ class LLMServer:
         # handle_http names its replica, so per-replica /stats can be told apart.
         self.replica_header = (REPLICA_HEADER, replica.encode())
         self.metrics = RayMetricsHooks(replica)
+        self.auth.on_refused = self.metrics.on_rejected
+        # Serve's proxy answers X-Request-ID itself (request_log.py): the app adds it only
+        # when its id is not the one the proxy will send.
+        self.requests = RequestLog.from_config(self.cfg, self.tokenizer, proxy_echoes_id=True)
         self.admission = Admission(self.cfg.connection_limit, self.cfg.client_limit, self.cfg.retry_after_s,
                                    self.cfg.body_timeout_s, on_refused=self.metrics.on_rejected)
-        self.loop = EngineLoop(self.engine, self.cfg.max_in_flight, hooks=self.metrics,
-                               request_id_prefix=f"{replica}-{uuid.uuid4().hex[:6]}").start()
-        self.health_state = ReplicaHealth(self.loop, self.engine, self.executor, self.cfg.step_timeout_s,
+        # The handlers submit through ObservedLoop: engine ids named after the HTTP request's
+        # id, tokens counted for its log line and spans.
+        self.loop = ObservedLoop(EngineLoop(self.engine, self.cfg.max_in_flight, hooks=self.metrics,
+                                            request_id_prefix=f"{replica}-{uuid.uuid4().hex[:6]}").start())
+        self.health_state = ReplicaHealth(self.loop.inner, self.engine, self.executor, self.cfg.step_timeout_s,
                                           self.cfg.health_ping_timeout_s)
         self.vocab_size = engine_cfg.model.vocab_size
         log.info("ray_attn replica %s ready: TP=%d, %d KV blocks, kernel %s, capacity %d requests",
@@ -165,6 +207,9 @@ class LLMServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        tracing = getattr(getattr(self, "requests", None), "tracing", None)
+        if tracing is not None:
+            tracing.shutdown()  # export the spans still buffered
         ex = getattr(self, "executor", None)
         if ex is not None:
             try:
@@ -199,6 +244,16 @@ class LLMServer:
     @fastapi_app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics(self):
         return PlainTextResponse(self.metrics.registry.render(), media_type=PROMETHEUS_TYPE)
+
+    @fastapi_app.post("/admin/reload_api_keys", responses=error_responses(401, 404))
+    async def reload_api_keys(self):
+        """Re-read the key files now (they are also re-read within a second of changing):
+        a leaked key dropped from its file stops working at once.  Answers the counts only."""
+        if not self.auth.admin.configured:  # the middleware answers 404 first; this is its twin
+            return HTTPError(404, [("path", "path: /admin/reload_api_keys does not exist")]).response()
+        self.auth.api.reload()
+        self.auth.admin.reload()
+        return {"api_keys": len(self.auth.api.keys()), "admin_api_keys": len(self.auth.admin.keys())}
 
     @fastapi_app.get("/v1/models", response_model=ModelList)
     async def models(self):

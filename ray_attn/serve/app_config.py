@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from ray_attn.structured_output import StructuredOutputsConfig
@@ -83,7 +83,9 @@ class PrefixRouterConfig(BaseModel):
 class ServeAppConfig(BaseModel):
     """The ``args:`` of the Serve app (``ray_attn.serve.app:build_app``): the engine plus the HTTP limits."""
 
-    model_config = ConfigDict(extra="forbid")
+    # It may hold API keys: a validation error names the field, never the value it was given
+    # (pydantic's own message would print a misspelt `api_key: sk-...` whole).
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     engine: EngineConfig = Field(default_factory=default_engine_config,
                                  description="The engine each replica runs (model, KV cache, TP layout).")
@@ -186,6 +188,55 @@ class ServeAppConfig(BaseModel):
                                                             "check_health (a hung rank or collective).")
     health_ping_timeout_s: float = Field(10.0, gt=0, description="How long check_health waits for the "
                                                                  "workers' ping.")
+
+    # -- exposing the server (ray_attn/serve/auth.py, request_log.py, tracing.py; docs/serving.md)
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="Keys a request may send as `Authorization: Bearer <key>` "
+        "(vLLM's --api-key); several may be valid at once, for rotation. Once any key is configured "
+        "(here, api_key_file or api_key_env), every route but /health needs one (401 + "
+        "WWW-Authenticate: Bearer). Keys written here travel in the app's config: prefer the file "
+        "or the environment variable.")
+    api_key_file: Optional[str] = Field(
+        None, description="A file of keys, one per line ('#' comments), read on the replica's node "
+                          "and re-read when it changes (rotation without a restart).")
+    api_key_env: Optional[str] = Field(
+        "RAY_ATTN_API_KEY", description="An environment variable of the replica's process holding "
+                                        "keys, comma-separated (vLLM's VLLM_API_KEY); null: none.")
+    admin_api_keys: list[SecretStr] = Field(
+        default_factory=list, description="Keys of the admin routes (/admin/...), which are off (404) "
+                                          "unless an admin key is configured; an API key does not open them.")
+    admin_api_key_file: Optional[str] = Field(None, description="A file of admin keys, as api_key_file.")
+    admin_api_key_env: Optional[str] = Field(
+        "RAY_ATTN_ADMIN_API_KEY", description="An environment variable holding admin keys, comma-separated.")
+    admin_root: Optional[str] = Field(
+        None, description="The folder under which every path an admin route takes must lie (no '..', "
+                          "no symlink out of it): adapter files, once they can be loaded.")
+    public_metrics: bool = Field(
+        False, description="With API keys: answer /metrics and /stats without a key (a scraper on a "
+                           "private network). Default: they need a key like every route but /health.")
+    log_requests: Literal["off", "summary", "full"] = Field(
+        "summary", description="One log line per request: id, client address, status, tokens in and "
+                               "out, time ('summary'); also the prompt and the output ('full'); none "
+                               "('off', vLLM's --disable-log-requests).")
+    otlp_traces_endpoint: Optional[str] = Field(
+        None, description="Send OpenTelemetry spans per request (queue, prefill, decode, resume) to "
+                          "this OTLP/HTTP endpoint, e.g. http://localhost:4318 (pip install "
+                          "'ray_attn[otel]'). Default: no tracing, at no cost.")
+
+    @field_serializer("api_keys", "admin_api_keys")
+    def _reveal(self, keys: list[SecretStr]) -> list[str]:
+        # A dump is how the config reaches the replicas (build_app binds it); only reprs and
+        # errors mask the keys.  A masked dump read back would make '**********' a key.
+        return [k.get_secret_value() for k in keys]
+
+    @field_validator("api_keys", "admin_api_keys")
+    @classmethod
+    def _check_keys(cls, keys: list[SecretStr], info) -> list[SecretStr]:
+        from ray_attn.serve.auth import check_key
+
+        for i, k in enumerate(keys):
+            check_key(k.get_secret_value(), f"{info.field_name}[{i}]")
+        return keys
 
     @model_validator(mode="after")
     def _check(self):

@@ -35,6 +35,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="resume a request whose replica was lost on another one (resume_requests)")
     p.add_argument("--replica-resource", default=None,
                    help="a custom node resource each replica takes one unit of, to spread replicas over nodes")
+    # Exposing it (docs/serving.md, "Exposing the server"): as vLLM's flags.
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' on every route but "
+                        "/health; repeat for several (rotation). Visible in `ps`: prefer "
+                        "RAY_ATTN_API_KEY or --api-key-file")
+    p.add_argument("--api-key-file", default=None, help="a file of keys, one per line, re-read when it changes")
+    p.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                   help="a key of the admin routes (/admin/...), which are off without one")
+    p.add_argument("--admin-api-key-file", default=None, help="a file of admin keys")
+    p.add_argument("--public-metrics", action="store_true", default=None,
+                   help="with keys: /metrics and /stats answer without one")
+    p.add_argument("--log-requests", choices=["off", "summary", "full"], default=None,
+                   help="one log line per request (summary: no prompt or output; full: with them)")
+    p.add_argument("--disable-log-requests", action="store_true", help="as vLLM's: --log-requests off")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OpenTelemetry spans per request to this OTLP/HTTP endpoint (http://host:4318)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
@@ -90,12 +106,24 @@ def serve_config(args):
         engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
         app.setdefault("replica_num_cpus", 0.5)
     app["engine"] = engine
+    log_requests = "off" if getattr(args, "disable_log_requests", False) else getattr(args, "log_requests", None)
     for key, value in (("tokenizer", args.tokenizer), ("served_model_name", args.served_model_name),
                        ("num_replicas", args.num_replicas), ("resume_requests", args.resume_requests),
-                       ("replica_resource", args.replica_resource)):
+                       ("replica_resource", args.replica_resource),
+                       ("api_keys", getattr(args, "api_key", None)), ("api_key_file", getattr(args, "api_key_file", None)),
+                       ("admin_api_keys", getattr(args, "admin_api_key", None)),
+                       ("admin_api_key_file", getattr(args, "admin_api_key_file", None)),
+                       ("public_metrics", getattr(args, "public_metrics", None)), ("log_requests", log_requests),
+                       ("otlp_traces_endpoint", getattr(args, "otlp_traces_endpoint", None))):
         if value:
             app[key] = value
     return ServeAppConfig.model_validate(app)
+
+
+def keyed(cfg: ServeAppConfig) -> bool:
+    """Whether the replicas will require a key (the environment variable as this process sees
+    it: a Ray started here passes it on)."""
+    return bool(cfg.api_keys or cfg.api_key_file or (cfg.api_key_env and os.environ.get(cfg.api_key_env, "").strip()))
 
 
 def run(args) -> int:
@@ -109,6 +137,9 @@ def run(args) -> int:
     from ray_attn.serve.status import DeployReporter
 
     cfg = serve_config(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keyed(cfg):
+        print(f"ray_attn: WARNING: serving on {args.host} without an API key: anyone who reaches "
+              f"port {args.port} can generate (set RAY_ATTN_API_KEY or --api-key-file)", flush=True)
     started = not ray.is_initialized()
     # Without --address, a Ray of our own ("local"): a bare ray.init() joins any cluster another
     # user started on this machine.

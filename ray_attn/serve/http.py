@@ -145,10 +145,15 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     return HTTPError(422, errors).response()
 
 
-def _server_error(request: Request, exc: Exception) -> JSONResponse:
-    # No exception text: it may hold internals.  Starlette logs the traceback after this answer.
+def server_error(exc: Exception) -> HTTPError:
+    # No exception text: it may hold internals (a header, a path).  The traceback goes to the log.
     return HTTPError(500, [("server", f"server: internal error ({type(exc).__name__}); "
-                                      f"see the replica's log")]).response()
+                                      f"see the replica's log")])
+
+
+def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette logs the traceback after this answer.
+    return server_error(exc).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -16,6 +16,13 @@ Prompts are read from ``prompt_token_ids``, a ``prompt`` given as token ids, a t
 chat ``messages``.  Text is hashed by UTF-8 chunks of ``4 * block_size`` bytes (no tokenizer
 here): equal text prefixes still meet on one replica.  A body with no prompt (``/stats``,
 ``/health``, malformed JSON) routes by load alone.
+
+The front checks the API key itself, before it reads a byte of the body (``auth.py``, from the
+same app config as the replicas): it reads whole bodies, so an unauthenticated flood must stop
+here, not at the replica.  The replica checks the forwarded ``Authorization`` header again.  The
+front also fixes the request's id in the forwarded headers (``request_log.py``), so that every
+replica a resumed request runs on names it the same, and -- with tracing on -- gives a request
+without a ``traceparent`` one, so that their spans join one trace.
 """
 
 import asyncio
@@ -32,7 +39,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ray_attn.planner.block_pool import prompt_hashes
+from ray_attn.serve.auth import Auth
 from ray_attn.serve.http import HTTPError
+from ray_attn.serve.request_log import request_id_of, with_request_id
 from ray_attn.serve.resume import EXTENSION, StreamProgress
 from ray_attn.serve.schemas import ServeAppConfig
 
@@ -287,7 +296,11 @@ def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
 @serve.deployment(name="PrefixRoutingIngress")
 class PrefixRoutingIngress:
     def __init__(self, llm_server, block_size: int, max_body_bytes: int, retry_after_s: int,
-                 resume_requests: bool = False, max_attempts: int = 1, retry_timeout_s: float = 60.0):
+                 resume_requests: bool = False, max_attempts: int = 1, retry_timeout_s: float = 60.0,
+                 app_config: Optional[dict] = None):
+        cfg = ServeAppConfig.model_validate(app_config or {})
+        self.auth = Auth.from_config(cfg)  # the replicas' keys, read in this process
+        self.traced = cfg.otlp_traces_endpoint is not None
         self.llm = llm_server.options(stream=True, method_name="handle_http")
         self.block_size = block_size
         self.max_body_bytes = max_body_bytes
@@ -297,6 +310,9 @@ class PrefixRoutingIngress:
         self.retry_timeout_s = retry_timeout_s
 
     async def __call__(self, request: Request) -> Response:
+        refusal = self.auth.check(request.scope)
+        if refusal is not None:  # before the body: a flood without a key costs no reads
+            return refusal.response()
         limit = self.max_body_bytes
         cl = request.headers.get("content-length", "")
         chunks, size = [], int(cl) if cl.isdigit() else 0
@@ -311,7 +327,13 @@ class PrefixRoutingIngress:
             return _json_error(413, "body", f"body: larger than the limit of {limit} bytes "
                                             f"(max_body_bytes)")
         body = b"".join(chunks)
-        routed = RoutedHTTPRequest(forwarded_scope(request.scope), body,
+        scope = forwarded_scope(request.scope)
+        scope = with_request_id(scope, request_id_of(scope)[0])  # one id for every attempt
+        if self.traced and not any(k == b"traceparent" for k, _ in scope["headers"]):
+            from ray_attn.serve.tracing import new_traceparent
+
+            scope["headers"].append((b"traceparent", new_traceparent().encode()))
+        routed = RoutedHTTPRequest(scope, body,
                                    prefix_block_hashes(body, self.block_size), resumable=self.resume_requests)
         return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts,
                                retry_timeout_s=self.retry_timeout_s)
@@ -329,7 +351,8 @@ def build_routed_app(cfg: ServeAppConfig, llm_server):
         max_ongoing_requests=front.ingress_max_ongoing_requests,
     ).bind(llm, block_size=cfg.engine.cache.block_size, max_body_bytes=cfg.max_body_bytes,
            retry_after_s=cfg.retry_after_s, resume_requests=cfg.resume_requests,
-           max_attempts=cfg.max_request_attempts, retry_timeout_s=cfg.retry_timeout_s)
+           max_attempts=cfg.max_request_attempts, retry_timeout_s=cfg.retry_timeout_s,
+           app_config=cfg.model_dump(mode="json"))
 
 
 __all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "build_routed_app",

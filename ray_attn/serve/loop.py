@@ -116,10 +116,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
-    def submit(self, prompt_token_ids: Sequence[int], params, sink: Sink, output_token_ids: Sequence[int] = ()) -> str:
+    def submit(self, prompt_token_ids: Sequence[int], params, sink: Sink, output_token_ids: Sequence[int] = (),
+               request_id: str | None = None) -> str:
         """Queue a request; its events go to ``sink``.  Raises QueueFull or LoopDead at once.
         ``output_token_ids``: the outputs so far of a request resumed from a lost replica
-        (``LLMEngine.add_request``)."""
+        (``LLMEngine.add_request``).  The engine's id is ``<request_id>-<n>`` (the HTTP
+        request's id, ``serve/request_log.py``), else ``<request_id_prefix>-<n>``: n is unique
+        in this loop, so two HTTP requests with one id never collide."""
         if not self.alive:
             raise LoopDead(self._dead_reason())
         with self._lock:
@@ -128,7 +131,7 @@ class EngineLoop:
                 raise QueueFull(f"{self._in_flight} requests in flight (limit {self.max_in_flight})")
             self._in_flight += 1
             self._pending_adds += 1
-            rid = f"{self._prefix}-{next(self._ids)}"
+            rid = f"{request_id or self._prefix}-{next(self._ids)}"
         self._inbox.append(("add", rid, list(prompt_token_ids), params, sink, list(output_token_ids)))
         self._wake.set()
         return rid

@@ -1,13 +1,13 @@
 """``POST /v1/chat/completions``: messages rendered by the tokenizer's own chat template."""
 
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ray_attn.serve import resume as resuming
 from ray_attn.serve.http import HTTPError, read_body
+from ray_attn.serve.request_log import current_request_id
 from ray_attn.serve.openai.logprobs import prompt_logprobs_json
 from ray_attn.serve.openai.protocol import ChatCompletionRequest
 from ray_attn.serve.openai.structured import compile_structured, structured_spec
@@ -86,7 +86,8 @@ async def create_chat_completion(server, request: Request):
     # not resumed (the front ends it with an error event if its replica is lost).
     ctx = resuming.context(request) if req.stream and mode is None else resuming.NOT_RESUMABLE
     await choices.submit(ctx.resume)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    # vLLM's id with request id headers: the HTTP request's (X-Request-Id, request_log.py)
+    rid, created = f"chatcmpl-{current_request_id()}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
     if req.stream:
         streams = {c.index: ToolCallStream(parser, mode) for c in choices.choices} if mode else {}

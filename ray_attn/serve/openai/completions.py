@@ -2,13 +2,13 @@
 
 import dataclasses
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ray_attn.serve import resume as resuming
 from ray_attn.serve.http import HTTPError, read_body
+from ray_attn.serve.request_log import current_request_id
 from ray_attn.serve.openai.logprobs import prompt_entries, prompt_logprobs_json, token_chars
 from ray_attn.serve.openai.protocol import CompletionRequest
 from ray_attn.serve.openai.structured import compile_structured, structured_spec
@@ -53,7 +53,8 @@ async def create_completion(server, request: Request):
     choices = build_choices(server, req, prompts, max_tokens, req.logprobs, prompt_k, spec)
     ctx = resuming.context(request) if req.stream else resuming.NOT_RESUMABLE
     await choices.submit(ctx.resume)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    # vLLM's id with request id headers: the HTTP request's (X-Request-Id, request_log.py)
+    rid, created = f"cmpl-{current_request_id()}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}
     with_ids = req.return_token_ids or server.tokenizer is None
     echo = _Echo(server, req, raw)
