@@ -1,5 +1,7 @@
 """The simulated multi-node cluster of ``scripts/simcluster.py`` for these tests, and their time
-limit.  Every test here starts and stops its own cluster; none uses ``ray stop``."""
+limit.  One cluster serves every module here (``sim_cluster``): starting one (a head and two
+worker raylets) costs 10-20 s on two cores.  A test that removes worker nodes leaves the rest;
+the next user gets the worker nodes it asks for added back.  None uses ``ray stop``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,59 @@ from simcluster import (  # noqa: E402
     FRONT_RESOURCE, REPLICA_RESOURCE, SimCluster, replica_nodes, start_cluster, stop_cluster, wait_replicas)
 
 __all__ = ["FRONT_RESOURCE", "REPLICA_RESOURCE", "SimCluster", "replica_nodes", "start_cluster",
-           "stop_cluster", "wait_replicas"]
+           "stop_cluster", "wait_replicas", "REPLICA_CPUS"]
+
+# Each worker node's CPUs: one TP=2 Serve replica (its bundle + 0.5 per rank), or one batch
+# engine replica of 1 CPU.  The replica resource (one unit per node) keeps it to one replica.
+REPLICA_CPUS = 2.0
+
+
+class SharedSim:
+    """The package's one SimCluster, started on first use, torn down with the package."""
+
+    def __init__(self):
+        self.sim: SimCluster | None = None
+        self.restore_shared_ray = False
+
+    def get(self, workers: int = 2) -> SimCluster:
+        """The cluster with (at least) ``workers`` worker nodes alive."""
+        if self.sim is None:
+            from tests import shared_ray
+
+            # The run's local Ray is shut down for it (one Ray per driver), and started again after.
+            if shared_ray.is_ours():
+                shared_ray.shutdown()
+                self.restore_shared_ray = True
+            self.sim = start_cluster(num_replica_nodes=workers, replica_cpus=REPLICA_CPUS)
+        while len(self.sim.workers) < workers:
+            self.sim.add_replica_node()
+        return self.sim
+
+    def discard(self) -> None:
+        """Stop the cluster outright: every process of every node is killed, Serve's with them.
+        (``serve.shutdown()`` first waits for replicas to stop gracefully: over 20 s once the
+        nodes of some are gone and Serve retries their replacements.)"""
+        import ray
+
+        if self.sim is not None:
+            sim, self.sim = self.sim, None
+            try:
+                ray.shutdown()
+            finally:
+                sim.cluster.shutdown()
+
+
+@pytest.fixture(scope="package")
+def sim_cluster():
+    shared = SharedSim()
+    try:
+        yield shared
+    finally:
+        shared.discard()
+        if shared.restore_shared_ray:
+            from tests import shared_ray
+
+            shared_ray.ensure()
 
 
 @pytest.fixture

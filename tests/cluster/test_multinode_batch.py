@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.conftest import REPLICA_RESOURCE, start_cluster, stop_cluster
+from tests.cluster.conftest import REPLICA_RESOURCE
 from tests.serve.helpers import engine_config
 from tests.timescale import scaled
 
@@ -23,7 +23,7 @@ def items(n: int = 24):
     return out
 
 
-def test_a_node_lost_mid_run_loses_and_repeats_no_record(time_limit):
+def test_a_node_lost_mid_run_loses_and_repeats_no_record(sim_cluster, time_limit):
     import ray
 
     from ray_attn.engine import LLMEngine
@@ -36,7 +36,7 @@ def test_a_node_lost_mid_run_loses_and_repeats_no_record(time_limit):
     want = {key: o.output_token_ids for (key, _, _), o in zip(
         items(), ref_engine.generate([p for _, p, _ in items()], [sp for _, _, sp in items()]))}
 
-    sim = start_cluster(num_replica_nodes=2, replica_cpus=1.0)
+    sim = sim_cluster.get(workers=2)
     pool = None
     try:
         pool = EnginePool(cfg, 2, executor="in_process", replica_num_cpus=1.0, max_in_flight=3,
@@ -63,4 +63,3 @@ def test_a_node_lost_mid_run_loses_and_repeats_no_record(time_limit):
     finally:
         if pool is not None:
             pool.shutdown()
-        stop_cluster(sim)

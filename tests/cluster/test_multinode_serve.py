@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.conftest import FRONT_RESOURCE, REPLICA_RESOURCE, replica_nodes, start_cluster, stop_cluster, wait_replicas
+from tests.cluster.conftest import REPLICA_CPUS, FRONT_RESOURCE, REPLICA_RESOURCE, replica_nodes, wait_replicas
 from tests.serve.helpers import engine_config, openai_text, sse_events, tokens_of
 from tests.timescale import scaled
 
@@ -26,24 +26,24 @@ pytestmark = pytest.mark.slow
 APP, ROUTE = "multinode", "/mn"
 TP = 2
 APP_ARGS: dict = {}  # the app's args, set by the fixture
-REPLICA_CPUS = 1 + TP * 0.5  # the replica's bundle + one per rank (a node has whole CPUs)
+assert REPLICA_CPUS >= 1 + TP * 0.5  # a node holds the replica's bundle and its ranks' (0.5 each)
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(sim_cluster):
     from ray import serve
 
     from ray_attn.serve.app import build_app
     from tests.serve.conftest import free_port
 
-    sim = start_cluster(num_replica_nodes=2, replica_cpus=REPLICA_CPUS)
+    sim = sim_cluster.get(workers=2)
     try:
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         eng = engine_config(tp=TP, max_num_seqs=8)
         args = dict(engine=eng.model_dump(mode="json"), executor="ray", replica_num_cpus=1.0,
                     num_replicas=2, replica_resource=REPLICA_RESOURCE, resume_requests=True,
-                    max_request_attempts=4, retry_timeout_s=scaled(20.0), max_tokens_limit=256, max_connections=128,
+                    max_request_attempts=4, retry_timeout_s=scaled(10.0), max_tokens_limit=256, max_connections=128,
                     max_requests_per_client=128, health_check_period_s=1.0,
                     prefix_router={"ingress_resources": {FRONT_RESOURCE: 0.01}},
                     health_check_timeout_s=scaled(10.0), health_ping_timeout_s=scaled(5.0))
@@ -52,7 +52,10 @@ def app():
         APP_ARGS.update(args)
         yield sim, f"http://127.0.0.1:{port}{ROUTE}"
     finally:
-        stop_cluster(sim)
+        if sim.workers:
+            serve.shutdown()
+        else:  # every node gone (the last test): Serve would wait for replicas no node can hold
+            sim_cluster.discard()
 
 
 def worker_nodes_of_ranks() -> dict[str, set[str]]:
