@@ -105,7 +105,7 @@ async def drive(url: str, bodies: list[dict], clients: int, timeout: float):
             out = r.json()
             lat.append(time.perf_counter() - t0)
             tokens += len(out["token_ids"])
-            placed[out["id"].rsplit("-", 2)[0]] += 1  # ids start with the replica's tag
+            placed[r.headers["x-replica-id"]] += 1  # the replica that ran it
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=clients)) as c:

@@ -107,6 +107,26 @@ def _replica_requests() -> Optional[RequestLog]:
     return None if server is None else server.requests
 
 
+class ReplicaHeaderMiddleware:
+    """Names the replica (``X-Replica-Id``) on every answer, behind the front or not: engine ids
+    are the HTTP request's own (``request_log.py``), so only this says who ran a request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        server = _replica_server()
+        if scope["type"] != "http" or server is None:
+            return await self.app(scope, receive, send)
+
+        async def named(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), server.replica_header])
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
 # ``@serve.ingress`` freezes a copy of the app: its middleware and handlers must be in place first.
 # Each add_middleware wraps the ones before it, so a request meets them in the reverse order:
 # its id and log line first (every answer has them), then the key check, then admission -- a
@@ -114,6 +134,7 @@ def _replica_requests() -> Optional[RequestLog]:
 fastapi_app.add_middleware(AdmissionMiddleware, gate_of=_replica_admission)
 fastapi_app.add_middleware(AuthMiddleware, auth_of=_replica_auth)
 fastapi_app.add_middleware(RequestMiddleware, log_of=_replica_requests)
+fastapi_app.add_middleware(ReplicaHeaderMiddleware)
 install_error_handlers(fastapi_app)
 
 
@@ -223,9 +244,7 @@ class LLMServer:
         """This replica's HTTP app on a request the prefix-aware front forwarded over a handle
         (``ingress.py``), its ASGI messages yielded back as the app sends them."""
         async for message in run_asgi(self.app, request.scope_for_app(), request.body):
-            if message.get("type") == "http.response.start":
-                message = dict(message, headers=[*message.get("headers", ()), self.replica_header])
-            yield message
+            yield message  # ReplicaHeaderMiddleware has named the replica
 
     @fastapi_app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(self):

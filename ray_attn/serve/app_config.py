@@ -15,6 +15,25 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, 
 from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from ray_attn.structured_output import StructuredOutputsConfig
 
+# A credential longer than this is refused without comparing it: no key is that long, and a
+# client may send a 1 MB header (uvicorn's httptools parser lets one through to the app).
+MAX_KEY_CHARS = 512
+
+
+def check_key(key: str, where: str) -> str:
+    """``key`` if a client could send it as a bearer token: visible ASCII without spaces (HTTP
+    strips surrounding whitespace from a header, so a key that holds some could never match).
+    The error names where the key came from, never the key."""
+    if not key:
+        raise ValueError(f"{where}: empty key")
+    if len(key) > MAX_KEY_CHARS:
+        raise ValueError(f"{where}: a key longer than {MAX_KEY_CHARS} characters")
+    if not all("\x21" <= c <= "\x7e" for c in key):
+        raise ValueError(f"{where}: a key may hold only visible ASCII characters, no spaces "
+                         f"(HTTP strips surrounding whitespace: such a key could never match)")
+    return key
+
+
 # ------------------------------------------------------------------------------------- app config
 def default_engine_config() -> EngineConfig:
     """A small random-weight model with two real TP workers on CPU: light enough for 2 cores."""
@@ -232,8 +251,6 @@ class ServeAppConfig(BaseModel):
     @field_validator("api_keys", "admin_api_keys")
     @classmethod
     def _check_keys(cls, keys: list[SecretStr], info) -> list[SecretStr]:
-        from ray_attn.serve.auth import check_key
-
         for i, k in enumerate(keys):
             check_key(k.get_secret_value(), f"{info.field_name}[{i}]")
         return keys

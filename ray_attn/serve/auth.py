@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ray_attn.serve.admission import route_path
+from ray_attn.serve.app_config import MAX_KEY_CHARS, check_key
 from ray_attn.serve.http import HTTPError
 
 log = logging.getLogger("ray.serve")
@@ -41,24 +42,7 @@ log = logging.getLogger("ray.serve")
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATHS = frozenset({"/metrics", "/stats"})
 ADMIN_PREFIX = "/admin"
-# A credential longer than this is refused without comparing it: no key is that long, and a
-# client may send a 1 MB header (uvicorn's httptools parser lets one through to the app).
-MAX_KEY_CHARS = 512
 RELOAD_EVERY_S = 1.0
-
-
-def check_key(key: str, where: str) -> str:
-    """``key`` if a client could send it as a bearer token: visible ASCII without spaces (HTTP
-    strips surrounding whitespace from a header, so a key that holds some could never match).
-    The error names where the key came from, never the key."""
-    if not key:
-        raise ValueError(f"{where}: empty key")
-    if len(key) > MAX_KEY_CHARS:
-        raise ValueError(f"{where}: a key longer than {MAX_KEY_CHARS} characters")
-    if not all("\x21" <= c <= "\x7e" for c in key):
-        raise ValueError(f"{where}: a key may hold only visible ASCII characters, no spaces "
-                         f"(HTTP strips surrounding whitespace: such a key could never match)")
-    return key
 
 
 def env_keys(name: Optional[str]) -> list[str]:

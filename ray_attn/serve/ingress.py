@@ -36,12 +36,12 @@ import numpy as np
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ray_attn.planner.block_pool import prompt_hashes
 from ray_attn.serve.auth import Auth
 from ray_attn.serve.http import HTTPError
-from ray_attn.serve.request_log import request_id_of, with_request_id
+from ray_attn.serve.request_log import RequestLog, request_id_of, with_request_id
 from ray_attn.serve.resume import EXTENSION, StreamProgress
 from ray_attn.serve.schemas import ServeAppConfig
 
@@ -202,9 +202,12 @@ class RelayedResponse(Response):
       add to the queue."""
 
     def __init__(self, call, routed: RoutedHTTPRequest, retry_after_s: int, max_attempts: int = 1,
-                 retry_delay_s: float = 0.5, retry_timeout_s: float = 60.0):
+                 retry_delay_s: float = 0.5, retry_timeout_s: float = 60.0, request_id: Optional[bytes] = None):
         self.call, self.routed = call, routed
         self.retry = [(b"retry-after", str(retry_after_s).encode())]
+        # The id the front gave a request whose own X-Request-Id it could not use: Serve's proxy
+        # echoes the client's, so the answer names the one the replicas used too.
+        self.id_header = [(b"x-request-id", request_id)] if request_id else []
         self.max_attempts, self.retry_delay_s, self.retry_timeout_s = max_attempts, retry_delay_s, retry_timeout_s
         self.background = None
         self.attempts = 0
@@ -222,6 +225,8 @@ class RelayedResponse(Response):
                         if started:
                             continue  # a resumed stream: the client has its headers already
                         started = True
+                        if self.id_header:
+                            message = dict(message, headers=[*message.get("headers", ()), *self.id_header])
                         stream = _is_event_stream(message)
                     elif kind == "http.response.body" and stream and routed.resumable:
                         message = dict(message, body=progress.feed(message.get("body", b"")))
@@ -230,12 +235,13 @@ class RelayedResponse(Response):
             except _NoReplica as e:
                 if started:
                     return await self._end_stream(send, "replica", f"replica: {e}; retry the request")
-                return await _send_error(send, 503, "replica", f"replica: {e}; retry later", self.retry)
+                return await _send_error(send, 503, "replica", f"replica: {e}; retry later",
+                                         self.retry + self.id_header)
             except BackPressureError as e:
                 if started:
                     return await self._end_stream(send, "queue", f"queue: every replica is at capacity ({e})")
                 return await _send_error(send, 503, "queue", f"queue: every replica is at capacity ({e}); "
-                                                             f"retry later", self.retry)
+                                                             f"retry later", self.retry + self.id_header)
             except Exception as e:  # noqa: BLE001 - a replica died under the request
                 what = f"{type(e).__name__}"
                 resumable = not started or (stream and routed.resumable and progress.state.head)
@@ -244,7 +250,7 @@ class RelayedResponse(Response):
                 if self.attempts >= self.max_attempts or not resumable:
                     if not started:
                         return await _send_error(send, 503, "replica", f"replica: request failed ({what}); "
-                                                                       f"retry later", self.retry)
+                                                                       f"retry later", self.retry + self.id_header)
                     if not stream:
                         raise
                     return await self._end_stream(send, "replica", f"replica: lost mid-stream ({what}) and "
@@ -287,10 +293,6 @@ def _is_event_stream(start: dict) -> bool:
                for k, v in start.get("headers", ()))
 
 
-def _json_error(status: int, field_name: str, detail: str) -> JSONResponse:
-    return HTTPError(status, [(field_name, detail)]).response()
-
-
 # A plain deployment (no @serve.ingress): Serve allows one FastAPI/ASGI deployment per app, and
 # that is the LLMServer.  Serve hands __call__ a starlette Request for every path.
 @serve.deployment(name="PrefixRoutingIngress")
@@ -300,6 +302,8 @@ class PrefixRoutingIngress:
                  app_config: Optional[dict] = None):
         cfg = ServeAppConfig.model_validate(app_config or {})
         self.auth = Auth.from_config(cfg)  # the replicas' keys, read in this process
+        # the lines of the requests it answers itself; Serve's proxy sends their X-Request-ID
+        self.requests = RequestLog.from_config(cfg, proxy_echoes_id=True)
         self.traced = cfg.otlp_traces_endpoint is not None
         self.llm = llm_server.options(stream=True, method_name="handle_http")
         self.block_size = block_size
@@ -312,7 +316,7 @@ class PrefixRoutingIngress:
     async def __call__(self, request: Request) -> Response:
         refusal = self.auth.check(request.scope)
         if refusal is not None:  # before the body: a flood without a key costs no reads
-            return refusal.response()
+            return self._answered(request, refusal)
         limit = self.max_body_bytes
         cl = request.headers.get("content-length", "")
         chunks, size = [], int(cl) if cl.isdigit() else 0
@@ -324,11 +328,12 @@ class PrefixRoutingIngress:
                     break
                 chunks.append(chunk)
         if size > limit:
-            return _json_error(413, "body", f"body: larger than the limit of {limit} bytes "
-                                            f"(max_body_bytes)")
+            return self._answered(request, HTTPError(413, [("body", f"body: larger than the limit of {limit} "
+                                                                    f"bytes (max_body_bytes)")]))
         body = b"".join(chunks)
         scope = forwarded_scope(request.scope)
-        scope = with_request_id(scope, request_id_of(scope)[0])  # one id for every attempt
+        rid, given = request_id_of(scope)
+        scope = with_request_id(scope, rid)  # one id for every attempt
         if self.traced and not any(k == b"traceparent" for k, _ in scope["headers"]):
             from ray_attn.serve.tracing import new_traceparent
 
@@ -336,7 +341,19 @@ class PrefixRoutingIngress:
         routed = RoutedHTTPRequest(scope, body,
                                    prefix_block_hashes(body, self.block_size), resumable=self.resume_requests)
         return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts,
-                               retry_timeout_s=self.retry_timeout_s)
+                               retry_timeout_s=self.retry_timeout_s,
+                               request_id=None if given == rid.encode() else rid.encode())
+
+
+    def _answered(self, request: Request, error: HTTPError) -> Response:
+        """An answer of the front's own, with its log line (the replicas log the rest)."""
+        rec, header = self.requests.start(request.scope)
+        rec.status = error.status
+        self.requests.finish(rec)
+        response = error.response()
+        if header is not None:
+            response.headers["x-request-id"] = header.decode()
+        return response
 
 
 def build_routed_app(cfg: ServeAppConfig, llm_server):

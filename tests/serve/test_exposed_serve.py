@@ -1,0 +1,135 @@
+"""A keyed app on the real Serve, behind the front (``resume_requests``): what the in-process
+tests (test_auth.py, test_request_ids.py) cannot see -- Serve's HTTP proxy (its parser, its own
+``X-Request-ID``), the front's key check before it reads a body, and Ray's and Serve's log files.
+
+One app (``/keyed``: the front and one in-process TP=1 replica) on the package's Serve instance.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+
+import httpx
+import pytest
+
+from tests.serve.app_harness import ADMIN_KEY, API_KEY, OTHER_KEY, raw_request
+from tests.serve.helpers import engine_config
+from tests.timescale import scaled, wait_for
+
+pytestmark = pytest.mark.slow
+WRONG = "sk-e2e-wrong-key-4a91d2"
+BIG = "k" * (1 << 20)
+BODY = {"model": "keyed", "prompt": [3, 4, 5, 6], "max_tokens": 3, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def keyed(served):
+    from ray import serve
+
+    from ray_attn.serve.app import build_app
+
+    args = dict(executor="in_process", replica_num_cpus=0.5, served_model_name="keyed", resume_requests=True,
+                api_keys=[API_KEY, OTHER_KEY], admin_api_keys=[ADMIN_KEY], api_key_env=None, admin_api_key_env=None,
+                prefix_router={"ingress_num_cpus": 0.1}, health_check_timeout_s=scaled(10.0),
+                engine=engine_config(tp=1, max_num_seqs=4, num_blocks=64, eos=True).model_dump(mode="json"))
+    serve.run(build_app(args), name="keyed", route_prefix="/keyed", blocking=False)
+    url = f"{served.url}/keyed"
+
+    def up():
+        try:
+            return httpx.get(f"{url}/health", timeout=scaled(5)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_for(up, 120), "the keyed app did not come up"
+    yield url
+    serve.delete("keyed")
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=scaled(30)).json()
+
+
+def test_through_serve_every_bad_key_is_our_401_and_nothing_runs(keyed, served):
+    before = stats(keyed)
+    bad = {"none": None, "wrong": f"Bearer {WRONG}", "basic": f"Basic {API_KEY}", "no scheme": API_KEY,
+           "1 MB": f"Bearer {BIG}", "admin key": f"Bearer {ADMIN_KEY}"}
+    with httpx.Client(base_url=keyed, timeout=scaled(30)) as c:
+        for how, auth in bad.items():
+            for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/generate"),
+                                 ("GET", "/v1/models"), ("POST", "/tokenize"), ("GET", "/metrics")):
+                r = c.request(method, path, json=BODY, headers={"Authorization": auth} if auth else {})
+                assert r.status_code == 401, (how, path, r.status_code, r.text[:200])
+                assert r.headers["www-authenticate"] == "Bearer" and r.json()["field"] == "authorization"
+                assert len(r.headers.get_list("x-request-id")) == 1
+        assert c.get("/health").status_code == 200
+    # headers and a few bytes of a 1,000,000-byte body: the front answers without waiting for it
+    port = int(served.url.rsplit(":", 1)[1])
+    status, headers, body = raw_request(port, b"POST /keyed/v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                              b"Content-Type: application/json\r\nContent-Length: 1000000",
+                                        b'{"prompt":', timeout=scaled(20))
+    assert status == 401 and json.loads(body)["field"] == "authorization"
+    after = stats(keyed)
+    assert after["requests_finished"] == before["requests_finished"] and after["in_flight"] == 0
+    assert after["connections_open"] == 0  # /stats is not counted; nothing else is open
+
+
+def test_through_serve_the_key_works_and_the_id_comes_back_once(keyed):
+    with httpx.Client(base_url=keyed, timeout=scaled(60)) as c:
+        for key in (API_KEY, OTHER_KEY):
+            r = c.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}", "X-Request-Id": "e2e-log-1"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert r.headers.get_list("x-request-id") == ["e2e-log-1"] and r.json()["id"] == "cmpl-e2e-log-1"
+        r = c.post("/v1/generate", json={"prompt_token_ids": [1, 2], "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "e2e-gen"})
+        assert r.json()["id"].startswith("e2e-gen-")  # the engine request's name
+        r = c.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {API_KEY}"})
+        (made,) = r.headers.get_list("x-request-id")  # Serve's proxy made it, and the app used it
+        assert r.json()["id"] == f"cmpl-{made}"
+        r = c.post("/admin/reload_api_keys", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status_code == 200 and r.json() == {"api_keys": 2, "admin_api_keys": 1}
+        assert c.post("/admin/reload_api_keys", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+
+
+def test_no_key_is_in_rays_or_serves_logs(keyed):
+    """Every file of the Ray session's log folder (Serve's proxy, controller and replica logs,
+    the workers' output) holds neither a configured key (they travel in the app's config) nor a
+    wrong one a client sent -- and the request log lines are in the replicas' Serve logs: the
+    answered request's in the LLMServer's, the two refused ones' in the front's."""
+    import ray
+
+    with httpx.Client(base_url=keyed, timeout=scaled(60)) as c:
+        for key in (API_KEY, WRONG, ADMIN_KEY):
+            c.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}", "X-Request-Id": "e2e-grep"})
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    needles = [k.encode() for k in (API_KEY, OTHER_KEY, ADMIN_KEY, WRONG)]
+
+    def scan():
+        found, lines = [], {}
+        for path in glob.glob(os.path.join(logs, "**", "*"), recursive=True):
+            if not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+            found += [(path, n[:10]) for n in needles if n in data]
+            if os.path.basename(path).startswith("replica_keyed_"):
+                kind = "front" if "PrefixRoutingIngress" in path else "replica"
+                for status in (b"200", b"401"):
+                    lines[(kind, status.decode())] = lines.get((kind, status.decode()), 0) + data.count(
+                        b"request e2e-grep client=127.0.0.1 POST /v1/completions status=" + status)
+        return found, lines
+
+    want = {("replica", "200"): 1, ("replica", "401"): 0, ("front", "200"): 0, ("front", "401"): 2}
+    found, lines = wait_for(lambda: (lambda r: r if r[1] == want else None)(scan()), 30) or scan()
+    assert found == []
+    assert lines == want
+
+
+def test_health_answers_without_a_key_on_a_socket(keyed, served):
+    port = int(served.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=scaled(20)) as s:
+        s.sendall(b"GET /keyed/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
