@@ -32,13 +32,10 @@ from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams
 from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.kv_tiers import planner_tiers
 from ray_attn.runtime.messages import StepInput
-from ray_attn.sampling_inputs import (
-    apply_prompt_logprobs,
-    build_sampling_inputs,
-    prompt_logprobs_inputs,
-    token_logprobs,
-)
+from ray_attn.engine_outputs import apply_step_output
+from ray_attn.sampling_inputs import build_sampling_inputs, prompt_logprobs_inputs
 from ray_attn.scheduler import Scheduler
+from ray_attn.spec.decoder import SpecDecoder
 from ray_attn.structured_output import GrammarSync
 
 MAX_FAILURES_PER_MINUTE = 3  # a rank dying this often is not transient: stop instead of looping
@@ -79,8 +76,12 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._step_id = 0
+        # speculative decoding: drafts proposed and read back around each step (spec/decoder.py)
+        self.spec = SpecDecoder(config, self.planner) if config.speculative_config is not None else None
         self.async_scheduling = config.async_scheduling
-        if self.async_scheduling is None:
+        if self.spec is not None:
+            self.async_scheduling = False  # not with speculation yet (spec_config.check_speculative)
+        elif self.async_scheduling is None:
             infos = getattr(executor, "infos", None) or [{}]
             self.async_scheduling = str(infos[0].get("device", "")).startswith("cuda")
         self._submitted: SubmittedStep | None = None  # async: the step whose tokens are still out
@@ -151,11 +152,12 @@ class LLMEngine:
         The retry loop lives here, not in the Scheduler, because it is where the scheduler's
         proposal meets the planner's verdict: the Scheduler proposes from its queues and never
         sees an OutOfBlocksError or a StepPlan, and a preemption counts in the engine's stats."""
-        scheduler, admit = self.scheduler, None
+        scheduler, admit, spec = self.scheduler, None, self.spec
         while True:
             out = scheduler.schedule(admit)
             if not out.reqs:
                 return None
+            drafted = spec is not None and spec.propose(out, len(scheduler.running))
             sched = []
             for r, n in zip(out.reqs, out.num_new_tokens):
                 r.sched.num_new_tokens = n
@@ -163,6 +165,10 @@ class LLMEngine:
             try:
                 plan = self.planner.plan(sched)
             except OutOfBlocksError:
+                if drafted:  # the drafts go first: the same step again without any
+                    spec.undo(out)
+                    spec = None
+                    continue
                 # The planner changed nothing: first admit one request fewer from the queue, and
                 # only with none left to drop preempt a running one.
                 admitted = out.num_admitted
@@ -174,11 +180,19 @@ class LLMEngine:
                 scheduler.preempt_one()
                 self.stats.preemptions += 1
                 admit = 0  # else the victim would be re-admitted into the same step
+                spec = self.spec
                 continue
-            if out.num_admitted:
-                self._note_cached_tokens(out)
-            scheduler.admit(out.num_admitted)
-            return plan
+            except BaseException:
+                if drafted:
+                    spec.undo(out)
+                raise
+            return self._admit(out, plan)
+
+    def _admit(self, out, plan):
+        if out.num_admitted:
+            self._note_cached_tokens(out)
+        self.scheduler.admit(out.num_admitted)
+        return plan
 
     def _note_cached_tokens(self, out) -> None:
         """Each admitted request's prefix-cache hit (vLLM's ``num_cached_tokens``): what the
@@ -249,6 +263,8 @@ class LLMEngine:
         return self._apply(done, out)
 
     def set_async_scheduling(self, on: bool) -> None:
+        if on and self.spec is not None:
+            raise ValueError("async_scheduling: not supported with speculative decoding yet")
         self.flush()  # a rank refuses a plain step while a deferred answer is waiting
         self.async_scheduling = on
 
@@ -265,18 +281,22 @@ class LLMEngine:
             rows = np.searchsorted(plan.attn.query_start_loc[1:], waiting_for, side="right")
             prev_index = waiting_for.astype(np.int32)
             prev_rows = np.fromiter((reqs[i].sampled_row for i in rows.tolist()), np.int32, len(rows))
-        # the index of the token drawn now, counting those still out
-        sample_index = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32)
-        step_in = StepInput(
-            plan=plan,
-            temperatures=np.array([r.params.temperature for r in reqs], np.float32),
-            seeds=np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64),
-            sample_index=sample_index,
-            step_id=self._step_id, defer=self.async_scheduling,
-            prev_token_index=prev_index, prev_token_rows=prev_rows,
+        # the index of the token drawn now, counting those still out (and not the drafts)
+        sample_index = np.array([len(r.token_ids) - r.num_prompt_tokens - r.num_drafts for r in reqs], np.int32)
+        temps = np.array([r.params.temperature for r in reqs], np.float32)
+        seeds = np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64)
+        vocab, spec = self.config.model.vocab_size, None
+        if self.spec is not None:  # with drafts: all per logits row (spec/decoder.py)
+            spec = self.spec.step_inputs(self._step_id, plan, reqs, samples, temps, seeds, sample_index,
+                                         self._eos, vocab, self.grammar_sync)
+        if spec is None:
             # before this step's placeholders are appended (see build_sampling_inputs)
-            sampling=build_sampling_inputs(reqs, samples, sample_index, self._eos,
-                                           self.config.model.vocab_size, self.grammar_sync))
+            sampling = build_sampling_inputs(reqs, samples, sample_index, self._eos, vocab, self.grammar_sync)
+        else:
+            temps, seeds, sample_index, sampling, spec = spec
+        step_in = StepInput(plan=plan, temperatures=temps, seeds=seeds, sample_index=sample_index,
+                            step_id=self._step_id, defer=self.async_scheduling,
+                            prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec)
         step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):
@@ -291,50 +311,7 @@ class LLMEngine:
 
     def _apply(self, done: SubmittedStep, out) -> list[RequestOutput]:
         """Write a step's sampled tokens over their placeholders and finish what is done."""
-        if out is None or out.step_id != done.step_id:
-            got = None if out is None else out.step_id
-            raise RuntimeError(f"expected the output of step {done.step_id}, got {got}")
-        outputs, eos = [], self._eos
-        if done.prompt_spans:  # first: a prompt's last chunk also samples its first token
-            apply_prompt_logprobs(done.prompt_spans, out.prompt_logprobs)
-        lp = out.logprobs
-        lp_index = {} if lp is None else dict(zip(lp.rows.tolist(), range(len(lp.rows))))
-        for row, (req, tok, sampled) in enumerate(zip(done.reqs, out.token_ids.tolist(), done.samples)):
-            if not sampled or req.finished:
-                continue  # a prompt's chunk; or a request that stopped or was aborted meanwhile
-            req.token_ids[len(req.token_ids) - req.pending] = tok
-            req.pending -= 1
-            self.stats.tokens_generated += 1
-            p, new_lp = req.params, None
-            if req.logprobs is not None:
-                new_lp = [token_logprobs(lp, lp_index[row], p.logprobs)]
-                req.logprobs.append(new_lp[0])
-            if req.grammar is not None and not req.grammar.accept(tok):
-                self._finish(req, "error", f"token {tok} does not continue the request's grammar")
-            # vLLM's check_stop: a stop token counts once min_tokens are out (the rank masks
-            # them until then; the rule holds here whatever a rank drew)
-            elif req.grammar is not None and req.grammar.terminated:
-                self._finish(req, "stop")
-            elif (tok in p.stop_token_ids or (tok in eos and not p.ignore_eos)) \
-                    and req.num_output_tokens > p.min_tokens:
-                self._finish(req, "stop")
-            elif req.num_output_tokens >= p.max_tokens:
-                self._finish(req, "length")
-            if req.finished:
-                outputs.append(self.output(req.request_id, new_token_ids=[tok], new_logprobs=new_lp))
-            else:
-                first = req.prompt_logprobs is not None and req.num_output_tokens == 1
-                outputs.append(RequestOutput(req.request_id, [], [], [tok], False, new_logprobs=new_lp,
-                                             logprobs=None if new_lp is None else [],
-                                             num_cached_tokens=req.num_cached_tokens or 0,
-                                             prompt_logprobs=list(req.prompt_logprobs) if first else None))
-        s = self.stats
-        s.steps += 1
-        s.tokens_computed += done.num_tokens
-        s.cascade_steps += done.cascade_groups > 0
-        s.multi_group_cascade_steps += done.cascade_groups > 1
-        s.local_steps += done.local
-        return outputs
+        return apply_step_output(self, done, out)
 
     def _on_worker_failure(self, failure: WorkerFailure) -> list[RequestOutput]:
         """Restart the ranks and recompute every running request from its token history; after
@@ -351,6 +328,8 @@ class LLMEngine:
         for req in itertools.chain(self.running, self.waiting):
             req.drop_pending()
         self._submitted = None
+        if self.spec is not None:
+            self.spec.forget()
         # The KV cache died with the ranks: nothing held in blocks can be trusted any more.
         # The running requests go first in line again, in their old order.
         self.scheduler.requeue_running()

@@ -4,7 +4,7 @@ still out with the ranks (``SubmittedStep``), and the error it raises once it ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray_attn.request import Request
 
@@ -42,6 +42,14 @@ class EngineStats:
     last_recovery_s: float | None = None
     busy_s: float = 0.0
     kv_copy_s: float = 0.0  # rank 0's time copying between KV tiers (planner/tiers.py)
+    # speculative decoding (ray_attn/spec/decoder.py, vLLM's SpecDecodingStats): rows that
+    # speculated in a step, draft tokens, accepted ones (in all and by draft position), and
+    # 1 + accepted / drafts
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list = field(default_factory=list)
+    spec_mean_acceptance_length: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

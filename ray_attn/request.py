@@ -31,6 +31,9 @@ class Request:
     # submitted and step N's output not yet applied.
     pending: int = 0
     sampled_row: int = -1  # its row in the last step that samples it
+    # Speculative decoding: draft tokens appended to ``token_ids`` (before any PLACEHOLDER) for
+    # the step being planned to verify; dropped again once its tokens are read (spec/decoder.py).
+    num_drafts: int = 0
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
@@ -101,8 +104,26 @@ class Request:
         """Its final token (by max_tokens) is being sampled: nothing more to schedule."""
         return self.pending > 0 and len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens
 
+    def append_drafts(self, drafts) -> None:
+        """Draft tokens to verify, appended as the tokens the next step computes after the last one."""
+        if self.pending or self.num_drafts:
+            raise RuntimeError(f"request {self.request_id}: drafts appended with {self.pending} tokens out "
+                               f"and {self.num_drafts} drafts already there")
+        self.token_ids.extend(int(t) for t in drafts)
+        self.num_drafts = len(drafts)
+
+    def drop_drafts(self) -> None:
+        """Remove the drafts (they sit just before any placeholders).  ``token_array``'s copy
+        forgets them too: the positions they held will hold other tokens."""
+        if self.num_drafts:
+            end = len(self.token_ids) - self.pending
+            del self.token_ids[end - self.num_drafts:end]
+            self.num_drafts = 0
+            self._np_len = min(self._np_len, len(self.token_ids) - self.pending)
+
     def drop_pending(self) -> None:
         """Forget what the steps still out would have answered (the ranks died with them)."""
+        self.drop_drafts()
         if self.pending:
             del self.token_ids[-self.pending:]
             self.pending = 0

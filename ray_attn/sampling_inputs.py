@@ -18,12 +18,16 @@ from ray_attn.structured_output import GrammarSync
 
 def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], sample_index: np.ndarray,
                           eos_token_ids: frozenset[int], vocab_size: int,
-                          grammars: GrammarSync | None = None) -> SamplingInputs | None:
+                          grammars: GrammarSync | None = None,
+                          history_ends: Sequence[int] | None = None) -> SamplingInputs | None:
     """The step's ``SamplingInputs`` (None when no sampling row needs any), built before the
     step's placeholders are appended: a row's history then ends in at most one placeholder, the
     previous step's token (async scheduling), which rank 0 fills from that step's ``sampled_row``.
     ``sample_index[i]`` is the index of the token row i draws (tokens generated so far).
-    ``grammars``: what rank 0 holds of the constrained rows' grammars (needed when any row has one)."""
+    ``grammars``: what rank 0 holds of the constrained rows' grammars (needed when any row has one).
+    ``history_ends[i]``: how many of row i's tokens (``Request.token_array()``) its penalties
+    see; default all.  Speculative decoding repeats a request once per draft position, each
+    seeing its history up to there (spec/decoder.py)."""
     if all(r.params.plain for r in reqs):
         return None
     rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and not r.params.plain]
@@ -38,7 +42,8 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
             si.top_k[i], si.top_p[i], si.min_p[i] = p.top_k, p.top_p, p.min_p
     penalized = [i for i in rows if reqs[i].params.penalized]
     if penalized:
-        _penalty_inputs(si, [reqs[i] for i in penalized], vocab_size)
+        _penalty_inputs(si, [reqs[i] for i in penalized], vocab_size,
+                        None if history_ends is None else [history_ends[i] for i in penalized])
         si.penalty_rows = np.array(penalized, np.int32)
     mask_rows, mask_ids = [], []
     for i in rows:
@@ -67,18 +72,18 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
     return si
 
 
-def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int) -> None:
+def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int, ends=None) -> None:
     """Each penalized row's token history (see ``SamplingInputs``): its prompt, offset by the
     vocabulary size, only when it has a repetition penalty; then its output; then the previous
     step's token, as a placeholder, when that is still out."""
     parts, lens, prev_index, prev_rows, offset = [], [], [], [], 0
     presence, frequency, repetition = [], [], []
-    for r in reqs:
+    for j, r in enumerate(reqs):
         p = r.params
         if r.pending > 1:
             raise RuntimeError(f"request {r.request_id} has {r.pending} tokens out; a step's history "
                                "can wait for one only")
-        toks = r.token_array()
+        toks = r.token_array() if ends is None else r.token_array()[:ends[j]]
         n0 = r.num_prompt_tokens
         n = len(toks) - n0
         if p.repetition_penalty != 1:

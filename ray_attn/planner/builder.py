@@ -261,6 +261,21 @@ class Planner:
         self._prev = None  # the remembered batch held this slot
         self._cascade_cache = ()
 
+    def rollback(self, req_id: Hashable, num_computed_tokens: int) -> None:
+        """Speculative decoding: the step verified drafts and kept the first ones; the request's KV
+        now counts only ``num_computed_tokens`` tokens.  The rejected positions' KV stays in its
+        blocks until the next tokens overwrite it, and the blocks stay with the request for them.
+        None of it is in the prefix cache: draft blocks are never indexed (``index_filled_blocks``),
+        and lazy indexing stops at ``num_computed``."""
+        slot = self._slot(req_id)
+        T, n = self.table, int(num_computed_tokens)
+        if not T.num_hashed[slot] * self.block_size <= n <= T.num_computed[slot]:
+            raise InvalidRequestError(
+                f"request {req_id!r}: rollback to {n} tokens, outside [{T.num_hashed[slot] * self.block_size}, "
+                f"{T.num_computed[slot]}] (its indexed blocks .. its computed tokens)")
+        T.num_computed[slot] = n
+        self._cascade_cache = ()  # a kept verdict's lengths are the step's, not these
+
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block; returns how many."""
         if self.kv.tiers is not None:

@@ -41,6 +41,12 @@ from .tiers import KVTiers
 _get_id = attrgetter("req_id")
 _get_toks = attrgetter("token_ids")
 _get_new = attrgetter("num_new_tokens")
+
+
+def _get_drafts(s) -> int:
+    return getattr(s, "num_draft_tokens", 0)  # any object with req_id/token_ids/num_new_tokens plans
+
+
 _REMEMBER_FREED = 1 << 16  # freed ids kept to tell a double free from an unknown id
 
 
@@ -65,6 +71,7 @@ class PreparedBatch:
         "index",  # the StepPrefixIndex of the new rows' hits (None: none built), its hashes reused
         "tier_hits",  # per new row, (column, tier, source, chain hash) of each lower-tier hit (tiers.py)
         "num_tier_blocks",  # fresh blocks those hits are copied into
+        "drafts",  # [B] int64 draft tokens at the end of each row's new tokens (speculative decoding)
     )
 
 
@@ -144,13 +151,14 @@ class KVCacheManager:
             raise InvalidRequestError(f"num_new_tokens must be ints or None: {e}") from None
         if num_new.shape != (B,):
             raise InvalidRequestError(f"num_new_tokens must be ints or None, got {raw_new[:8]!r}")
+        b.drafts = np.fromiter(map(_get_drafts, scheduled), np.int64, B) if B else np.zeros(0, np.int64)
         index = None
         if b.new_rows and self.pool.enable_prefix_caching:
             index = b.index = StepPrefixIndex(self)
             run = np.flatnonzero(slots >= 0)
             if len(run):
                 auto_run = [raw_new[i] is None for i in run.tolist()]
-                n_run = np.where(auto_run, lens[run] - computed[run], num_new[run])
+                n_run = np.where(auto_run, lens[run] - computed[run], num_new[run]) - b.drafts[run]
                 # capped at the tokens a row has: a bad length is refused below, never read past
                 index.add_running(run, slots[run], [toks[i] for i in run.tolist()],
                                   np.minimum(computed[run] + n_run, lens[run]))
@@ -178,7 +186,7 @@ class KVCacheManager:
         if auto:
             num_new = np.where(np.array([x is None for x in raw_new]), lens - computed, num_new)
         seq = computed + num_new
-        bad = (num_new < 1) | (seq > lens)
+        bad = (num_new < 1) | (seq > lens) | (b.drafts < 0) | (b.drafts >= num_new)
         if self.max_model_len is not None:
             bad |= seq > self.max_model_len
         if bad.any():
@@ -289,7 +297,8 @@ class KVCacheManager:
         """Index the blocks this (general-path) step fills, so that requests arriving next step
         share them; decode steps leave theirs to ``free``."""
         if self.pool.enable_prefix_caching:
-            full = (b.computed + b.num_new) // self.block_size
+            # not the drafts' blocks: a draft the step rejects leaves KV that other tokens overwrite
+            full = (b.computed + b.num_new - b.drafts) // self.block_size
             rows = (full > self.table.num_hashed[b.slots]).nonzero()[0]
             if len(rows):
                 self._hash_rows(rows, b.slots, b.toks, full,

@@ -61,6 +61,11 @@ class ScheduledRequest:
     # Take no prefix-cache hits when admitted (vLLM's skip_reading_prefix_cache): a request that
     # needs every prompt position's logits.  Its own blocks are still cached for the others.
     skip_prefix_cache: bool = False
+    # Speculative decoding: the last ``num_draft_tokens`` of the scheduled tokens are drafts that the
+    # step verifies.  Their blocks are never indexed for the prefix cache (nor offered as hits to
+    # the step's other rows): a rejected draft's KV is overwritten later, under the same block.
+    # The engine then sets the request back to its accepted length (``Planner.rollback``).
+    num_draft_tokens: int = 0
 
 
 @dataclass

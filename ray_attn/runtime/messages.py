@@ -123,6 +123,20 @@ class PromptLogprobsInputs:
 
 
 @dataclass
+class SpecDecodeInputs:
+    """A step that verifies draft tokens (speculative decoding).  Row r's last ``1 + k_r`` tokens
+    (``k_r = num_draft_tokens[r]``) each get a logits row, in order (``logits_indices``): the
+    sampler draws the target's token at each, and rank 0's rejection keeps row r's tokens up to
+    and including the first whose draft differs (``runtime/spec_decode.py``).  The step's
+    per-row sampling arrays (temperatures, seeds, sample_index, ``SamplingInputs``) are then
+    per logits row: R = B + sum(k) of them."""
+
+    num_draft_tokens: np.ndarray  # int32 [B]
+    draft_token_ids: np.ndarray  # int32 [sum k] row after row: the tokens after each row's first
+    logits_indices: np.ndarray  # int32 [R] the token positions whose logits are sampled
+
+
+@dataclass
 class StepInput:
     """One step for every rank: ``ray.put`` once, read by all.
 
@@ -149,6 +163,7 @@ class StepInput:
     # Copies between KV tiers with no step to ride on (a flush: the blocks an idle engine's last
     # steps filled, published); a planned step carries its own in ``plan.kv_transfers``.
     kv_transfers: Any = None
+    spec: SpecDecodeInputs | None = None  # draft tokens this step verifies; None: none
 
     @classmethod
     def flush(cls, step_id: int) -> "StepInput":
@@ -161,7 +176,8 @@ class StepInput:
 class StepOutput:
     """Rank 0's answer: one sampled token per request, in the plan's order."""
 
-    token_ids: np.ndarray  # int32 [B]
+    # int32 [B]; with StepInput.spec [R], a speculating row's rejected positions -1
+    token_ids: np.ndarray
     logits: np.ndarray | None = None  # float32 [B, vocab] when asked for (the raw logits)
     step_id: int = 0
     timings: dict = field(default_factory=dict)

@@ -30,7 +30,8 @@ from ray_attn.runtime.logits_processors import (
     compute_logprobs,
     gumbel_argmax,
 )
-from ray_attn.runtime.messages import LogprobsArrays, SamplingInputs
+from ray_attn.runtime.messages import LogprobsArrays, SamplingInputs, SpecDecodeInputs
+from ray_attn.runtime.spec_decode import reject_drafts, spec_layout
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads (seed, index) pairs apart
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's multipliers as int64
@@ -137,16 +138,27 @@ class SamplingTensors:
     logprob_rows: np.ndarray | None = None  # int32 [L] on the host
     logprob_rows_dev: torch.Tensor | None = None  # long [L]
     max_num_logprobs: int = 0
+    # Speculative decoding (runtime/spec_decode.py): rows are logits rows, a draft's verifying row
+    # and token, each logits row's first row of its request.  None: no drafts.
+    spec_verify_rows: torch.Tensor | None = None  # long [D]
+    spec_draft_ids: torch.Tensor | None = None  # long [D]
+    spec_seg_first: torch.Tensor | None = None  # long [R]
 
     @classmethod
     def stage(cls, temperatures: np.ndarray, seeds: np.ndarray, sample_index: np.ndarray,
-              device: torch.device, put=None, inputs: SamplingInputs | None = None) -> "SamplingTensors":
+              device: torch.device, put=None, inputs: SamplingInputs | None = None,
+              spec: SpecDecodeInputs | None = None) -> "SamplingTensors":
         """Copy what sampling needs to ``device``: one array per dtype (int32, float32, int64),
         before the step's forward.  Only the rows that use a stage are sent for it."""
         ints, floats, longs = _Pack(np.int32), _Pack(np.float32), _Pack(np.int64)
         i: dict[str, int] = {}  # field -> its part in ``ints``
         f: dict[str, int] = {}
         extra: dict = {}
+        if spec is not None:
+            seg_first, verify_rows = spec_layout(spec.num_draft_tokens)
+            for name, a in (("spec_verify_rows", verify_rows), ("spec_draft_ids", spec.draft_token_ids),
+                            ("spec_seg_first", seg_first)):
+                i[name] = ints.add(a)
         hot = np.nonzero(temperatures > 0)[0]
         if hot.size:
             seeded = seeds[hot] >= 0
@@ -295,6 +307,8 @@ def sample_on_device(logits: torch.Tensor, st: SamplingTensors, generator: torch
     if st.logprob_rows is not None:
         rows = st.logprob_rows_dev
         lp = LogprobsTensors(st.logprob_rows, *compute_logprobs(raw[rows], tokens[rows], st.max_num_logprobs))
+    if st.spec_seg_first is not None:  # the rows' tokens after their first rejected draft: -1
+        tokens = reject_drafts(tokens, st.spec_verify_rows, st.spec_draft_ids, st.spec_seg_first)
     return tokens, lp
 
 
@@ -315,7 +329,8 @@ def prompt_logprobs_on_device(compute_logits, hidden: torch.Tensor, indices: tor
 
 def sample(logits: torch.Tensor, temperatures: np.ndarray, seeds: np.ndarray,
            sample_index: np.ndarray, generator: torch.Generator | None = None,
-           inputs: SamplingInputs | None = None, last_tokens: torch.Tensor | None = None) -> np.ndarray:
+           inputs: SamplingInputs | None = None, last_tokens: torch.Tensor | None = None,
+           spec: SpecDecodeInputs | None = None) -> np.ndarray:
     """``sample_on_device`` in one call, its tokens brought to the host as a numpy int32 array."""
-    st = SamplingTensors.stage(temperatures, seeds, sample_index, logits.device, inputs=inputs)
+    st = SamplingTensors.stage(temperatures, seeds, sample_index, logits.device, inputs=inputs, spec=spec)
     return sample_on_device(logits, st, generator, last_tokens)[0].cpu().numpy()

@@ -29,6 +29,7 @@ from ray_attn.runtime.grammars import RankGrammars
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.profiling import time_by_kernel_kind
 from ray_attn.runtime.sampling import SamplingTensors, prompt_logprobs_on_device, sample_on_device
+from ray_attn.runtime.spec_decode import check_spec_inputs
 
 CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
 
@@ -294,6 +295,8 @@ class AttentionWorker:
                                f"of deferred step {self.deferred.step_id} was never collected")
         m = step.plan.attn
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
+        if step.spec is not None:
+            check_spec_inputs(step)
         t = step.plan.kv_transfers
         if t is not None:
             if self.tiers is None:
@@ -316,9 +319,10 @@ class AttentionWorker:
         """Send what sampling reads: the hidden-state rows to turn into logits, and rank 0's
         sampling parameters (the other ranks do not sample)."""
         buf = self.buffers
-        idx = buf.put("logits_indices", step.plan.logits_indices).long()
+        spec = step.spec  # speculative decoding: a logits row per draft position too
+        idx = buf.put("logits_indices", step.plan.logits_indices if spec is None else spec.logits_indices).long()
         st = SamplingTensors.stage(step.temperatures, step.seeds, step.sample_index, self.device, buf.put,
-                                   step.sampling) if self.rank == 0 else None
+                                   step.sampling, spec) if self.rank == 0 else None
         return idx, st
 
     def _stage_prompt_logprobs(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,86 @@
+"""Rank 0's rejection sampler for speculative decoding: which of a row's draft tokens it keeps.
+
+A speculating row r computed its last sampled token t and drafts d_1..d_k in one query, and has a
+logits row at each of those k + 1 positions (``SpecDecodeInputs``).  The sampler first draws the
+target's token y_j at every position j exactly as it draws any token -- the same processing
+(penalties over the history up to that position, temperature, min-p, top-k/p) and, for seeded
+rows, the same counter-based draw of token index ``sample_index + j`` -- as if d_1..d_j had been
+accepted.  The row then emits y_0 .. y_a, where a is the first j with y_j != d_{j+1} (or k):
+the accepted drafts, then the target's own token at the first mismatch, or the bonus token y_k
+when every draft was accepted.
+
+That is the exact rejection scheme for a proposer whose draft distribution is a point mass
+(n-gram; a draft model's argmax): draft x at a position whose target distribution is p is
+accepted with probability p(x) (= min(1, p(x)/q(x)) with q(x) = 1), and when rejected the token
+emitted is y conditioned on y != x, i.e. p with x removed and renormalised -- the residual
+(p - q)+ / sum (p - q)+.  Drawing y with the counter-based noise makes it a coupling with the
+non-speculative sampler: with the same logits, a seeded request emits the very tokens it would
+have without speculation, whatever its batch, its steps, k, or whether a step speculated.  Greedy
+rows are the case without noise: y_j is the argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def spec_layout(num_draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``num_draft_tokens`` [B]: per logits row (R = B + sum k of them, row after row), the
+    first logits row of its request (``seg_first`` [R]); per draft token (D = sum k, row after
+    row), the logits row that verifies it (``verify_rows`` [D]: the position before it)."""
+    k = np.asarray(num_draft_tokens, np.int64)
+    seg_len = k + 1
+    seg_start = np.cumsum(seg_len) - seg_len
+    seg_first = np.repeat(seg_start, seg_len)
+    D = int(k.sum())
+    verify_rows = np.repeat(seg_start, k) + np.arange(D) - np.repeat(np.cumsum(k) - k, k)
+    return seg_first, verify_rows
+
+
+def reject_drafts(target: torch.Tensor, verify_rows: torch.Tensor, draft_ids: torch.Tensor,
+                  seg_first: torch.Tensor) -> torch.Tensor:
+    """``target`` [R] int32, the target's token at every logits row, with -1 after each row's first
+    mismatch: a row keeps its position j while every draft verified at positions < j matched.  No
+    host sync (every shape is known on the host)."""
+    bad = torch.zeros(len(target), dtype=torch.int32, device=target.device)
+    bad[verify_rows] = (target[verify_rows].long() != draft_ids).to(torch.int32)
+    before = torch.cumsum(bad, 0, dtype=torch.int32) - bad  # mismatches at earlier logits rows
+    keep = before == before[seg_first]
+    return torch.where(keep, target, torch.full_like(target, -1))
+
+
+def accepted_tokens(token_ids: np.ndarray, num_draft_tokens: np.ndarray) -> list[list[int]]:
+    """The driver's reading of a speculative step's answer: each row's emitted tokens (the
+    leading non-negative ones of its 1 + k entries)."""
+    out, start = [], 0
+    flat = token_ids.tolist()
+    for k in np.asarray(num_draft_tokens).tolist():
+        seg = flat[start:start + k + 1]
+        n = next((i for i, t in enumerate(seg) if t < 0), len(seg))
+        out.append(seg[:n])
+        start += k + 1
+    return out
+
+
+def check_spec_inputs(step) -> None:
+    """Refuse a speculative step whose arrays disagree (``ValueError`` naming the field), before
+    any of it reaches the device: an index past the step's tokens would fail there."""
+    spec, m = step.spec, step.plan.attn
+    k = np.asarray(spec.num_draft_tokens)
+    B = m.num_reqs
+    if step.defer:
+        raise ValueError("spec: a step that verifies drafts cannot be deferred (async scheduling is off "
+                         "under speculative decoding)")
+    if k.shape != (B,) or (len(k) and k.min() < 0):
+        raise ValueError(f"spec.num_draft_tokens must be {B} counts >= 0, got shape {k.shape}")
+    D, R = int(k.sum()), B + int(k.sum())
+    if len(spec.draft_token_ids) != D:
+        raise ValueError(f"spec.draft_token_ids holds {len(spec.draft_token_ids)} tokens, num_draft_tokens {D}")
+    li = np.asarray(spec.logits_indices)
+    if li.shape != (R,) or (R and (li.min() < 0 or li.max() >= m.num_actual_tokens)):
+        raise ValueError(f"spec.logits_indices must be {R} positions in [0, {m.num_actual_tokens})")
+    for name in ("temperatures", "seeds", "sample_index"):
+        if len(getattr(step, name)) != R:
+            raise ValueError(f"{name}: {len(getattr(step, name))} entries, but a speculative step samples "
+                             f"{R} logits rows")

@@ -1,0 +1,182 @@
+"""The driver's side of speculative decoding: drafts in, accepted tokens out, for ``LLMEngine``.
+
+Each step, after the scheduler proposed the batch, ``propose`` asks the proposer for drafts for
+every row that decodes (its one new token is the last one sampled) and appends them to the
+request's token list, so that the planner schedules the row as a query of 1 + k tokens and
+allocates their slots like any multi-token query (chunked prefill).  The planner indexes none of
+the drafts' blocks for the prefix cache (``ScheduledRequest.num_draft_tokens``).  When the
+planner cannot hold the step, ``undo`` takes the drafts back and the step is planned without
+them before anything is preempted: a failed draft never costs a request.
+
+``step_inputs`` turns the step's per-row sampling arrays into per-logits-row ones (a speculating
+row samples at each of its 1 + k positions, with the token index and the penalties' history of
+that position), and ``accept`` reads a row's emitted tokens, sets the planner back to the
+accepted length (``Planner.rollback``) and drops the drafts.  Rank 0 decides what is accepted
+(``runtime/spec_decode.py``).
+
+What does not speculate, and why:
+- constrained rows (structured outputs): rank 0's matcher would have to advance through each
+  draft to mask the next position and roll back the rejected ones; not built yet, so they decode
+  one token a step;
+- a prompt's last chunk: its first token is not sampled yet, so there is nothing to continue;
+- rows whose ``max_tokens`` leave no room (k is cut to what is left, minus the bonus token), and
+  every row of a step with more than ``disable_by_batch_size`` running requests.
+Async scheduling is off under speculation (``spec_config.check_speculative`` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ray_attn.engine_stats import EngineStats
+from ray_attn.request import PLACEHOLDER
+from ray_attn.runtime.messages import SpecDecodeInputs
+from ray_attn.runtime.spec_decode import accepted_tokens
+from ray_attn.sampling_inputs import build_sampling_inputs
+from ray_attn.spec.ngram import NgramProposer
+
+
+@dataclass(slots=True)
+class SpecStep:
+    """What the engine needs to read a speculative step's answer."""
+
+    num_drafts: np.ndarray  # int32 [B] per plan row
+    computed: np.ndarray  # int32 [B] the planner's num_computed per row before the step
+    first_row: np.ndarray  # int64 [B] each row's first logits row
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's ``SpecDecodingStats``: drafts (rows that speculated in a step), draft tokens
+    proposed, accepted tokens, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating row emits per step: 1 + accepted drafts per draft (vLLM's)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config, planner):
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.proposer = NgramProposer(self.k, *spec.ngram_bounds)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.planner = planner
+        self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
+        self._steps: dict[int, SpecStep] = {}  # step id -> its layout, until its answer is read
+
+    # -- planning -------------------------------------------------------------------------------
+    def propose(self, out, num_running: int) -> int:
+        """Append drafts to the decoding rows of the scheduler's proposal ``out`` (its
+        ``num_new_tokens`` grow by them) within the step's token budget; returns how many."""
+        if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
+            return 0
+        budget = self.max_num_batched_tokens - sum(out.num_new_tokens)
+        planner, total = self.planner, 0
+        for i, r in enumerate(out.reqs):
+            if budget <= 0:
+                break
+            if (out.num_new_tokens[i] != 1 or r.grammar is not None or r.pending or not r.num_output_tokens
+                    or not planner.has_request(r.request_id)
+                    or len(r.token_ids) - planner.num_computed_tokens(r.request_id) != 1):
+                continue
+            room = min(budget, r.params.max_tokens - r.num_output_tokens - 1)
+            if room <= 0:
+                continue
+            try:
+                drafts = self.proposer.propose(r.token_array(), room)
+            except Exception:  # noqa: BLE001 -- a proposer that fails leaves the row decoding as usual
+                continue
+            if len(drafts):
+                r.append_drafts(drafts)
+                out.num_new_tokens[i] += len(drafts)
+                budget -= len(drafts)
+                total += len(drafts)
+        for r in out.reqs:
+            r.sched.num_draft_tokens = r.num_drafts
+        return total
+
+    def undo(self, out) -> None:
+        """Take back what ``propose`` appended (the planner refused the step)."""
+        for i, r in enumerate(out.reqs):
+            if r.num_drafts:
+                out.num_new_tokens[i] -= r.num_drafts
+                r.drop_drafts()
+            r.sched.num_draft_tokens = 0
+
+    # -- the step's message ---------------------------------------------------------------------
+    def step_inputs(self, step_id: int, plan, reqs, samples: list[bool], temperatures: np.ndarray,
+                    seeds: np.ndarray, sample_index: np.ndarray, eos, vocab_size: int, grammars):
+        """The per-logits-row sampling arrays of a step with drafts (temperatures, seeds, token
+        indices, ``SamplingInputs`` whose penalty histories end at each position) and its
+        ``SpecDecodeInputs``; None when no row of the plan has drafts."""
+        k = np.fromiter((r.num_drafts for r in reqs), np.int32, len(reqs))
+        if not k.any():
+            return None
+        seg = k.astype(np.int64) + 1
+        first = np.cumsum(seg) - seg
+        R = int(seg.sum())
+        offset = np.arange(R) - np.repeat(first, seg)  # position of each logits row in its request's query
+        ends = np.asarray(plan.attn.query_start_loc[1:], np.int64)
+        logits_indices = (np.repeat(ends - seg, seg) + offset).astype(np.int32)
+        drafts = [r.token_ids[len(r.token_ids) - r.num_drafts:] for r in reqs if r.num_drafts]
+        spec = SpecDecodeInputs(k, np.array([t for d in drafts for t in d], np.int32), logits_indices)
+        rows = np.repeat(np.arange(len(reqs)), seg)
+        sample_idx = (sample_index[rows] + offset).astype(np.int32)
+        # a row's history at position j: its tokens before the drafts, then drafts 1..j
+        base = np.array([len(r.token_ids) - r.num_drafts for r in reqs], np.int64)
+        history_ends = (base[rows] + offset).tolist()
+        self._steps[step_id] = SpecStep(k, plan.num_computed_tokens.copy(), first)
+        rows_l = rows.tolist()
+        sampling = build_sampling_inputs([reqs[i] for i in rows_l], [samples[i] for i in rows_l], sample_idx,
+                                         eos, vocab_size, grammars, history_ends=history_ends)
+        return temperatures[rows], seeds[rows], sample_idx, sampling, spec
+
+    # -- the answer -----------------------------------------------------------------------------
+    def take(self, step_id: int, token_ids: np.ndarray) -> tuple[SpecStep, list[list[int]]] | None:
+        """A step's layout and each row's emitted tokens; None for a step without drafts."""
+        layout = self._steps.pop(step_id, None)
+        if layout is None:
+            return None
+        return layout, accepted_tokens(token_ids, layout.num_drafts)
+
+    def accept(self, req, row: int, layout: SpecStep, emitted: list[int]) -> None:
+        """Row ``row`` of a speculative step emitted ``emitted`` (its accepted drafts, then the
+        target's token): the planner keeps the KV of the tokens before the last one, and the
+        request's drafts give way to placeholders the engine fills with ``emitted``."""
+        k = int(layout.num_drafts[row])
+        if not k:
+            return
+        a = len(emitted) - 1  # drafts accepted
+        # first, while the request is still running: a finish would index its blocks up to here
+        self.planner.rollback(req.request_id, int(layout.computed[row]) + 1 + a)
+        req.drop_drafts()
+        req.token_ids.extend([PLACEHOLDER] * a)  # one placeholder per emitted token, filled in order
+        req.pending += a
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += k
+        s.num_accepted_tokens += a
+        for j in range(a):
+            s.num_accepted_tokens_per_pos[j] += 1
+
+    def publish(self, stats: EngineStats) -> None:
+        """The counters into the engine's stats (what servers read)."""
+        s = self.stats
+        stats.spec_num_drafts, stats.spec_num_draft_tokens = s.num_drafts, s.num_draft_tokens
+        stats.spec_num_accepted_tokens = s.num_accepted_tokens
+        stats.spec_num_accepted_tokens_per_pos = list(s.num_accepted_tokens_per_pos)
+        stats.spec_mean_acceptance_length = s.mean_acceptance_length
+
+    def forget(self) -> None:
+        """The steps out died with the ranks (their requests drop their drafts themselves)."""
+        self._steps.clear()
