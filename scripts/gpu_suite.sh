@@ -111,7 +111,7 @@ fi
 if [[ $stage == serving || $stage == serving_tp2 || $stage == serving_http ]]; then
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
-if [[ $stage == defects || $stage == real_model ]] && [[ -d .whl && ! -f /tmp/site/.wheels ]]; then
+if [[ $stage == defects || $stage == real_model || $stage == rest ]] && [[ -d .whl && ! -f /tmp/site/.wheels ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.wheels || exit 1
 fi
@@ -136,3 +136,14 @@ if [[ $stage == real_model ]]; then
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
+if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
+  # issue 39's before-table: each preset's kernels per decode step at batch 1
+  step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short \
+    tests/runtime/test_sampling_engine.py tests/runtime/test_sampling_params.py tests/runtime/test_prompt_logprobs.py \
+    tests/runtime/test_async_scheduling.py tests/runtime/test_cuda_graphs.py tests/runtime/test_resume.py
+  step timeout "${ROWS_TIMEOUT_S:-120}" python3 scripts/gpu_accuracy.py --suffix _rest --rows "${ACCURACY_ROWS:-json_schema}"
+  step timeout "${PROFILE_TIMEOUT_S:-200}" python3 scripts/profile_decode.py --points 1x1024 \
+    --presets llama-3-8b,llama-3-8b:fp8,qwen3-30b-a3b,llama-4-scout --json benchmarks/results/profile_decode_kernels.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_rest.json benchmarks/results/profile_decode_kernels.json "$log" \
+    "$OUT"/ 2>/dev/null
+fi
