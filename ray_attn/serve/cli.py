@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's flag: a JSON object of SpeculativeConfig's fields, "
+                        "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
     p.add_argument("--host-cache-gib", type=float, default=None,
                    help="host-memory KV tier per rank, GiB (vLLM's --kv-offloading-size, per rank)")
     p.add_argument("--kv-sharing", action="store_true", default=None,
@@ -102,6 +105,9 @@ def serve_config(args):
             engine[section] = dict(engine.get(section) or {}) | given
     if args.max_num_seqs:
         engine["max_num_seqs"] = args.max_num_seqs
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        engine["speculative_config"] = parse_speculative_config(spec)
     if args.device == "cpu":  # CPU ranks share the host's few cores: reserve half a core each
         engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
         app.setdefault("replica_num_cpus", 0.5)
@@ -118,6 +124,19 @@ def serve_config(args):
         if value:
             app[key] = value
     return ServeAppConfig.model_validate(app)
+
+
+def parse_speculative_config(text: str) -> dict:
+    """``--speculative-config``'s JSON object (its fields are checked by ``SpeculativeConfig``)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config: not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def keyed(cfg: ServeAppConfig) -> bool:

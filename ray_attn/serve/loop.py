@@ -308,6 +308,7 @@ class EngineLoop:
         }
         if "host_hit_blocks" in ps:
             snap.update(kv_tier_stats(ps, eng))
+        snap.update(spec_decode_stats(st))
         self._snapshot = snap
         self.hooks.on_snapshot(self.stats())
 
@@ -328,6 +329,19 @@ def kv_tier_stats(ps: dict, eng) -> dict:
         "kv_fetch_bytes": ps["fetched_blocks"] * block_bytes,
         "kv_copy_s": eng.stats.kv_copy_s,
         "host_tier_blocks": ps["host_tier_blocks"],
+    }
+
+
+def spec_decode_stats(st) -> dict:
+    """Speculative decoding's running totals (vLLM's SpecDecodingStats; zeros without speculation):
+    rows that verified drafts, draft tokens, accepted ones in all and by draft position, and the
+    mean acceptance length (tokens a speculating row emitted per step)."""
+    return {
+        "spec_decode_num_drafts": st.spec_num_drafts,
+        "spec_decode_num_draft_tokens": st.spec_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": st.spec_num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": list(st.spec_num_accepted_tokens_per_pos),
+        "spec_decode_mean_acceptance_length": st.spec_mean_acceptance_length,
     }
 
 

@@ -62,7 +62,21 @@ class RayMetricsHooks(LoopHooks):
                                          description="Rank 0's time copying between KV tiers.", tag_keys=tags)
         for m in (self.kv_tier_hits, self.kv_tier_bytes, self.kv_copy_s):
             m.set_default_tags({"replica": replica})
+        # speculative decoding, as vLLM names them (vllm:spec_decode_*): fed from the snapshot's
+        # running totals like the prefix counters, on every snapshot (the gauges' throttle would
+        # leave a short run's last steps uncounted)
+        self.spec_counters = {key: metrics.counter(f"ray_attn_{key}", description=text, tag_keys=tags)
+                              for key, text in (
+                                  ("spec_decode_num_drafts", "Request-steps that verified draft tokens."),
+                                  ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                                  ("spec_decode_num_accepted_tokens", "Draft tokens accepted."))}
+        self.spec_per_pos = metrics.counter("ray_attn_spec_decode_num_accepted_tokens_per_pos",
+                                            description="Draft tokens accepted, by draft position (0 first).",
+                                            tag_keys=tags + ("position",))
+        for m in (*self.spec_counters.values(), self.spec_per_pos):
+            m.set_default_tags({"replica": replica})
         self._tier_seen: dict[str, float] = {}
+        self._spec_seen: dict = {}
         self.min_gauge_interval_s = min_gauge_interval_s
         self._last_gauges = 0.0
         self._prefix_seen = (0, 0)  # (hits, queries) already counted
@@ -73,6 +87,8 @@ class RayMetricsHooks(LoopHooks):
             self.tokens.inc(num_tokens)
 
     def on_snapshot(self, snap: dict) -> None:
+        if snap.get("spec_decode_num_drafts"):
+            self._count_spec(snap)
         now = time.monotonic()
         if now - self._last_gauges < self.min_gauge_interval_s:
             return
@@ -101,6 +117,16 @@ class RayMetricsHooks(LoopHooks):
             if grew > 0:
                 counter.inc(grew, tags=tags)
                 self._tier_seen[key] = snap[key]
+
+    def _count_spec(self, snap: dict) -> None:
+        feeds = [(key, counter, None, snap[key]) for key, counter in self.spec_counters.items()]
+        feeds += [(("pos", j), self.spec_per_pos, {"position": str(j)}, n)
+                  for j, n in enumerate(snap["spec_decode_num_accepted_tokens_per_pos"])]
+        for key, counter, tags, total in feeds:
+            grew = total - self._spec_seen.get(key, 0)
+            if grew > 0:
+                counter.inc(grew, tags=tags)
+                self._spec_seen[key] = total
 
     def on_request_done(self, finish_reason: str) -> None:
         self.finished.inc(tags={"finish_reason": finish_reason})

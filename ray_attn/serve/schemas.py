@@ -188,6 +188,14 @@ class StatsResponse(BaseModel):
     vocab_size: int = Field(description="The model's vocabulary size (valid token ids are below it).")
     max_prompt_tokens: int = Field(description="Limit on prompt length.")
     max_tokens_limit: int = Field(description="Limit on max_tokens.")
+    # speculative decoding (engine.speculative_config; zeros without it), vLLM's SpecDecodingStats
+    spec_decode_num_drafts: int = Field(description="Request-steps that verified draft tokens.")
+    spec_decode_num_draft_tokens: int = Field(description="Draft tokens proposed.")
+    spec_decode_num_accepted_tokens: int = Field(description="Draft tokens accepted.")
+    spec_decode_num_accepted_tokens_per_pos: list[int] = Field(
+        description="Draft tokens accepted at each draft position (0 first).")
+    spec_decode_mean_acceptance_length: float = Field(
+        description="Tokens a speculating request emitted per step: 1 + accepted / drafts (0 before any).")
 
 
 # ------------------------------------------------------------------------------ deployment limits
