@@ -77,7 +77,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._step_id = 0
         # speculative decoding: drafts proposed and read back around each step (spec/decoder.py)
-        self.spec = SpecDecoder(config, self.planner) if config.speculative_config is not None else None
+        self.spec = None if config.speculative_config is None else SpecDecoder(
+            config, self.planner, str((getattr(executor, "infos", None) or [{}])[0].get("device", config.parallel.device)))
         self.async_scheduling = config.async_scheduling
         if self.spec is not None:
             self.async_scheduling = False  # not with speculation yet (spec_config.check_speculative)

@@ -12,9 +12,9 @@ refused before any actor starts, with the field it is about.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, model_validator
 
 from ray_attn.model_config import ModelConfig, _Strict
 
@@ -23,6 +23,14 @@ from ray_attn.model_config import ModelConfig, _Strict
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults for prompt lookup when neither bound is given ("arbitrarily chosen", it says).
 DEFAULT_PROMPT_LOOKUP = 5
+# disable_by_batch_size="auto" on CPU: the largest batch at which n-gram speculation still paid in
+# scripts/bench_spec_decode.py's sweep on SmolLM2-135M (benchmarks/results/bench_spec_decode.json,
+# ``break_even_batch``; README "Speculative decoding").  A CPU step's cost grows with its tokens
+# almost from the first, so verifying k drafts per row soon costs more than the accepted ones save.
+CPU_DISABLE_BY_BATCH_SIZE = 4
+# On a GPU a decode step is weight-bound up to large batches and a 1+k query costs little more
+# (scripts/bench_spec_verify.py measures it on the H200): no limit until that sweep gives one.
+GPU_DISABLE_BY_BATCH_SIZE = None
 
 
 class SpeculativeConfig(_Strict):
@@ -45,9 +53,11 @@ class SpeculativeConfig(_Strict):
     draft_tensor_parallel_size: Optional[int] = Field(None, description=(
         "draft_model: the draft runs on the target's ranks, so this must equal the target's "
         "tensor_parallel_size (vLLM's name; unset means that)."))
-    disable_by_batch_size: Optional[int] = Field(None, description=(
+    disable_by_batch_size: Union[StrictInt, Literal["auto"], None] = Field("auto", description=(
         "Speculate only in steps with at most this many running requests: a large batch is "
-        "compute-bound, and verifying drafts there costs more than it saves. None: always."))
+        "compute-bound, and verifying drafts there costs more than it saves. None: always. "
+        f"'auto' (default): the measured break-even of the device -- on CPU "
+        f"{CPU_DISABLE_BY_BATCH_SIZE} (scripts/bench_spec_decode.py), on a GPU none yet."))
 
     @model_validator(mode="after")
     def _check(self):
@@ -55,7 +65,8 @@ class SpeculativeConfig(_Strict):
         if isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={k!r} is out of range: it must lie in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}]")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+        limit = self.disable_by_batch_size
+        if limit is not None and limit != "auto" and limit < 1:
             raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size} must be >= 1 (or None)")
         if self.method == "ngram":
             for name in ("model", "draft_model_config", "draft_tensor_parallel_size"):
@@ -75,6 +86,12 @@ class SpeculativeConfig(_Strict):
                 raise ValueError("method='draft_model' needs the draft: model (a checkpoint) or "
                                  "draft_model_config (random weights)")
         return self
+
+    def batch_limit(self, device: str) -> Optional[int]:
+        """``disable_by_batch_size`` with 'auto' resolved for ``device`` ('cpu', 'cuda:0', ...)."""
+        if self.disable_by_batch_size != "auto":
+            return self.disable_by_batch_size
+        return CPU_DISABLE_BY_BATCH_SIZE if str(device).startswith("cpu") else GPU_DISABLE_BY_BATCH_SIZE
 
     @property
     def ngram_bounds(self) -> tuple[int, int]:

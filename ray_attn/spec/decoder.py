@@ -64,10 +64,10 @@ class SpecDecodingStats:
 
 
 class SpecDecoder:
-    def __init__(self, config, planner):
+    def __init__(self, config, planner, device: str = "cpu"):
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens
-        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.disable_by_batch_size = spec.batch_limit(device)  # 'auto': the device's measured break-even
         self.proposer = NgramProposer(self.k, *spec.ngram_bounds)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.planner = planner

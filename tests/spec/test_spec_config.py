@@ -71,3 +71,23 @@ def test_a_draft_whose_heads_tp_does_not_divide_is_refused():
 def test_a_valid_draft_model_is_refused_until_it_runs():
     refused("draft_model' is not implemented yet",
             {"method": "draft_model", "num_speculative_tokens": 2, "draft_model_config": draft()})
+
+
+def test_the_default_limit_is_the_devices_measured_break_even():
+    from ray_attn.spec_config import CPU_DISABLE_BY_BATCH_SIZE, GPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+    auto = SpeculativeConfig(num_speculative_tokens=2)
+    assert auto.disable_by_batch_size == "auto"
+    assert auto.batch_limit("cpu") == CPU_DISABLE_BY_BATCH_SIZE and auto.batch_limit("cuda:0") == GPU_DISABLE_BY_BATCH_SIZE
+    for given in (None, 7):  # an explicit value holds on every device
+        spec = SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=given)
+        assert spec.batch_limit("cpu") == spec.batch_limit("cuda:0") == given
+    for bad in (True, "always", -3):
+        refused("disable_by_batch_size", {"num_speculative_tokens": 2, "disable_by_batch_size": bad})
+    # an engine on CPU ranks reads the limit of the device its rank reported
+    from ray_attn.engine import LLMEngine
+    from ray_attn.runtime import InProcessExecutor
+
+    cfg = engine({"num_speculative_tokens": 2})
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    assert eng.spec.disable_by_batch_size == CPU_DISABLE_BY_BATCH_SIZE

@@ -20,7 +20,8 @@ from ray_attn.runtime import InProcessExecutor
 
 MODEL = dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, seed=7)
-SPEC = dict(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+# always on: the batches here are larger than the CPU default limit (test_the_default_limit_is_the_devices)
+SPEC = dict(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4, disable_by_batch_size=None)
 
 
 def config(spec: dict | None = SPEC, num_blocks=160, tp=1, max_num_seqs=16, **model) -> EngineConfig:
