@@ -24,6 +24,7 @@ Writes ``benchmarks/results/gpu_accuracy{suffix}.json``; ``scripts/report.py`` m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -79,6 +80,9 @@ class Row:
     # the float32 reference and in the bf16 control alike (the format's definition of the model)
     weights: str = ""
     grammar: bool = False  # decode under SCHEMA (structured outputs), scored under the same mask
+    # speculative_config: the engine speculates, and the same engine without it runs too -- the
+    # row needs their greedy tokens equal, token for token (info["spec_identical"])
+    spec: dict = field(default_factory=dict)
     # (stats, info) -> why the feature did not run, or None
     expect: Callable[[dict, dict], str | None] = lambda s, i: None
 
@@ -159,10 +163,36 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
             expect=lambda s, i: default(s, i) or fp8w(i)),
         Row("json_schema", what="JSON-schema structured output (xgrammar mask on rank 0), byte vocabulary",
             grammar=True, expect=default),
+        *spec_rows(default),
         Row("tp2_graphs", what="TP=2, CUDA graphs on (NCCL inside)", tp=2, parallel=dict(cuda_graphs="on"),
             expect=default),
         Row("tp2_eager", what="TP=2, CUDA graphs off", tp=2, parallel=dict(cuda_graphs="off"),
             expect=lambda s, i: fa(i)),
+    ]
+
+
+# n-gram drafts verified in the step (always on: the gate's batch is larger than the CPU default limit)
+NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
+             disable_by_batch_size=None)
+
+
+def spec_rows(default) -> list[Row]:
+    """Speculative greedy against non-speculative greedy, token for token: bf16 and fp8 KV, and
+    with cascade forced over a shared prefix."""
+    def ran(s, i):
+        if i["spec_identical"] != i["num_prompts"]:
+            return (f"speculative greedy differs from plain greedy in {i['num_prompts'] - i['spec_identical']} "
+                    f"output(s) (first forks at {i['spec_forks']})")
+        return need(s["spec_num_accepted_tokens"] > 0, "no draft was accepted")
+
+    return [
+        Row("spec_ngram", prompts="repeating", what="n-gram speculation (k=4): greedy equals plain greedy",
+            spec=NGRAM, expect=lambda s, i: default(s, i) or ran(s, i)),
+        Row("spec_ngram_fp8", prompts="repeating", what="n-gram speculation with the fp8 KV cache",
+            spec=NGRAM, cache=dict(kv_cache_dtype="fp8"), fp8=True, expect=lambda s, i: default(s, i) or ran(s, i)),
+        Row("spec_ngram_cascade", prompts="repeating_prefix", what="n-gram speculation, cascade forced",
+            spec=NGRAM, engine=dict(cascade_min_saved_kv_tokens=0),
+            expect=lambda s, i: default(s, i) or ran(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
     ]
 
 
@@ -184,6 +214,10 @@ def prompt_sets(vocab: int, gpu: bool, seed: int = 0, chunk: int = 256) -> dict[
             "three_prefixes": [prefixes[i // 4] + suffixes[i] for i in range(12)],
             "repeats": [p for p in [prefixes[i] + suffixes[i] for i in range(3)] + [singles[2]] for _ in range(3)],
             "chunk_edges": [tok(chunk * j - d) for j in range(1, 7) for d in (4, 20)],
+            # a pattern said three times: the model tends to go on repeating it, so drafts get accepted
+            "repeating": [tok(max(4, n // k)) * 3 for n in (12, 16, 24, 32, 40, 48)],
+            # 12 of them: cascade needs 8 requests at least (vLLM's rule)
+            "repeating_prefix": [prefix + tok(max(4, n // k)) * 3 for n in range(12, 60, 4)],
             "_prefix": [prefix]}
 
 
@@ -194,7 +228,8 @@ def engine_config(row: Row, folder: str, gpu: bool, num_blocks: int) -> EngineCo
     cache = dict(num_blocks=num_blocks) | row.cache
     par = dict(tensor_parallel_size=row.tp, device="cuda" if gpu else "cpu") | row.parallel
     return EngineConfig(model=model, checkpoint=folder, cache=CacheConfig(**cache),
-                        parallel=ParallelConfig(**par), max_num_seqs=16, **row.engine)
+                        parallel=ParallelConfig(**par), max_num_seqs=16, **row.engine,
+                        speculative_config=row.spec or None)
 
 
 def grammar(vocab: int):
@@ -225,11 +260,17 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
         outs = engine.generate(prompts, params)
         info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
                 "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs")),  # what rank 0 captured
-                "fp8_linears": engine.executor.infos[0].get("fp8_linears", 0)}
+                "fp8_linears": engine.executor.infos[0].get("fp8_linears", 0), "num_prompts": len(prompts)}
         stats = engine.stats.as_dict() | engine.planner.stats()  # the planner's: KV tier hits
-        return [o.output_token_ids for o in outs], stats, info
+        tokens = [o.output_token_ids for o in outs]
     finally:
         engine.shutdown()
+    if row.spec:
+        want, _, _ = run_engine(dataclasses.replace(row, spec={}), cfg.model_copy(update={"speculative_config": None}), prompts, prefix)
+        forks = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                 for x, y in zip(tokens, want) if x != y]
+        info.update(spec_identical=len(prompts) - len(forks), spec_forks=forks)
+    return tokens, stats, info
 
 
 class Controls:
@@ -337,7 +378,10 @@ class Gate:
                        fp8_linears=info["fp8_linears"],
                        async_scheduling=info["async"], stats={k: stats[k] for k in (
                            "steps", "cascade_steps", "multi_group_cascade_steps", "local_steps",
-                           "preemptions", "prefix_cache_hit_tokens", "host_hit_blocks", "onloaded_blocks") if k in stats})
+                           "preemptions", "prefix_cache_hit_tokens", "host_hit_blocks", "onloaded_blocks",
+                           "spec_num_drafts", "spec_num_accepted_tokens", "spec_mean_acceptance_length") if k in stats})
+            if row.spec:
+                res.update(spec_identical=info["spec_identical"], spec_forks=info["spec_forks"])
             threshold = ctrl - MARGIN
             if row.fp8:
                 res["control_fp8"] = c.control(ref_folder, attn_ref, c.attention(row, cfg, True), row.prompts, prompts,

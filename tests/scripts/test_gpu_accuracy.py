@@ -54,6 +54,16 @@ def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
         assert res["stats"]["host_hit_blocks"] > 0 and res["stats"]["onloaded_blocks"] > 0
 
 
+@pytest.mark.parametrize("name", ["spec_ngram", "spec_ngram_cascade"])
+def test_spec_rows_pass_on_cpu_with_drafts_accepted(gate, name):
+    (row,) = rows(gate, name)
+    res = gate.run(row)
+    assert res["passed"], res
+    assert res["spec_identical"] == len(gate.prompts[row.prompts]) and res["stats"]["spec_num_accepted_tokens"] > 0, res
+    if name == "spec_ngram_cascade":
+        assert res["stats"]["cascade_steps"] > 0
+
+
 @pytest.mark.slow
 def test_a_wrong_model_fails_the_gate(gate):
     """RoPE base off by 10x: the engine still runs, but it is not the checkpoint's model."""
