@@ -40,7 +40,7 @@ from ray_attn.planner.block_pool import prompt_hashes
 from ray_attn.serve.auth import Auth
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.request_log import RequestLog, request_id_of, with_request_id
-from ray_attn.serve.progress_store import request_digest
+from ray_attn.serve.progress_store import Unanswered, request_digest
 from ray_attn.serve.relay import REPLICA_HEADER, RelayedResponse, StreamJournal, new_epoch
 from ray_attn.serve.resume import EXTENSION
 from ray_attn.serve.schemas import ServeAppConfig
@@ -245,7 +245,14 @@ class PrefixRoutingIngress:
             return self._answered(request, HTTPError(400, [("last-event-id", f"last-event-id: {last[:40]!r} is "
                                                                              f"not an event id of this server")]))
         epoch = new_epoch()
-        rec = await self.stores.takeover(rid, epoch)
+        try:
+            rec = await self.stores.takeover(rid, epoch)
+        except Unanswered as e:
+            error = HTTPError(503, [("last-event-id", f"last-event-id: stream {rid!r} not found yet ({e}); "
+                                                      f"retry later")])
+            response = self._answered(request, error)
+            response.headers["retry-after"] = str(self.retry_after_s)
+            return response
         if rec is None:
             return self._answered(request, HTTPError(410, [("last-event-id", (
                 f"last-event-id: no stream {rid!r} to resume (ended more than resume_window_s ago, "

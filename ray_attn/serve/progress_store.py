@@ -69,7 +69,7 @@ class StreamRecord:
     digest: str
     events: list = field(default_factory=list)    # bytes: each a whole SSE event with its id line
     progress: list = field(default_factory=list)  # bytes: the progress lines of those events
-    replicas: list = field(default_factory=list)  # the LLMServer replicas that served it, in order
+    replicas: list = field(default_factory=list)  # (LLMServer replica, its first event) per attempt
     done: bool = False
     updated: float = 0.0
 
@@ -305,11 +305,16 @@ class ProgressStores:
 
     async def takeover(self, request_id: str, epoch: int) -> Optional[StreamRecord]:
         """The stream's record from every store that has it (newest epoch, longest log); every
-        copy refuses writes of older epochs from now on."""
+        copy refuses writes of older epochs from now on.  No record, but a store that did not
+        answer (busy, or its node being lost): ``Unanswered`` -- the client may try again."""
         await self.refresh(force=True)
         calls = [b.handle.takeover.remote(request_id, epoch) for b in self.batchers.values() if not b.dead]
-        results = await asyncio.gather(*[_bounded(c, self.write_timeout_s * 2) for c in calls])
-        return best(results)
+        results = await asyncio.gather(*[_bounded(c, self.write_timeout_s * 5, _MISSING) for c in calls])
+        rec = best([r for r in results if r is not _MISSING])
+        if rec is None and any(r is _MISSING for r in results):
+            raise Unanswered(f"{sum(r is _MISSING for r in results)} of {len(results)} progress stores did not "
+                             f"answer")
+        return rec
 
     async def stats(self) -> dict:
         await self.refresh(force=True)
@@ -323,11 +328,18 @@ class Superseded(Exception):
     """A newer connection with the same request id has taken the stream over."""
 
 
-async def _bounded(ref, timeout: float):
+class Unanswered(Exception):
+    """No store had the stream, but one or more did not answer."""
+
+
+_MISSING = object()
+
+
+async def _bounded(ref, timeout: float, missing=None):
     try:
         return await asyncio.wait_for(ref, timeout)
     except Exception:  # noqa: BLE001 - a store lost, or too slow: the others answer
-        return None
+        return missing
 
 
 def find(app: str, request_id: str, timeout: float = 10.0) -> Optional[StreamRecord]:
@@ -352,4 +364,4 @@ def find(app: str, request_id: str, timeout: float = 10.0) -> Optional[StreamRec
 
 
 __all__ = ["COPIES", "NAMESPACE", "ProgressLog", "ProgressStore", "ProgressStores", "StreamRecord",
-           "Superseded", "Write", "best", "find", "request_digest", "store_name"]
+           "Superseded", "Unanswered", "Write", "best", "find", "request_digest", "store_name"]

@@ -116,6 +116,17 @@ class RelayedResponse(Response):
         self.attempts = 0
 
     async def __call__(self, scope, receive, send) -> None:
+        async def to_client(message):
+            try:
+                await send(message)
+            except Exception as e:  # noqa: BLE001 - the client's side failed, not a replica
+                raise _ClientGone() from e
+        try:
+            await self._relay(to_client)
+        except _ClientGone as e:
+            raise e.__cause__ from None
+
+    async def _relay(self, send) -> None:
         started, stream, progress, ids, routed = False, False, StreamProgress(), EventIds(), self.routed
         tail: list[bytes] = []
         if self.reconnect is not None:
@@ -141,8 +152,8 @@ class RelayedResponse(Response):
                     kind = message.get("type")
                     if kind == "http.response.start":
                         replica = _header(message, REPLICA_HEADER)
-                        if self.journal is not None and replica:
-                            self.journal.replicas.append(replica.decode())
+                        if self.journal is not None and replica:  # who served it, from which event
+                            self.journal.replicas.append((replica.decode(), ids.next))
                         if started:  # a resumed stream: the client has its headers already
                             if message.get("status") != 200 or not _is_event_stream(message):
                                 raise _NotResumed(f"the next replica answered {message.get('status')}")
@@ -163,10 +174,14 @@ class RelayedResponse(Response):
                         if not more:
                             body += ids.flush()
                         if self.journal is not None and (events or lines or not more):
-                            await self.journal.append(events, lines, done=not more)
+                            # ended with its [DONE] (the empty last message follows it)
+                            done = not more or any(e.endswith(b"data: [DONE]\n\n") for e in events)
+                            await self.journal.append(events, lines, done=done)
                         message = dict(message, body=body)
                     await send(message)
                 return
+            except _ClientGone:
+                raise
             except Superseded:
                 log.info("stream %s taken over by a newer connection; this one ends", self.journal.request_id)
                 return await self._end_stream(send, "x-request-id", "x-request-id: this stream was taken over "
@@ -236,6 +251,10 @@ class RelayedResponse(Response):
 
 
 class _NoReplica(Exception):
+    pass
+
+
+class _ClientGone(Exception):
     pass
 
 
