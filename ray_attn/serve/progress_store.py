@@ -35,6 +35,7 @@ that no front has touched for ``IDLE_EXIT_S`` (its app deleted) and that holds n
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 import time
@@ -208,17 +209,24 @@ class _Batcher:
             return fut
         self.pending.append((w, fut))
         if self.task is None or self.task.done():
-            self.task = asyncio.ensure_future(self._flush())
+            # In a context of its own: Ray cancels the calls a request made when the request is
+            # cancelled (its client gone), and this task serves every stream, not one request.
+            self.task = asyncio.get_running_loop().create_task(self._flush(), context=contextvars.Context())
         return fut
 
     async def _flush(self) -> None:
+        from ray.exceptions import RayActorError
+
         while self.pending:
             batch, self.pending = self.pending, []
             try:
                 results = await self.handle.write_many.remote([w for w, _ in batch])
-            except Exception as e:  # noqa: BLE001 - the store (its node) is gone
-                log.warning("progress store %s unreachable: %s: %s", self.name, type(e).__name__, e)
+            except RayActorError as e:  # the store (its node) is gone
+                log.warning("progress store %s lost: %s: %s", self.name, type(e).__name__, e)
                 self.dead = True
+                results = [None] * len(batch)
+            except Exception as e:  # noqa: BLE001 - this batch failed; the store may serve the next
+                log.warning("progress store %s: a write failed: %s: %s", self.name, type(e).__name__, e)
                 results = [None] * len(batch)
             for (_, fut), res in zip(batch, results):
                 if not fut.done():

@@ -17,6 +17,7 @@ import asyncio
 import json
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from ray_attn.serve.ingress import RoutedHTTPRequest
 from ray_attn.serve.progress_store import GAP, OK, STALE, ProgressLog, ProgressStores, Superseded, Write, _Batcher
@@ -77,7 +78,7 @@ class FakeStore:
                 async def run():
                     store.calls += 1
                     if store.dead:
-                        raise RuntimeError("actor died")
+                        raise ActorDiedError()  # what a call to a lost actor raises
                     return self.fn(*a)
                 return run()
         self.write_many = Method(lambda ws: [self.log.write(w, 0.0) for w in ws])
