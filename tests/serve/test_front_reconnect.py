@@ -205,7 +205,6 @@ def test_a_client_cut_anywhere_reconnects_to_exactly_the_events_after_its_last(c
         return await other.takeover("rid", new_epoch())
     rec = asyncio.run(take())
     assert rec is not None and len(rec.events) == logged
-    state = Resume()
     resumed_from = sum(1 for _, d in want[:logged] if d.startswith("{"))  # tokens the log holds
     replicas = Replicas(script(TOKENS, start=resumed_from, head=False, replica=b"r2"))
     j2 = StreamJournal(other, "rid", "dig", new_epoch(rec.epoch), record=rec)
@@ -219,7 +218,6 @@ def test_a_client_cut_anywhere_reconnects_to_exactly_the_events_after_its_last(c
         asked = Resume.from_json(replicas.asked[0].resume)
         assert asked.tokens(0) == TOKENS[:resumed_from] and asked.head == {"id": "s", "created": 1}
         assert dict(sent2[0]["headers"])[b"x-replica-id"] == b"r2"
-    del state
 
 
 def test_a_replica_lost_after_the_headers_before_the_first_event_is_sent_again_as_it_came():
@@ -282,3 +280,22 @@ def test_a_reconnection_the_front_cannot_honour_is_refused_naming_the_field(case
     resp = asyncio.run(front_with(s)(request({"X-Request-Id": rid, "Last-Event-ID": last}, body)))
     assert resp.status_code == status
     assert json.loads(resp.body)["field"] == field
+
+
+def test_a_stream_is_logged_as_ended_with_its_done_event():
+    """Starlette sends an empty last message after ``[DONE]``: a front lost between the two
+    leaves a log that must already say the stream ended (a reconnection then gets only the tail)."""
+    nodes = {"a": FakeStore()}
+    msgs = script(TOKENS)[:-1] + [dict(END, more_body=True), {"type": "http.response.body", "body": b"",
+                                                                 "more_body": False}]
+    j = StreamJournal(stores_of(nodes, "a"), "rid", "dig", new_epoch())
+    sent = []
+
+    async def send(m):  # the front dies the moment [DONE] is out
+        sent.append(m)
+        if b"[DONE]" in m.get("body", b""):
+            raise Cut()
+    with pytest.raises(Cut):
+        asyncio.run(RelayedResponse(Replicas(msgs), routed(), 1, 3, retry_delay_s=0, journal=j)(None, None, send))
+    assert numbered(body_of(sent))[-1][1] == "[DONE]"
+    assert nodes["a"].log.records["rid"].done
