@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import httpx
 
-RETRYABLE = {502, 503, 504}
+# 500: Serve's proxy, when the front replica it picked died before answering
+RETRYABLE = {500, 502, 503, 504}
 
 
 @dataclass
