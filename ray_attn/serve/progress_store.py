@@ -262,8 +262,12 @@ class ProgressStores:
             return
         self._refreshed = time.monotonic()
         prefix = store_name(self.app, "")
-        names = [a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, True)
-                 if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix)]
+        try:
+            listed = await asyncio.to_thread(ray.util.list_named_actors, True)
+        except Exception as e:  # noqa: BLE001 - the GCS away (its head restarting): keep the stores known
+            log.warning("progress stores: cannot list them now (%s: %s)", type(e).__name__, e)
+            return
+        names = [a["name"] for a in listed if a.get("namespace") == NAMESPACE and a["name"].startswith(prefix)]
         found: dict[str, _Batcher] = {}
         for name in names:
             node = name[len(prefix):]
