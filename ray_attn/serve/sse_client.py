@@ -101,7 +101,7 @@ def _read(r: httpx.Response, s: ResumableStream, conn: Connection, on_event) -> 
         elif line.startswith("data: "):
             data = line[6:]
             s.events.append(data if data == "[DONE]" else json.loads(data))
-            if isinstance(s.events[-1], dict) and "error" in s.events[-1] and s.error is None:
+            if isinstance(s.events[-1], dict) and s.events[-1].get("error") and s.error is None:
                 s.error = str(s.events[-1].get("detail") or s.events[-1]["error"])  # an in-stream error event
             s.ids.append(event_id)
             if conn.first_event < 0 and event_id is not None:
