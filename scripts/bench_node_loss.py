@@ -1,21 +1,28 @@
 #!/usr/bin/env python
-"""Losing a node under load, with and without resumption, on a simulated multi-node cluster.
+"""Losing a node -- or a front replica -- under streaming load, on a simulated multi-node cluster.
 
-A head node (Serve's controller, proxy and the front) and ``--nodes`` worker nodes of
-``--replicas-per-node`` replicas each (TP=1, CPU); ``--clients`` clients stream
-``/v1/generate`` requests back to back (half greedy, half seeded, each body fixed by its client
-and turn).  At ``--loss-at`` seconds the node holding the most streams is removed (its raylet
-killed with every process on it); the load runs on to ``--duration``.  Then every request that
-was sent is asked again on the surviving cluster, without a fault, and each answer compared
-token by token.  Two runs, each on a fresh cluster: resumption on (``max_request_attempts``
-3) and off (1: the front ends a lost stream with an error event).
+A head node (Serve's controller, proxy and one front replica) and ``--nodes`` worker nodes of
+``--replicas-per-node`` LLMServer replicas (TP=1, CPU) and one front replica each
+(``ingress_max_replicas_per_node: 1``).  ``--clients`` clients stream ``/v1/generate``
+requests back to back (half greedy, half seeded, each body fixed by its client and turn); a
+client whose connection is cut reconnects with its ``X-Request-Id`` and ``Last-Event-ID``
+(``ray_attn.serve.sse_client``).  At ``--loss-at`` seconds one loss, a row each (``--losses``):
 
-Reported per run: requests sent, completed as the fault-free run, lost (an error, a cut or a
-different answer), tokens duplicated or missing in the streams, the time from the loss to the
-first token of each resumed stream, and tokens/s before and after the loss::
+- ``worker-node``: the worker node holding the most streams is removed (its raylet killed with
+  every process on it: its replicas, their streams, its front replica);
+- ``head-front``: the head's front replica is SIGKILLed (the head itself stays: it holds the GCS);
+- ``worker-node-no-resume``: as ``worker-node`` with ``max_request_attempts: 1`` and clients
+  that do not reconnect -- what is lost without resumption.
 
-    python scripts/bench_node_loss.py                     # 3 nodes x 2 replicas, 32 clients
-    python scripts/bench_node_loss.py --nodes 2 --replicas-per-node 1 --clients 8 --duration 12 --loss-at 5
+The load runs on to ``--duration``; then every request sent is asked again on the surviving
+cluster, without a fault, and each answer compared token by token.  Reported per row: requests
+sent, completed as the fault-free run, lost (an error, a cut or a different answer), resumed
+(a stream that crossed a replica or a front: a reconnection, or a replica lost under it),
+tokens duplicated or missing (the events' ids and ``index``), and the time from the loss to
+the first token of each stream it interrupted::
+
+    python scripts/bench_node_loss.py                     # 3 worker nodes x 2 replicas, 32 clients
+    python scripts/bench_node_loss.py --nodes 2 --replicas-per-node 1 --clients 4 --duration 8 --loss-at 3
 
 Writes benchmarks/results/bench_node_loss.json and a plot of tokens/s over time (.png).
 """
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -32,8 +41,10 @@ import httpx
 
 import simcluster
 from benchlib import RESULTS, machine, stretched
+from ray_attn.serve.sse_client import faults, stream
 
 MAX_TOKENS = 48
+LOSSES = ("worker-node", "head-front", "worker-node-no-resume")
 
 
 def body(client: int, turn: int) -> dict:
@@ -45,23 +56,23 @@ def body(client: int, turn: int) -> dict:
 
 
 class Record:
-    """One streamed request: its body, the replica that began it, each event's arrival time."""
+    """One streamed request: the client's stream, and each event's arrival time."""
 
-    def __init__(self, client: int, turn: int, t0: float):
-        self.client, self.turn, self.t0 = client, turn, t0
-        self.replica = None
-        self.events: list[tuple[float, dict]] = []
-        self.error = None
-        self.done = False
+    def __init__(self, client: int, turn: int):
+        self.client, self.turn = client, turn
+        self.times: list[float] = []
+        self.s = None
 
     @property
     def tokens(self) -> list[int]:
-        return [t for _, e in self.events for t in e.get("token_ids", [])]
+        return [t for e in self.s.events if isinstance(e, dict) for t in e.get("token_ids", [])]
 
     def index_faults(self) -> tuple[int, int]:
         """(tokens repeated, tokens skipped) by the events' ``index`` field."""
         seen, dup, gap = 0, 0, 0
-        for _, e in self.events:
+        for e in self.s.events:
+            if not isinstance(e, dict) or "index" not in e:
+                continue
             if e["index"] < seen:
                 dup += seen - e["index"]
             elif e["index"] > seen:
@@ -70,40 +81,27 @@ class Record:
         return dup, gap
 
 
-def client_loop(url: str, client: int, stop_at: float, start: float, records: list, lock):
+def client_loop(url, client, stop_at, start, records, lock, reconnect: bool):
     turn = 0
-    with httpx.Client(timeout=stretched(120)) as c:
-        while time.monotonic() < stop_at:
-            rec = Record(client, turn, time.monotonic() - start)
-            with lock:
-                records.append(rec)
-            try:
-                with c.stream("POST", url + "/v1/generate", json=body(client, turn)) as r:
-                    rec.replica = r.headers.get("x-replica-id")
-                    if r.status_code != 200:
-                        rec.error = f"HTTP {r.status_code}"
-                    else:
-                        for line in r.iter_lines():
-                            if line == "data: [DONE]":
-                                rec.done = True
-                            elif line.startswith("data: "):
-                                e = json.loads(line[6:])
-                                if "token_ids" in e:
-                                    rec.events.append((time.monotonic() - start, e))
-                                else:
-                                    rec.error = e.get("detail", "error event")
-            except httpx.HTTPError as e:
-                rec.error = f"{type(e).__name__}: {e}"
-            turn += 1
+    while time.monotonic() < stop_at:
+        rec = Record(client, turn)
+        with lock:
+            records.append(rec)
+        rec.s = stream(url + "/v1/generate", body(client, turn), reconnect=reconnect, timeout=stretched(120),
+                       on_event=lambda s, rec=rec: rec.times.append(time.monotonic() - start),
+                       on_open=lambda s, rec=rec: setattr(rec, "s", s))
+        turn += 1
 
 
-def run(args, resume: bool) -> dict:
+def run(args, loss: str) -> dict:
     from ray import serve
 
     from ray_attn.serve.app import build_app
     from ray_attn.serve.app_config import default_engine_config
 
-    sim = simcluster.start_cluster(args.nodes, replica_cpus=1.0, replicas_per_node=args.replicas_per_node)
+    resume = not loss.endswith("no-resume")
+    sim = simcluster.start_cluster(args.nodes, replica_cpus=1.0, replicas_per_node=args.replicas_per_node,
+                                   front_cpus=1.0)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
         eng = default_engine_config().model_dump(mode="json")
@@ -113,88 +111,100 @@ def run(args, resume: bool) -> dict:
         app = dict(engine=eng, executor="in_process", replica_num_cpus=1.0, num_replicas=n,
                    replica_resource=simcluster.REPLICA_RESOURCE, resume_requests=True,
                    max_request_attempts=3 if resume else 1, retry_timeout_s=stretched(30),
-                   prefix_router={"ingress_resources": {simcluster.FRONT_RESOURCE: 0.01}},
+                   prefix_router={"ingress_num_replicas": args.nodes + 1, "ingress_max_replicas_per_node": 1},
                    max_connections=256, max_requests_per_client=256, health_check_period_s=2.0,
                    health_check_timeout_s=stretched(30), health_ping_timeout_s=stretched(15))
         serve.run(build_app(app), name="bench", route_prefix="/bench", blocking=False)
         nodes = simcluster.wait_replicas("bench", n, timeout=300)
+        fronts = simcluster.replica_actors("bench", "PrefixRoutingIngress")
         url = f"http://127.0.0.1:{args.port}/bench"
-        print(f"[{'resume' if resume else 'no resume'}] {n} replicas on {len(set(nodes.values()))} nodes; "
-              f"{args.clients} clients for {args.duration:g}s, a node lost at {args.loss_at:g}s", flush=True)
+        print(f"[{loss}] {n} replicas on {len(set(nodes.values()))} nodes, {len(fronts)} fronts; "
+              f"{args.clients} clients for {args.duration:g}s, the loss at {args.loss_at:g}s", flush=True)
 
         records, lock = [], threading.Lock()
         start = time.monotonic()
-        threads = [threading.Thread(target=client_loop, args=(url, i, start + args.duration, start, records, lock),
-                                    daemon=True) for i in range(args.clients)]
+        threads = [threading.Thread(target=client_loop, daemon=True,
+                                    args=(url, i, start + args.duration, start, records, lock, resume))
+                   for i in range(args.clients)]
         for t in threads:
             t.start()
         time.sleep(max(0.0, start + args.loss_at - time.monotonic()))
         with lock:
-            live = [r for r in records if not r.done and r.error is None and r.replica]
-        on_node: dict[str, int] = {}
-        for r in live:
-            node = nodes.get(r.replica)
-            if node is not None:
-                on_node[node] = on_node.get(node, 0) + 1
-        victim = max(on_node, key=on_node.get) if on_node else next(iter(nodes.values()))
-        lost_replicas = {rid for rid, node in nodes.items() if node == victim}
-        t_loss = time.monotonic() - start
-        sim.remove(sim.node_of(victim))
+            live = [r for r in records if r.s is not None and not r.s.done and r.s.connections]
+        head = sim.cluster.head_node.node_id
+        if loss.startswith("worker-node"):
+            on_node: dict[str, int] = {}
+            for r in live:
+                node = nodes.get(r.s.connections[0].replica)
+                if node is not None:
+                    on_node[node] = on_node.get(node, 0) + 1
+            victim = max(on_node, key=on_node.get) if on_node else next(iter(nodes.values()))
+            hit = on_node.get(victim, 0)
+            t_loss = time.monotonic() - start
+            sim.remove(sim.node_of(victim))
+        else:  # the head's front replica
+            uid, actor = next((u, a) for u, a in fronts.items() if a["Address"]["NodeID"] == head)
+            hit = sum(r.s.connections[0].front == uid for r in live)
+            t_loss = time.monotonic() - start
+            os.kill(actor["Pid"], signal.SIGKILL)
         for t in threads:
             t.join(stretched(300))
-        print(f"  node lost at {t_loss:.1f}s under {on_node.get(victim, 0)} streams; "
-              f"{len(records)} requests sent; checking against fault-free answers", flush=True)
+        print(f"  loss at {t_loss:.1f}s under {hit} streams; {len(records)} requests sent; "
+              f"checking against fault-free answers", flush=True)
 
-        # the fault-free answers, on the surviving replicas
         want: dict[tuple[int, int], list[int]] = {}
         with httpx.Client(timeout=stretched(120)) as c:
             for r in records:
                 b = dict(body(r.client, r.turn), stream=False)
                 want[(r.client, r.turn)] = c.post(url + "/v1/generate", json=b).json()["token_ids"]
-        return summarize(records, want, t_loss, lost_replicas, args, resume, on_node.get(victim, 0))
+        from ray_attn.serve import progress_store
+
+        logs = {r.s.request_id: progress_store.find("bench", r.s.request_id) for r in records}
+        return summarize(records, want, t_loss, args, loss, hit, logs)
     finally:
         simcluster.stop_cluster(sim)
 
 
-def summarize(records, want, t_loss, lost_replicas, args, resume, streams_on_lost) -> dict:
-    ok = lost = dup = gap = 0
-    resumed_gaps = []
+def summarize(records, want, t_loss, args, loss, hit, logs) -> dict:
+    ok = lost = dup = gap = resumed = 0
+    examples = []
+    gaps_after_loss = []
     for r in records:
         d, g = r.index_faults()
-        dup, gap = dup + d, gap + g
-        if r.done and r.error is None and r.tokens == want[(r.client, r.turn)]:
+        d2, g2 = faults(r.s)
+        dup, gap = dup + d + d2, gap + g + g2
+        if r.s.done and r.s.error is None and r.tokens == want[(r.client, r.turn)]:
             ok += 1
         else:
             lost += 1
-        if r.replica in lost_replicas and r.error is None:
-            # a resumed stream: events before the loss, the silence while the front sends it to
-            # another replica, then the rest; the first token after the longest silence that
-            # ends after the loss is the first resumed one
-            times = [t for t, _ in r.events]
-            gaps = [(b - a, b) for a, b in zip(times, times[1:]) if a < t_loss <= b or a >= t_loss]
-            if times and times[0] < t_loss and gaps:
-                resumed_gaps.append(max(gaps)[1] - t_loss)
-    # tokens/s in 1 s bins, and the means before the loss and after the recovery
+            examples.append({"request_id": r.s.request_id, "done": r.s.done, "error": (r.s.error or "")[:300],
+                             "connections": [c.__dict__ for c in r.s.connections],
+                             "tokens": len(r.tokens), "want": len(want[(r.client, r.turn)])})
+        # a reconnection, a retried answer, or (the client cannot see it) a replica lost under it
+        rec = logs.get(r.s.request_id)
+        crossed = r.s.reconnects > 0 or any(c.attempt not in (None, "1") for c in r.s.connections) \
+            or (rec is not None and len(rec.replicas) > 1)
+        interrupted = r.times and r.times[0] < t_loss and (r.times[-1] > t_loss)
+        if interrupted:
+            after = [b for a, b in zip(r.times, r.times[1:]) if b > t_loss]
+            if after:
+                gaps_after_loss.append(max(b - a for a, b in zip(r.times, r.times[1:]) if b > t_loss))
+        resumed += bool(crossed)
     bins = [0] * (int(args.duration) + 30)
     for r in records:
-        for t, e in r.events:
+        for t in r.times:
             if int(t) < len(bins):
-                bins[int(t)] += len(e["token_ids"])
-    end = int(max((t for r in records for t, _ in r.events), default=args.duration))
-    pre = bins[1:int(t_loss)]
-    post_from = int(t_loss + (max(resumed_gaps) if resumed_gaps else 0)) + 1
-    post = bins[post_from:min(end, int(args.duration))]
+                bins[int(t)] += 1
+    end = int(max((t for r in records for t in r.times), default=args.duration))
+    gaps_after_loss.sort()
     return {
-        "resume": resume, "nodes": args.nodes, "replicas_per_node": args.replicas_per_node,
-        "clients": args.clients, "max_tokens": MAX_TOKENS, "loss_at_s": round(t_loss, 2),
-        "streams_on_lost_node": streams_on_lost, "requests": len(records), "completed_as_fault_free": ok,
-        "requests_lost": lost, "tokens_duplicated": dup, "tokens_missing": gap,
-        "streams_continued_past_the_loss": len(resumed_gaps),
-        "loss_to_first_resumed_token_s": {"median": round(sorted(resumed_gaps)[len(resumed_gaps) // 2], 2),
-                                          "max": round(max(resumed_gaps), 2)} if resumed_gaps else None,
-        "tokens_per_s_before": round(sum(pre) / max(1, len(pre)), 1),
-        "tokens_per_s_after": round(sum(post) / max(1, len(post)), 1),
-        "tokens_per_s_series": bins[:end + 1],
+        "loss": loss, "nodes": args.nodes, "replicas_per_node": args.replicas_per_node, "clients": args.clients,
+        "max_tokens": MAX_TOKENS, "loss_at_s": round(t_loss, 2), "streams_hit": hit, "requests": len(records),
+        "completed_as_fault_free": ok, "requests_lost": lost, "requests_resumed": resumed,
+        "tokens_duplicated": dup, "tokens_missing": gap,
+        "longest_silence_after_loss_s": {"median": round(gaps_after_loss[len(gaps_after_loss) // 2], 2),
+                                         "max": round(gaps_after_loss[-1], 2)} if gaps_after_loss else None,
+        "lost_examples": examples[:3], "events_per_s_series": bins[:end + 1],
     }
 
 
@@ -204,12 +214,12 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for r in rows:
-        label = ("resumption on" if r["resume"] else "resumption off") + f": {r['requests_lost']} lost"
-        ax.plot(range(len(r["tokens_per_s_series"])), r["tokens_per_s_series"], label=label)
+        ax.plot(range(len(r["events_per_s_series"])), r["events_per_s_series"],
+                label=f"{r['loss']}: {r['requests_lost']} lost")
         ax.axvline(r["loss_at_s"], color="grey", linestyle=":")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("tokens/s streamed")
-    ax.set_title(f"A node lost under load ({rows[0]['nodes']} nodes x {rows[0]['replicas_per_node']} replicas, "
+    ax.set_ylabel("events/s streamed")
+    ax.set_title(f"Losses under load ({rows[0]['nodes']} nodes x {rows[0]['replicas_per_node']} replicas, "
                  f"{rows[0]['clients']} clients)")
     ax.legend()
     fig.tight_layout()
@@ -218,28 +228,33 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=3, help="worker nodes (the head besides)")
     ap.add_argument("--replicas-per-node", type=int, default=2)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     ap.add_argument("--loss-at", type=float, default=10.0, help="seconds into the load")
     ap.add_argument("--port", type=int, default=8123)
-    ap.add_argument("--only", choices=["resume", "no-resume"], help="one of the two runs")
+    ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated, of {', '.join(LOSSES)}")
     ap.add_argument("--output", default=str(RESULTS / "bench_node_loss.json"))
+    ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
+    losses = [x for x in a.losses.split(",") if x]
+    bad = [x for x in losses if x not in LOSSES]
+    if bad or not losses:
+        ap.error(f"--losses: {bad or 'none'}: each must be one of {', '.join(LOSSES)}")
     if a.nodes < 2:
         ap.error("--nodes: at least 2 (one is lost)")
     if not 0 < a.loss_at < a.duration:
         ap.error("--loss-at: must fall within --duration")
-    modes = [m == "resume" for m in ([a.only] if a.only else ["resume", "no-resume"])]
-    rows = [run(a, resume) for resume in modes]
+    rows = [run(a, loss) for loss in losses]
     for r in rows:
-        print(json.dumps({k: v for k, v in r.items() if k != "tokens_per_s_series"}))
+        print(json.dumps({k: v for k, v in r.items() if k != "events_per_s_series"}))
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
-    plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    if not a.no_plot:
+        plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out}")
     return 0
 
 

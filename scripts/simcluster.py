@@ -35,9 +35,10 @@ class SimCluster:
     replica_cpus: float
     replicas_per_node: int = 1
     workers: list = field(default_factory=list)
+    front_cpus: float = 0.0  # each worker's room for a front replica besides its replicas
 
     def add_replica_node(self):
-        node = self.cluster.add_node(num_cpus=self.replica_cpus * self.replicas_per_node,
+        node = self.cluster.add_node(num_cpus=self.replica_cpus * self.replicas_per_node + self.front_cpus,
                                      resources={REPLICA_RESOURCE: self.replicas_per_node})
         self.workers.append(node)
         self.cluster.wait_for_nodes()
@@ -89,7 +90,8 @@ def kill_pids(pids) -> None:
             pass
 
 
-def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node: int = 1) -> SimCluster:
+def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node: int = 1,
+                  front_cpus: float = 0.0) -> SimCluster:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -102,7 +104,7 @@ def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": HEAD_CPUS, "resources": {FRONT_RESOURCE: 1}, "include_dashboard": False,
         "_system_config": FAST_NODE_FAILURE})
-    sim = SimCluster(cluster, replica_cpus, replicas_per_node)
+    sim = SimCluster(cluster, replica_cpus, replicas_per_node, front_cpus=front_cpus)
     try:
         for _ in range(num_replica_nodes):
             sim.add_replica_node()
@@ -125,12 +127,17 @@ def stop_cluster(sim: SimCluster) -> None:
         sim.cluster.shutdown()
 
 
-def replica_nodes(app: str) -> dict[str, str]:
-    """Each alive replica of ``app``'s LLMServer: unique id -> node id (from the GCS's actor table)."""
+def replica_nodes(app: str, deployment: str = "LLMServer") -> dict[str, str]:
+    """Each alive replica of ``app``'s ``deployment``: unique id -> node id (the GCS's actor table)."""
+    return {uid: a["Address"]["NodeID"] for uid, a in replica_actors(app, deployment).items()}
+
+
+def replica_actors(app: str, deployment: str = "LLMServer") -> dict[str, dict]:
+    """Each alive replica of ``app``'s ``deployment``: unique id -> its actor table entry (node, pid)."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app}#LLMServer#"
-    return {a["Name"][len(prefix):]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return {a["Name"][len(prefix):]: a for a in ray._private.state.actors().values()
             if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)}
 
 
@@ -144,7 +151,9 @@ def wait_replicas(app: str, n: int, timeout: float = 120.0) -> dict[str, str]:
         last = serve.status().applications.get(app)
         if last is not None and last.status == "RUNNING":
             states = last.deployments["LLMServer"].replica_states
-            if states.get("RUNNING", 0) == n and sum(states.values()) == n:
+            fronts = last.deployments.get("PrefixRoutingIngress")
+            fronts_up = fronts is None or set(fronts.replica_states) <= {"RUNNING"}
+            if states.get("RUNNING", 0) == n and sum(states.values()) == n and fronts_up:
                 nodes = replica_nodes(app)
                 if len(nodes) == n:
                     return nodes

@@ -90,6 +90,14 @@ class PrefixRouterConfig(BaseModel):
                                 "cache is sized from GPU memory.")
     ingress_num_cpus: float = Field(0.25, gt=0, description="CPUs of the front deployment that "
                                                             "reads bodies and forwards requests.")
+    ingress_num_replicas: int = Field(
+        1, ge=1, description="Replicas of the front deployment. Serve spreads them over nodes; with "
+                             "resume_requests and 2 or more, a stream whose front replica is lost is "
+                             "resumed by another one when the client reconnects (Last-Event-ID).")
+    ingress_max_replicas_per_node: Optional[int] = Field(
+        None, ge=1, description="At most this many front replicas per node (Serve's "
+                                "max_replicas_per_node): 1 keeps a node's loss to one front replica. "
+                                "Unset: Serve's soft spread only.")
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Requests the front deployment holds at once (it only forwards; "
                                 "admission stays with the replicas).")
@@ -185,6 +193,10 @@ class ServeAppConfig(BaseModel):
         60.0, gt=0, description="With resume_requests: how long a retried request may wait for a replica "
                                 "(none left: Serve would hold it until one comes back) before it ends "
                                 "with an error event, or a 503 when nothing was sent yet.")
+    resume_window_s: float = Field(
+        60.0, gt=0, description="With resume_requests: how long after its last event a stream's log "
+                                "is kept for a client that reconnects (Last-Event-ID) to another front "
+                                "replica (ray_attn/serve/progress_store.py).")
     prefix_router: PrefixRouterConfig = Field(
         default_factory=PrefixRouterConfig, description="Settings of the prefix-aware router.")
     use_gpu: Optional[bool] = Field(

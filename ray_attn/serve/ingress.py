@@ -26,7 +26,6 @@ without a ``traceparent`` one, so that their spans join one trace.
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -34,7 +33,6 @@ from typing import Any, AsyncIterator, Optional
 
 import numpy as np
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -42,13 +40,14 @@ from ray_attn.planner.block_pool import prompt_hashes
 from ray_attn.serve.auth import Auth
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.request_log import RequestLog, request_id_of, with_request_id
-from ray_attn.serve.resume import EXTENSION, StreamProgress
+from ray_attn.serve.progress_store import Unanswered, request_digest
+from ray_attn.serve.relay import REPLICA_HEADER, RelayedResponse, StreamJournal, new_epoch
+from ray_attn.serve.resume import EXTENSION
 from ray_attn.serve.schemas import ServeAppConfig
 
 log = logging.getLogger("ray.serve")
 
 TEXT_BYTES_PER_TOKEN = 4
-REPLICA_HEADER = b"x-replica-id"
 _TEXT_SALT = 0x7E47_0000_0000_0001  # keeps text-chunk hashes apart from token-block hashes
 _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path",
                "query_string", "headers", "client", "server")
@@ -175,124 +174,6 @@ async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[dict]:
             task.cancel()
 
 
-# ------------------------------------------------------------------------------- the front side
-async def _send_error(send, status: int, field_name: str, detail: str, headers=()) -> None:
-    body = json.dumps(HTTPError(status, [(field_name, detail)]).body()).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *headers]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-class RelayedResponse(Response):
-    """Sends the ASGI messages a replica's ``handle_http`` yields, as they come.
-
-    Serve sends a returned Response by calling it as an ASGI app, so this is where the replica's
-    answer meets the client.  When the replica fails (it died, its node was lost) the request
-    goes to another replica, up to ``max_attempts`` times in all:
-
-    - before it started answering (every non-streaming request, a stream before its headers),
-      it is sent again as it came: the client sees one answer;
-    - mid-stream, with ``resume``, it goes on where it stopped (``serve/resume.py``): the new
-      replica's headers are dropped and its events relayed, so the client sees each token once;
-    - a retry that no replica takes within ``retry_timeout_s`` (every replica gone) is given up;
-    - when no attempt is left, or the stream cannot be resumed, a stream ends with an error
-      event and ``[DONE]`` (never a cut that looks finished), and an answer not begun is a 503
-      with Retry-After.  Serve's own queue being full is a 503 at once: a retry would only
-      add to the queue."""
-
-    def __init__(self, call, routed: RoutedHTTPRequest, retry_after_s: int, max_attempts: int = 1,
-                 retry_delay_s: float = 0.5, retry_timeout_s: float = 60.0, request_id: Optional[bytes] = None):
-        self.call, self.routed = call, routed
-        self.retry = [(b"retry-after", str(retry_after_s).encode())]
-        # The id the front gave a request whose own X-Request-Id it could not use: Serve's proxy
-        # echoes the client's, so the answer names the one the replicas used too.
-        self.id_header = [(b"x-request-id", request_id)] if request_id else []
-        self.max_attempts, self.retry_delay_s, self.retry_timeout_s = max_attempts, retry_delay_s, retry_timeout_s
-        self.background = None
-        self.attempts = 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        started, stream, progress, routed = False, False, StreamProgress(), self.routed
-        while True:
-            self.attempts += 1
-            try:
-                # A client that goes away cancels this; Serve then cancels the handle call, and
-                # run_asgi the replica's handler, which aborts the request and frees its blocks.
-                async for message in self._messages(routed):
-                    kind = message.get("type")
-                    if kind == "http.response.start":
-                        if started:
-                            continue  # a resumed stream: the client has its headers already
-                        started = True
-                        if self.id_header:
-                            message = dict(message, headers=[*message.get("headers", ()), *self.id_header])
-                        stream = _is_event_stream(message)
-                    elif kind == "http.response.body" and stream and routed.resumable:
-                        message = dict(message, body=progress.feed(message.get("body", b"")))
-                    await send(message)
-                return
-            except _NoReplica as e:
-                if started:
-                    return await self._end_stream(send, "replica", f"replica: {e}; retry the request")
-                return await _send_error(send, 503, "replica", f"replica: {e}; retry later",
-                                         self.retry + self.id_header)
-            except BackPressureError as e:
-                if started:
-                    return await self._end_stream(send, "queue", f"queue: every replica is at capacity ({e})")
-                return await _send_error(send, 503, "queue", f"queue: every replica is at capacity ({e}); "
-                                                             f"retry later", self.retry + self.id_header)
-            except Exception as e:  # noqa: BLE001 - a replica died under the request
-                what = f"{type(e).__name__}"
-                resumable = not started or (stream and routed.resumable and progress.state.head)
-                log.warning("replica lost under a request (attempt %d of %d, %s): %s: %s", self.attempts,
-                            self.max_attempts, "resuming" if started else "retrying", what, e)
-                if self.attempts >= self.max_attempts or not resumable:
-                    if not started:
-                        return await _send_error(send, 503, "replica", f"replica: request failed ({what}); "
-                                                                       f"retry later", self.retry + self.id_header)
-                    if not stream:
-                        raise
-                    return await self._end_stream(send, "replica", f"replica: lost mid-stream ({what}) and "
-                                                                   f"not resumed; retry the request")
-                if started:
-                    routed = dataclasses.replace(routed, resume=progress.state.to_json())
-                await asyncio.sleep(self.retry_delay_s)  # Serve's router learns of the loss meanwhile
-
-    async def _messages(self, routed: RoutedHTTPRequest):
-        """The replica's messages; a retry that gets none within ``retry_timeout_s`` (every
-        replica gone: Serve's router would hold it until one comes back) is ``_NoReplica``."""
-        response = self.call(routed)
-        it = response.__aiter__()
-        wait = self.retry_timeout_s if self.attempts > 1 else None
-        while True:
-            try:
-                message = await (asyncio.wait_for(it.__anext__(), wait) if wait else it.__anext__())
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                getattr(response, "cancel", lambda: None)()
-                raise _NoReplica(f"no replica took the request again within {self.retry_timeout_s:g}s "
-                                 f"(retry_timeout_s)") from None
-            wait = None
-            yield message
-
-    async def _end_stream(self, send, field_name: str, detail: str) -> None:
-        """An in-stream error event (vLLM's, as ``openai/serving.sse_error``), then the end."""
-        err = json.dumps(HTTPError(503, [(field_name, detail)]).body())
-        await send({"type": "http.response.body", "body": f"data: {err}\n\ndata: [DONE]\n\n".encode(),
-                    "more_body": False})
-
-
-class _NoReplica(Exception):
-    pass
-
-
-def _is_event_stream(start: dict) -> bool:
-    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-               for k, v in start.get("headers", ()))
-
-
 # A plain deployment (no @serve.ingress): Serve allows one FastAPI/ASGI deployment per app, and
 # that is the LLMServer.  Serve hands __call__ a starlette Request for every path.
 @serve.deployment(name="PrefixRoutingIngress")
@@ -312,6 +193,11 @@ class PrefixRoutingIngress:
         self.resume_requests = resume_requests
         self.max_attempts = max_attempts if resume_requests else 1
         self.retry_timeout_s = retry_timeout_s
+        # Streams' logs, for a client that reconnects to another front replica (relay.py):
+        # only inside Serve (a test builds one directly, and may set ``stores`` itself).
+        self.stores, self.front_id = None, None
+        if resume_requests:
+            self.stores, self.front_id = _stores_here(cfg.resume_window_s)
 
     async def __call__(self, request: Request) -> Response:
         refusal = self.auth.check(request.scope)
@@ -340,9 +226,48 @@ class PrefixRoutingIngress:
             scope["headers"].append((b"traceparent", new_traceparent().encode()))
         routed = RoutedHTTPRequest(scope, body,
                                    prefix_block_hashes(body, self.block_size), resumable=self.resume_requests)
-        return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts,
-                               retry_timeout_s=self.retry_timeout_s,
-                               request_id=None if given == rid.encode() else rid.encode())
+        kw = dict(retry_timeout_s=self.retry_timeout_s, front_id=self.front_id,
+                  request_id=None if given == rid.encode() else rid.encode())
+        if not self.resume_requests or self.stores is None:
+            return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts, **kw)
+        digest = request_digest(scope.get("method", ""), scope.get("path", ""), body,
+                                request.headers.get("authorization", "").encode())
+        last = request.headers.get("last-event-id")
+        if last is None:  # a new request (whatever its id): its stream, if it is one, is logged
+            journal = StreamJournal(self.stores, rid, digest, new_epoch())
+            return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts,
+                                   journal=journal, **kw)
+        try:
+            last_id = int(last)
+        except ValueError:
+            last_id = -2
+        if last_id < -1:
+            return self._answered(request, HTTPError(400, [("last-event-id", f"last-event-id: {last[:40]!r} is "
+                                                                             f"not an event id of this server")]))
+        epoch = new_epoch()
+        try:
+            rec = await self.stores.takeover(rid, epoch)
+        except Unanswered as e:
+            error = HTTPError(503, [("last-event-id", f"last-event-id: stream {rid!r} not found yet ({e}); "
+                                                      f"retry later")])
+            response = self._answered(request, error)
+            response.headers["retry-after"] = str(self.retry_after_s)
+            return response
+        if rec is None:
+            return self._answered(request, HTTPError(410, [("last-event-id", (
+                f"last-event-id: no stream {rid!r} to resume (ended more than resume_window_s ago, "
+                f"never begun, or its progress was lost); send the request again without Last-Event-ID"))]))
+        if rec.digest != digest:
+            return self._answered(request, HTTPError(409, [("body", f"body: not the request stream {rid!r} was "
+                                                                    f"begun with (method, path, body and key "
+                                                                    f"must be the same)")]))
+        if last_id >= len(rec.events):
+            return self._answered(request, HTTPError(409, [("last-event-id", (
+                f"last-event-id: {last_id} is beyond the {len(rec.events)} events stream {rid!r} has sent"))]))
+        journal = StreamJournal(self.stores, rid, digest, new_epoch(max(epoch, rec.epoch)), record=rec)
+        log.info("stream %s reconnected after event %d of %d", rid, last_id, len(rec.events))
+        return RelayedResponse(self.llm.remote, routed, self.retry_after_s, self.max_attempts, journal=journal,
+                               reconnect=rec, last_event_id=last_id, **kw)
 
 
     def _answered(self, request: Request, error: HTTPError) -> Response:
@@ -356,13 +281,31 @@ class PrefixRoutingIngress:
         return response
 
 
+def _stores_here(window_s: float):
+    """This front replica's ProgressStores and id, or (None, None) outside a Serve replica."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - built directly (tests)
+        return None, None
+    import ray
+
+    from ray_attn.serve.progress_store import ProgressStores
+
+    stores = ProgressStores(ctx.app_name, ray.get_runtime_context().get_node_id(), window_s)
+    return stores, ctx.replica_id.unique_id.encode()
+
+
 def build_routed_app(cfg: ServeAppConfig, llm_server):
     """The prefix-aware app: the front deployment bound to ``llm_server``, the replicas' deployment
     with its options set (``app.build_app`` passes it in: the replica imports this module for
     ``run_asgi``, so this one cannot import the replica)."""
     llm = llm_server.bind(cfg.model_dump(mode="json"))
     front = cfg.prefix_router
+    spread = {"max_replicas_per_node": front.ingress_max_replicas_per_node} \
+        if front.ingress_max_replicas_per_node else {}
     return PrefixRoutingIngress.options(
+        # Serve spreads a deployment's replicas over nodes by default (soft); the cap makes it hard
+        num_replicas=front.ingress_num_replicas, **spread,
         ray_actor_options={"num_cpus": front.ingress_num_cpus,
                            **({"resources": dict(front.ingress_resources)} if front.ingress_resources else {})},
         max_ongoing_requests=front.ingress_max_ongoing_requests,
@@ -372,5 +315,5 @@ def build_routed_app(cfg: ServeAppConfig, llm_server):
            app_config=cfg.model_dump(mode="json"))
 
 
-__all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RoutedHTTPRequest", "build_routed_app",
+__all__ = ["REPLICA_HEADER", "PrefixRoutingIngress", "RelayedResponse", "RoutedHTTPRequest", "build_routed_app",
            "forwarded_scope", "prefix_block_hashes", "prompt_units", "run_asgi"]

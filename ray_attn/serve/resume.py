@@ -108,9 +108,19 @@ class StreamProgress:
         self.done = False  # the stream's last body message was relayed
 
     def feed(self, body: bytes) -> bytes:
+        return self.take(body)[0]
+
+    def take(self, body: bytes) -> tuple[bytes, list[bytes]]:
+        """``body`` without its progress lines, and the lines (summed into ``state``)."""
         if PREFIX not in body:
-            return body
-        for m in _LINE.finditer(body):
+            return body, []
+        lines = [m.group(0) for m in _LINE.finditer(body)]
+        self.replay(lines)
+        return _LINE.sub(b"", body), lines
+
+    def replay(self, lines) -> None:
+        """Sum progress lines kept elsewhere (a stream's log, ``progress_store.py``)."""
+        for m in _LINE.finditer(b"".join(lines)):
             p = json.loads(m.group(1))
             if "head" in p:
                 self.state.head = p["head"]
@@ -121,8 +131,34 @@ class StreamProgress:
                 c.token_ids += p.get("t") or []
                 if p.get("f") is not None:
                     c.finish_reason, c.stop_reason = p["f"], p.get("s")
-        return _LINE.sub(b"", body)
 
 
-__all__ = ["ChoiceProgress", "EXTENSION", "NOT_RESUMABLE", "Resume", "ResumeContext", "StreamProgress",
+class EventIds:
+    """Numbers the events of a relayed stream for reconnection: an ``id: <n>`` line opens each
+    (n its 0-based position in the stream, ``[DONE]`` and error events included), so that a
+    client's ``Last-Event-ID`` says exactly what it holds -- and one that counts the events it
+    got (an SDK's chunks) knows the id without reading it."""
+
+    def __init__(self, next_id: int = 0):
+        self.next = next_id
+        self._rest = b""
+
+    def number(self, body: bytes) -> tuple[bytes, list[bytes]]:
+        """``body`` with its whole events numbered, and those events; an unfinished tail waits
+        for the next body."""
+        parts = (self._rest + body).split(b"\n\n")
+        self._rest = parts.pop()
+        events = []
+        for p in parts:
+            if p.strip():
+                events.append(b"id: %d\n" % self.next + p + b"\n\n")
+                self.next += 1
+        return b"".join(events), events
+
+    def flush(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return rest
+
+
+__all__ = ["ChoiceProgress", "EXTENSION", "EventIds", "NOT_RESUMABLE", "Resume", "ResumeContext", "StreamProgress",
            "choice_progress", "context", "progress_line"]

@@ -13,14 +13,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from simcluster import (  # noqa: E402
-    FRONT_RESOURCE, REPLICA_RESOURCE, SimCluster, replica_nodes, start_cluster, stop_cluster, wait_replicas)
+    FRONT_RESOURCE, REPLICA_RESOURCE, SimCluster, replica_actors, replica_nodes, start_cluster, stop_cluster,
+    wait_replicas)
 
-__all__ = ["FRONT_RESOURCE", "REPLICA_RESOURCE", "SimCluster", "replica_nodes", "start_cluster",
-           "stop_cluster", "wait_replicas", "REPLICA_CPUS"]
+__all__ = ["FRONT_RESOURCE", "REPLICA_RESOURCE", "SimCluster", "replica_actors", "replica_nodes", "start_cluster",
+           "stop_cluster", "wait_replicas", "REPLICA_CPUS", "FRONT_CPUS"]
 
 # Each worker node's CPUs: one TP=2 Serve replica (its bundle + 0.5 per rank), or one batch
 # engine replica of 1 CPU.  The replica resource (one unit per node) keeps it to one replica.
 REPLICA_CPUS = 2.0
+# and room for one front replica (the Serve tests spread the front over every node)
+FRONT_CPUS = 1.0  # (a node's CPUs are whole numbers)
 
 
 class SharedSim:
@@ -39,7 +42,7 @@ class SharedSim:
             if shared_ray.is_ours():
                 shared_ray.shutdown()
                 self.restore_shared_ray = True
-            self.sim = start_cluster(num_replica_nodes=workers, replica_cpus=REPLICA_CPUS)
+            self.sim = start_cluster(num_replica_nodes=workers, replica_cpus=REPLICA_CPUS, front_cpus=FRONT_CPUS)
         while len(self.sim.workers) < workers:
             self.sim.add_replica_node()
         return self.sim

@@ -216,8 +216,9 @@ def test_a_stream_resumed_on_another_replica_keeps_its_id(srv):
         assert rid == given or (given is None and HEX32.fullmatch(rid))
         assert [a for a, _ in srv.engine_ids] == [rid, rid]  # the lost one, the resumed one
         assert all(e.startswith(f"{rid}-") for _, e in srv.engine_ids)
-        events = [json.loads(ln[6:]) for ln in b"".join(m.get("body", b"") for m in sent).decode().split("\n\n")
-                  if ln.startswith("data: {")]
+        # each event opens with its id line for reconnection (relay.py); the data line follows
+        events = [json.loads(ev.split("\n")[-1][6:]) for ev in b"".join(m.get("body", b"") for m in sent).decode()
+                  .split("\n\n") if ev.split("\n")[-1].startswith("data: {")]
         tokens = [t for e in events for ch in e["choices"] for t in ch["token_ids"]]
         assert len(tokens) == 6 and events[0]["id"] == f"cmpl-{rid}" and {e["id"] for e in events} == {f"cmpl-{rid}"}
         assert events[-1]["choices"][0]["finish_reason"] == "length" and events[0]["model"] == MODEL_ID

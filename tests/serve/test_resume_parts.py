@@ -70,6 +70,17 @@ def client_bytes(sent) -> bytes:
     return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
+def numbered(text: str) -> list[tuple[int, str]]:
+    """The stream's events as (id, data); every event must carry its id, the ids counting up."""
+    out = []
+    for block in text.split("\n\n")[:-1]:
+        lines = block.split("\n")
+        assert lines[0].startswith("id: ") and lines[1].startswith("data: "), block
+        out.append((int(lines[0][4:]), lines[1][6:]))
+    assert [i for i, _ in out] == list(range(len(out))), out
+    return out
+
+
 def test_a_stream_lost_mid_way_goes_on_at_the_next_replica():
     head = {"type": "http.response.body", "more_body": True,
             "body": progress_line(head={"id": "s1", "created": 5}).encode()}
@@ -81,7 +92,7 @@ def test_a_stream_lost_mid_way_goes_on_at_the_next_replica():
     assert [m["type"] for m in sent].count("http.response.start") == 1
     text = client_bytes(sent).decode()
     assert "ray-attn-progress" not in text
-    got = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+    got = [json.loads(d) for _, d in numbered(text) if d.startswith("{")]
     assert [t for e in got for t in e["token_ids"]] == [1, 2, 3, 4, 5]
     assert text.endswith("data: [DONE]\n\n")
     first, second = replicas.asked
@@ -113,7 +124,7 @@ def test_what_cannot_be_resumed_ends_with_an_error_event(case):
     sent = relay(replicas, attempts=2, retry_timeout_s=0.2)
     text = client_bytes(sent).decode()
     assert text.endswith("data: [DONE]\n\n") and sent[-1]["more_body"] is False
-    err = json.loads(text.split("\n\n")[-3][6:])
+    err = json.loads(numbered(text)[-2][1])
     assert err["field"] == "replica", err
     if case == "no_replica":
         assert "retry_timeout_s" in err["detail"]
