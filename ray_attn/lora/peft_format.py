@@ -104,6 +104,12 @@ def read_config(path: str, name: str) -> dict:
     for key, (wrong, why) in bad.items():
         if wrong:
             raise LoRAAdapterError(f"adapter {name!r}: {CONFIG_FILE} {key}={cfg.get(key)!r}: {why}")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, (list, tuple)):  # a regex string is checked against the tensors instead
+        extra = sorted(set(targets) - set(TARGET_MODULES))
+        if extra:
+            raise LoRAAdapterError(f"adapter {name!r}: target module {extra[0]!r} is not served "
+                                   f"(targets: {', '.join(TARGET_MODULES)})")
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:

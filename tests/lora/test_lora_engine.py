@@ -70,3 +70,17 @@ def test_every_target_module_alone_moves_the_logits_as_peft(lora_models, tmp_pat
     base_logits = hf_logits(peft_model(base, None), p)
     for m in ALL:
         assert (hf_logits(peft_model(base, ad[m]), p) - base_logits).abs().max() > 0.1, m
+
+
+@pytest.mark.slow
+def test_tp2_over_ray_equals_peft(shared_ray, lora_models):
+    """TP=2 ranks as Ray actors: column-parallel layers cut B's rows, row-parallel ones A's
+    columns, the partial updates summed by the layer's all-reduce; the same tokens as peft."""
+    base, adapters = lora_models
+    names = ["all", None, "attn", "mlp", "qv"]
+    eng = LLMEngine(engine_config(base, tp=2, max_loras=4))
+    try:
+        outs = eng.generate(prompts(len(names), seed=6), GREEDY, lora_request=requests_for(adapters, names))
+    finally:
+        eng.shutdown()
+    check_against_peft(base, adapters, outs, names)
