@@ -11,6 +11,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from ray_attn.checkpoint import pretrained_fields
+from ray_attn.lora.config import LoRAConfig
 # The model's config and its constants live in ray_attn.model_config; re-exported here, where
 # users have always imported them from.
 from ray_attn.model_config import (  # noqa: F401
@@ -104,6 +105,9 @@ class EngineConfig(_Strict):
     speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
         "Speculative decoding (vLLM's SpeculativeConfig): proposed tokens verified as multi-token "
         "decode queries (ray_attn/spec_config.py). None: off."))
+    lora_config: Optional[LoRAConfig] = Field(None, description=(
+        "Multi-LoRA (vLLM's LoRAConfig): PEFT adapters named per request (LoRARequest), mixed with "
+        "the base model in one batch (ray_attn/lora/). None: off."))
 
     @model_validator(mode="before")
     @classmethod
@@ -129,6 +133,10 @@ class EngineConfig(_Strict):
                              "describes a quantized checkpoint's tensors, and no checkpoint is given; random "
                              "weights take quantization='fp8'")
         check_runnable(self.model, self.cache, self.parallel)
+        if self.lora_config is not None and (self.model.architecture in MOE_ARCHITECTURES
+                                             or self.model.architecture == "MptForCausalLM"):
+            raise ValueError(f"lora_config: {self.model.architecture} is not served with LoRA adapters (dense "
+                             "families whose checkpoints name q/k/v/o_proj and gate/up/down_proj)")
         if self.speculative_config is not None:
             check_speculative(self.speculative_config, self.model, self.parallel.tensor_parallel_size,
                               self.async_scheduling)

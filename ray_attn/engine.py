@@ -33,6 +33,7 @@ from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.kv_tiers import planner_tiers
 from ray_attn.runtime.messages import StepInput
 from ray_attn.engine_outputs import apply_step_output
+from ray_attn.lora.manager import LoRAManager
 from ray_attn.sampling_inputs import build_sampling_inputs, prompt_logprobs_inputs
 from ray_attn.scheduler import Scheduler
 from ray_attn.spec.decoder import SpecDecoder
@@ -94,6 +95,8 @@ class LLMEngine:
         # has one (a server, a script): requests with structured_outputs need it.
         self.grammar_compiler = None
         self.grammar_sync = GrammarSync()  # what rank 0 holds of the requests' grammars
+        self.lora = LoRAManager(config) if config.lora_config is not None else None  # adapters' slots
+        self.scheduler.lora = self.lora
 
     # The scheduler's queues, read by servers (ray_attn/serve/loop.py) and tests.
     @property
@@ -106,13 +109,16 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, output_token_ids: Sequence[int] = ()) -> str:
+                    request_id: str | None = None, output_token_ids: Sequence[int] = (),
+                    lora_request=None) -> str:
         """Queue a request; rejects one that could never run, leaving every other untouched.
 
         ``output_token_ids`` resumes a request another engine began (a replica lost mid-stream):
         they are its first outputs, as after a preemption -- prefilled with the prompt, counted
         against ``max_tokens`` and by the penalties, and a seeded request's next draw is its
-        ``len(output_token_ids)``-th, so greedy and seeded sampling continue as they would have."""
+        ``len(output_token_ids)``-th, so greedy and seeded sampling continue as they would have.
+        ``lora_request`` (a ``ray_attn.lora.LoRARequest``, as vLLM's) runs it under that adapter,
+        checked (and remembered) on first use."""
         if self.dead:
             raise EngineDeadError(f"engine stopped after repeated worker failures: {self.dead}")
         params = params or SamplingParams()
@@ -121,6 +127,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
@@ -132,7 +140,7 @@ class LLMEngine:
             if bad or (resumed and grammar.terminated):
                 raise ValueError(f"output_token_ids: they do not continue the request's grammar "
                                  f"(at token {bad[0] if bad else resumed[-1]})")
-        req = Request(request_id, prompt + resumed, len(prompt), params, grammar=grammar)
+        req = Request(request_id, prompt + resumed, len(prompt), params, grammar=grammar, lora_request=lora_request)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -142,6 +150,18 @@ class LLMEngine:
         if req is None or req.finished:
             return
         self._finish(req, "abort")
+
+    # -- adapters: vLLM's add_lora / remove_lora / list_loras (ray_attn/lora/manager.py) -------
+    def add_lora(self, lora_request) -> bool:
+        """Check and keep an adapter (a LoRAAdapterError, a ValueError, names what is wrong)."""
+        return LoRAManager.of(self).add(lora_request) is not None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; refused, by name, while unfinished requests use it."""
+        return LoRAManager.of(self).remove(lora_int_id, (r for r in self.requests.values() if not r.finished))
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else set(self.lora.adapters)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -297,7 +317,8 @@ class LLMEngine:
             temps, seeds, sample_index, sampling, spec = spec
         step_in = StepInput(plan=plan, temperatures=temps, seeds=seeds, sample_index=sample_index,
                             step_id=self._step_id, defer=self.async_scheduling,
-                            prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec)
+                            prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec,
+                            lora_loads=self.lora.take_loads() if self.lora is not None else None)
         step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):
@@ -336,6 +357,8 @@ class LLMEngine:
         self.scheduler.requeue_running()
         self.planner.reset_prefix_cache()
         self.grammar_sync.reset()  # new ranks hold no matchers
+        if self.lora is not None:
+            self.lora.reset()  # nor adapters
         if len(self._failures) >= MAX_FAILURES_PER_MINUTE:
             self.dead = str(failure)
             msg = (f"{len(self._failures)} worker failures within a minute; last: {failure}")
@@ -361,11 +384,13 @@ class LLMEngine:
 
     # -- batch API ----------------------------------------------------------------------------
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None) per prompt, as vLLM's."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        ids = [self.add_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, params, loras)]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

@@ -50,6 +50,8 @@ class Request:
     # With params.structured_outputs: its GrammarState (ray_attn.structured_output), advanced
     # by each token read back.
     grammar: object | None = None
+    # Its adapter (ray_attn.lora.LoRARequest), None for the base model.
+    lora_request: object | None = None
     # The same object goes to the planner every step, with the same growing token list: that is
     # what its fast path recognises, and no step copies a request's tokens.
     sched: ScheduledRequest = field(init=False)
@@ -62,6 +64,8 @@ class Request:
     def __post_init__(self):
         wants_prompt = self.params.prompt_logprobs is not None
         self.sched = ScheduledRequest(self.request_id, self.token_ids, None, skip_prefix_cache=wants_prompt)
+        if self.lora_request is not None:
+            self.sched.cache_root = self.lora_request.cache_root
         if self.params.logprobs is not None:
             self.logprobs = []
         if wants_prompt:

@@ -42,6 +42,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.lora = None  # ray_attn.lora.manager.LoRAManager: admission takes each adapter's slot
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -74,6 +75,8 @@ class Scheduler:
                 break
             if req.pending:
                 break  # preempted while its token was out: recompute once the token is back
+            if req.lora_request is not None and not self._take_lora_slot(req, reqs):
+                break  # every adapter slot is in use: it waits at the head of the queue
             tokens = req.token_ids
             hit = 0
             if planner.enable_prefix_caching:
@@ -82,7 +85,7 @@ class Scheduler:
                 if index is None:
                     index = planner.step_prefix_index([r.request_id for r in reqs],
                                                       [r.token_ids for r in reqs], num_new)
-                match = index.match(tokens, read=not req.sched.skip_prefix_cache)
+                match = index.match(tokens, read=not req.sched.skip_prefix_cache, root=req.sched.cache_root)
                 hit = match.num_tokens
             n = min(len(tokens) - hit, budget)
             if index is not None:
@@ -92,6 +95,19 @@ class Scheduler:
             budget -= n
             admitted += 1
         return SchedulerOutput(reqs, num_new, admitted)
+
+    def _take_lora_slot(self, req: Request, reqs: list[Request]) -> bool:
+        """The device slot of ``req``'s adapter (loaded when not resident), kept on its planner
+        row; False when every slot holds an adapter that a running request, or one admitted
+        before it in this step, uses."""
+        def busy():
+            return {r.lora_request.lora_int_id for r in (*self.running, *reqs) if r.lora_request is not None}
+
+        slot = self.lora.slot_for(req.lora_request.lora_int_id, busy)
+        if slot is None:
+            return False
+        req.sched.lora_slot = slot
+        return True
 
     def admit(self, n: int) -> None:
         """The planner took the step: its ``n`` admissions leave the queue for the running list."""

@@ -72,6 +72,11 @@ def apply_overrides(cfg: EngineConfig, args) -> EngineConfig:
         upd["parallel"] = cfg.parallel.model_copy(update=par)
     if args.num_blocks is not None:
         upd["cache"] = cfg.cache.model_copy(update={"num_blocks": args.num_blocks})
+    if args.max_loras is not None or args.max_lora_rank is not None:  # lines may name adapters
+        from ray_attn.lora import LoRAConfig
+
+        lora = {k: v for k, v in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank)) if v is not None}
+        upd["lora_config"] = LoRAConfig(**((cfg.lora_config.model_dump() if cfg.lora_config else {}) | lora))
     if not upd:
         return cfg
     # Re-validate: a TP size the model cannot split is rejected here, with the reason.
@@ -118,6 +123,9 @@ def read_records(path: str, tokenizer, cfg: EngineConfig, unique_ids: bool = Fal
             index += 1
 
 
+LORA_IDS: dict = {}  # (adapter name, folder) -> its LoRARequest, one id per adapter of the run
+
+
 def make_engine(cfg: EngineConfig, executor: str):
     from ray_attn.engine import LLMEngine
 
@@ -153,7 +161,12 @@ def generate_local(engine, items, output, window: int, finish) -> int:
                 exhausted = True
                 break
             index, rec, prompt = item
-            rid = engine.add_request(prompt, sampling_params(rec), request_id=f"line-{index}")
+            try:
+                rid = engine.add_request(prompt, sampling_params(rec), request_id=f"line-{index}",
+                                         lora_request=rec.lora_request(LORA_IDS))
+            except ValueError as e:  # a bad adapter fails its line only (the pool's lines too)
+                finish(index, rec, len(prompt), [], "error", str(e))
+                continue
             pending[rid] = (index, rec, len(prompt))
         if not pending:
             return generated
@@ -254,7 +267,7 @@ def run(args) -> int:
             def feed():
                 for index, rec, prompt in items:
                     prompts[index] = (rec, len(prompt))
-                    yield index, prompt, sampling_params(rec)
+                    yield index, prompt, sampling_params(rec), rec.lora_request(LORA_IDS)
 
             pool.run(feed(), on_done)
             per_replica = pool.stats()
@@ -290,6 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override parallel.device")
     p.add_argument("--num-blocks", type=int, default=None, help="override KV blocks per rank")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer folder (for text prompts)")
+    p.add_argument("--max-loras", type=int, default=None, help="serve LoRA adapters (lines' lora_path): slots")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="serve LoRA adapters up to this rank")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="most requests in each engine at once")
     p.add_argument("--replicas", type=int, default=1,

@@ -177,6 +177,8 @@ class Fp8Linear(nn.Module):
 
     scheme: Fp8Config | None = None
     name: str = ""
+    # ray_attn.lora.layers.LoRALinear: this layer's adapter slots, added to its output when set
+    lora = None
 
     def _quantize(self, scheme: Fp8Config, name: str, num_parts: int, scale_rows: int, k: int) -> None:
         self.scheme, self.name = scheme, name
@@ -303,7 +305,8 @@ class ColumnParallelLinear(Fp8Linear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RowParallelLinear(Fp8Linear):
@@ -328,7 +331,10 @@ class RowParallelLinear(Fp8Linear):
         return Shard(self.weight, (N, self.full_in), 1, self.start, dtype=F8 if comp else None, companions=comp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self._linear(x, None))
+        y = self._linear(x, None)
+        if self.lora is not None:  # the rank's partial update joins the partial sum before the reduce
+            y = self.lora(x, y)
+        return self.tp.all_reduce(y)
 
 
 def qkv_parts(num_heads: int, num_kv_heads: int, head_size: int, rank: int, size: int

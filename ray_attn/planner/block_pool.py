@@ -77,12 +77,13 @@ def chain_hashes(content: np.ndarray, counts: np.ndarray, parents: np.ndarray) -
     return _powers(_M, top)[k] * (np.repeat(np.asarray(parents, dtype=np.uint64), counts) + s)
 
 
-def prompt_hashes(token_ids, num_blocks: int, block_size: int) -> np.ndarray:
-    """Chain hashes of the first ``num_blocks`` full blocks of one token sequence."""
+def prompt_hashes(token_ids, num_blocks: int, block_size: int, root: int = ROOT_HASH) -> np.ndarray:
+    """Chain hashes of the first ``num_blocks`` full blocks of one token sequence, chained from
+    ``root`` (a LoRA adapter's own: ``ScheduledRequest.cache_root``)."""
     if num_blocks <= 0:
         return np.zeros(0, dtype=np.uint64)
     tok = np.asarray(token_ids[: num_blocks * block_size], dtype=np.int64).reshape(num_blocks, block_size)
-    return chain_hashes(content_hashes(tok), [num_blocks], [ROOT_HASH])
+    return chain_hashes(content_hashes(tok), [num_blocks], [root])
 
 
 class BlockPool:
@@ -195,15 +196,15 @@ class BlockPool:
                 self._free.append(b)
 
     # ----------------------------------------------------------------------------- prefix cache
-    def lookup(self, token_ids, max_blocks: int) -> tuple[list[int], int]:
+    def lookup(self, token_ids, max_blocks: int, root: int = ROOT_HASH) -> tuple[list[int], int]:
         """Read-only: the cached blocks holding the leading full blocks of ``token_ids`` (at most
-        ``max_blocks``), and the chain hash of the last one (``ROOT_HASH`` when none)."""
+        ``max_blocks``), and the chain hash of the last one (``root`` when none)."""
         if not self.enable_prefix_caching or max_blocks <= 0 or not self._block_of:
-            return [], ROOT_HASH
-        hashes = prompt_hashes(token_ids, int(max_blocks), self.block_size).tolist()
+            return [], root
+        hashes = prompt_hashes(token_ids, int(max_blocks), self.block_size, root).tolist()
         ids = list(map(self._block_of.get, hashes))
         n = ids.index(None) if None in ids else len(ids)
-        return ids[:n], (hashes[n - 1] if n else ROOT_HASH)
+        return ids[:n], (hashes[n - 1] if n else root)
 
     def cached_blocks(self, hashes: Sequence[int]) -> list:
         """Read-only: the block indexed under each chain hash, None where none is."""

@@ -210,9 +210,9 @@ class Planner:
         prefix-cache hits (``StepPrefixIndex.match``, then ``add_new`` for each admission)."""
         return self.kv.step_prefix_index(req_ids, token_ids, np.asarray(num_new_tokens, dtype=np.int64))
 
-    def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
+    def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None, root: int | None = None) -> int:
         """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""
-        return self.kv.num_cached_tokens(token_ids, num_new_tokens)
+        return self.kv.num_cached_tokens(token_ids, num_new_tokens, *(() if root is None else (root,)))
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -400,6 +400,8 @@ class Planner:
             attn.local_attn_metadata = local_attention_metadata(self.attention_chunk_size, qsl, planned,
                                                                 self.block_size)
         plan = make_step_plan(planned, attn, input_ids, positions, planned_choice)
+        lora = self.table.lora_slot[planned.slots]  # each row's adapter: per-row metadata like the rest
+        plan.lora_slots = lora if len(lora) and lora.max() >= 0 else None
 
         memos = cascade_memos(batch, choice, perm, planned, planned_choice, prefix_part, memo)
         self._commit_step(scheduled, batch, perm, planned, memos)

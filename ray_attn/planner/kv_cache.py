@@ -72,6 +72,7 @@ class PreparedBatch:
         "tier_hits",  # per new row, (column, tier, source, chain hash) of each lower-tier hit (tiers.py)
         "num_tier_blocks",  # fresh blocks those hits are copied into
         "drafts",  # [B] int64 draft tokens at the end of each row's new tokens (speculative decoding)
+        "new_lora",  # per new row, its adapter slot (ScheduledRequest.lora_slot)
     )
 
 
@@ -110,10 +111,11 @@ class KVCacheManager:
             index.add_running(np.arange(len(slots)), slots, toks, self.table.num_computed[slots] + num_new)
         return index
 
-    def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None) -> int:
-        """Read-only: the tokens a new request with ``token_ids`` would take from the prefix cache."""
+    def num_cached_tokens(self, token_ids, num_new_tokens: int | None = None, root: int = ROOT_HASH) -> int:
+        """Read-only: the tokens a new request with ``token_ids`` (under the adapter whose chains
+        start at ``root``) would take from the prefix cache."""
         max_blocks = self.max_hit_blocks(len(token_ids), num_new_tokens)
-        return len(self.pool.lookup(token_ids, max_blocks)[0]) * self.block_size
+        return len(self.pool.lookup(token_ids, max_blocks, root)[0]) * self.block_size
 
     def max_hit_blocks(self, num_tokens: int, num_new_tokens: int | None) -> int:
         # vLLM recomputes at least the last token (its logits are needed); an explicit
@@ -139,7 +141,7 @@ class KVCacheManager:
         computed = self.table.num_computed[slots]  # new rows read slot -1: overwritten below
         nblocks = self.table.num_blocks[slots]
         b.hits, b.hit_hashes, b.hit_tokens, b.step_hits, b.index = [], [], 0, [], None
-        b.tier_hits, b.num_tier_blocks = [], 0
+        b.tier_hits, b.num_tier_blocks, b.new_lora = [], 0, []
         try:
             lens = np.fromiter(map(len, toks), np.int64, B)
         except TypeError as e:
@@ -166,10 +168,12 @@ class KVCacheManager:
             nn = None if raw_new[i] is None else int(num_new[i])
             if nn is not None and not 1 <= nn <= lens[i]:
                 self.bad_len(ids[i], nn, 0, int(lens[i]))
+            root = getattr(scheduled[i], "cache_root", ROOT_HASH)
+            b.new_lora.append(getattr(scheduled[i], "lora_slot", -1))
             if index is None:
-                hit, last_hash = [], ROOT_HASH
+                hit, last_hash = [], root
             else:
-                m = index.match(toks[i], nn, read=not getattr(scheduled[i], "skip_prefix_cache", False))
+                m = index.match(toks[i], nn, read=not getattr(scheduled[i], "skip_prefix_cache", False), root=root)
                 index.add_new(i, m, int(lens[i]) - m.num_tokens if nn is None else nn)
                 hit, last_hash = m.blocks, m.last_hash
                 b.step_hits += [(i, *src) for src in m.step_hits]
@@ -236,6 +240,7 @@ class KVCacheManager:
             T.num_blocks[slots] = T.num_hashed[slots] = n_hit
             T.num_computed[slots] = n_hit * self.block_size
             T.last_hash[slots] = np.array(b.hit_hashes, dtype=np.uint64)
+            T.lora_slot[slots] = b.new_lora
             if n_hit.any():
                 # before allocating: no hit evicted.  An in-step hit (-1) is taken after it.
                 self.pool.acquire([x for x in chain.from_iterable(b.hits) if x >= 0])

@@ -41,6 +41,8 @@ import numpy as np
 
 from ray_attn.metadata import FlashAttentionMetadata
 
+from .block_pool import ROOT_HASH
+
 
 @dataclass(eq=False, slots=True)  # identity equality: the planner spots a repeated batch cheaply
 class ScheduledRequest:
@@ -66,6 +68,12 @@ class ScheduledRequest:
     # the step's other rows): a rejected draft's KV is overwritten later, under the same block.
     # The engine then sets the request back to its accepted length (``Planner.rollback``).
     num_draft_tokens: int = 0
+    # Multi-LoRA: the device slot of the request's adapter (-1: the base model), read when the
+    # request is admitted and carried by every plan row (``StepPlan.lora_slots``); and the root of
+    # its prefix-cache hash chains (``LoRARequest.cache_root``), so that KV computed under one
+    # adapter is never a hit for another.
+    lora_slot: int = -1
+    cache_root: int = ROOT_HASH
 
 
 @dataclass
@@ -89,6 +97,7 @@ class StepPlan:
     num_prefix_cache_hit_tokens: int = 0  # tokens new requests took from the prefix cache
     num_new_blocks: int = 0  # blocks allocated for this step
     kv_transfers: object = None  # planner.tiers.KVTransfers: copies between KV tiers before the forward
+    lora_slots: np.ndarray | None = None  # [B] int32 each row's adapter slot (-1 base); None: no adapter
 
     @property
     def num_reqs(self) -> int:

@@ -26,6 +26,7 @@ class RequestTable:
         self.num_hashed = np.zeros(n, dtype=np.int32)  # leading full blocks indexed for caching
         self.last_hash = np.zeros(n, dtype=np.uint64)  # chain hash of the last indexed block
         self.tokens: list = [None] * n  # the request's token_ids (a reference, for lazy hashing)
+        self.lora_slot = np.full(n, -1, dtype=np.int32)  # the adapter slot it was admitted with
 
     @property
     def width(self) -> int:
@@ -66,6 +67,7 @@ class RequestTable:
         self.block_table[slot, :n] = 0
         self.num_blocks[slot] = self.num_computed[slot] = self.num_hashed[slot] = 0
         self.last_hash[slot] = 0
+        self.lora_slot[slot] = -1
         self.tokens[slot] = None
         self.id_of_slot[slot] = None
         self._free.append(slot)
@@ -85,6 +87,7 @@ class RequestTable:
         for name in ("num_blocks", "num_computed", "num_hashed", "last_hash"):
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+        self.lora_slot = np.concatenate([self.lora_slot, np.full(n, -1, np.int32)])
         self.id_of_slot.extend([None] * n)
         self.tokens.extend([None] * n)
         self._free = list(range(2 * n - 1, n - 1, -1))

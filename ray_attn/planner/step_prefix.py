@@ -59,6 +59,7 @@ class PrefixMatch:
     # (column, tier, source) for each -2 of ``blocks``: a block a lower tier holds (tiers.py),
     # copied into a fresh device block when the row is admitted; always the run's last columns
     tier_hits: list = None
+    root: int = ROOT_HASH  # the chains' root (a LoRA adapter's own)
 
     @property
     def num_blocks(self) -> int:
@@ -66,9 +67,9 @@ class PrefixMatch:
 
     @property
     def last_hash(self) -> int:
-        """The chain hash of the last hit block (``ROOT_HASH`` when none): where the row's own
+        """The chain hash of the last hit block (``root`` when none): where the row's own
         indexing goes on from."""
-        return int(self.hashes[len(self.blocks) - 1]) if self.blocks else ROOT_HASH
+        return int(self.hashes[len(self.blocks) - 1]) if self.blocks else self.root
 
 
 class StepPrefixIndex:
@@ -100,7 +101,8 @@ class StepPrefixIndex:
         for key, row, col in zip(h.tolist(), rows.tolist(), cols.tolist()):
             filled.setdefault(key, (row, col))
 
-    def match(self, token_ids, num_new_tokens: int | None = None, read: bool = True) -> PrefixMatch:
+    def match(self, token_ids, num_new_tokens: int | None = None, read: bool = True,
+              root: int = ROOT_HASH) -> PrefixMatch:
         """The longest run of ``token_ids``'s leading full blocks that the pool holds or an earlier
         row computes, capped as ``KVCacheManager.max_hit_blocks`` caps a prefix-cache hit (the last
         token is always computed; an explicit ``num_new_tokens`` must fit).  With ``read`` False
@@ -115,7 +117,7 @@ class StepPrefixIndex:
             raise InvalidRequestError(f"token_ids must be sequences of ints: {e}") from None
         if full and tok.min() < 0:  # an unknown token (async scheduling): hash only what precedes it
             full = int(np.flatnonzero((tok < 0).any(axis=1))[0])
-        hashes = prompt_hashes(tok[:full].reshape(-1), full, bs)
+        hashes = prompt_hashes(tok[:full].reshape(-1), full, bs, root)
         limit = min(self.kv.max_hit_blocks(n, num_new_tokens), full) if read else 0
         keys = hashes[:limit].tolist()
         filled = self._filled
@@ -133,7 +135,7 @@ class StepPrefixIndex:
             for col, (kind, src) in enumerate(tiers.leading(keys[len(blocks):]), len(blocks)):
                 tier_hits.append((col, kind, src))
                 blocks.append(-2)
-        return PrefixMatch(hashes, blocks, step_hits, len(blocks) * bs, tier_hits)
+        return PrefixMatch(hashes, blocks, step_hits, len(blocks) * bs, tier_hits, root)
 
     def add_new(self, row: int, m: PrefixMatch, num_new_tokens: int) -> None:
         """Batch row ``row``, admitted with the hit ``m`` and computing ``num_new_tokens`` past it:

@@ -164,6 +164,9 @@ class StepInput:
     # steps filled, published); a planned step carries its own in ``plan.kv_transfers``.
     kv_transfers: Any = None
     spec: SpecDecodeInputs | None = None  # draft tokens this step verifies; None: none
+    # Multi-LoRA: adapter slots the ranks fill before this step's forward, as
+    # (slot, lora_int_id, lora_name, lora_path) (ray_attn/lora/manager.py); None: none.
+    lora_loads: list | None = None
 
     @classmethod
     def flush(cls, step_id: int) -> "StepInput":

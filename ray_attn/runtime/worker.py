@@ -77,6 +77,7 @@ class AttentionWorker:
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
         self.tiers = None  # RankKVTiers: the host pool and the copies a step carries, when on
+        self.lora = None  # RankLoRA: adapter slots on every targeted linear, with lora_config
         self.memory_profile = None  # how the KV cache was sized, when sized on a GPU
         self.graph_pool_bytes: int | None = None  # what the decode graphs' capture took
         self.steps = 0
@@ -120,6 +121,10 @@ class AttentionWorker:
             self.model.load_weights(cfg.checkpoint)
         else:
             self.model.init_random_weights(cfg.model.seed)
+        if cfg.lora_config is not None:  # before sizing the cache: the slots are weights
+            from ray_attn.lora.layers import RankLoRA
+
+            self.lora = RankLoRA(self.model, cfg, self.device)
         self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.model.allocate_kv_cache(self.num_blocks)
         c = cfg.cache
@@ -245,6 +250,8 @@ class AttentionWorker:
         if step.plan.kv_transfers is not None:  # before the forward: it may reuse those blocks
             self.tiers.apply(step.plan.kv_transfers)
         self.buffers.begin()  # ended by _forward, once the last input is on its way
+        if self.lora is not None:  # slot loads first, then each token's slot
+            self.lora.begin_step(step.plan, step.lora_loads, self.buffers.put)
         logits_indices, sampling = self._stage_sampling_inputs(step)
         prompt_rows = self._stage_prompt_logprobs(step)
         with torch.inference_mode():

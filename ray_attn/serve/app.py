@@ -9,7 +9,8 @@ that group, so a replica and its GPUs come and go together.
 HTTP API (FastAPI ingress):
   POST /v1/completions        OpenAI completions (``ray_attn/serve/openai/completions.py``)
   POST /v1/chat/completions   OpenAI chat, through the tokenizer's chat template (``openai/chat.py``)
-  GET  /v1/models             the served model's name, context length and vocabulary
+  GET  /v1/models             the served model's name, context length and vocabulary, and its adapters
+  POST /v1/load_lora_adapter, /v1/unload_lora_adapter (and /admin/v1/...)  LoRA adapters (admin key)
   POST /tokenize, /detokenize vLLM's: a prompt or messages to the ids the engine would get, and back
   GET  /metrics       this replica's metrics as Prometheus text (``ray_attn/serve/prometheus.py``)
   POST /v1/generate   JSON body (GenerateRequest); ``"stream": true`` answers with server-sent events
@@ -47,6 +48,7 @@ from ray_attn.serve.health import ReplicaHealth
 from ray_attn.serve.http import HTTPError, error_responses, install_error_handlers
 from ray_attn.serve.ingress import REPLICA_HEADER, RoutedHTTPRequest, build_routed_app, run_asgi
 from ray_attn.serve.loop import EngineLoop
+from ray_attn.serve.lora_adapters import ServedAdapters, adapter_route
 from ray_attn.serve.metrics import RayMetricsHooks
 from ray_attn.serve.openai.chat import create_chat_completion
 from ray_attn.serve.openai.completions import create_completion
@@ -183,6 +185,8 @@ class LLMServer:
         self.health_state = ReplicaHealth(self.loop.inner, self.engine, self.executor, self.cfg.step_timeout_s,
                                           self.cfg.health_ping_timeout_s)
         self.vocab_size = engine_cfg.model.vocab_size
+        # the LoRA adapters, by the names requests use (serve/lora_adapters.py); None: no LoRA
+        self.adapters = ServedAdapters(self.cfg, self.model_id, engine_cfg) if engine_cfg.lora_config else None
         log.info("ray_attn replica %s ready: TP=%d, %d KV blocks, kernel %s, capacity %d requests",
                  replica, engine_cfg.parallel.tensor_parallel_size, self.executor.num_blocks,
                  getattr(self.executor, "kernel_name", "?"), self.cfg.max_in_flight)
@@ -273,6 +277,17 @@ class LLMServer:
         self.auth.api.reload()
         self.auth.admin.reload()
         return {"api_keys": len(self.auth.api.keys()), "admin_api_keys": len(self.auth.admin.keys())}
+
+    # LoRA adapters (admin scope: auth.py; paths under admin_root), at vLLM's paths and /admin's
+    @fastapi_app.post("/v1/load_lora_adapter", responses=error_responses(400, 401, 404))
+    @fastapi_app.post("/admin/v1/load_lora_adapter", responses=error_responses(400, 401, 404))
+    async def load_lora_adapter(self, request: Request):
+        return await self._openai(adapter_route("load"), request)
+
+    @fastapi_app.post("/v1/unload_lora_adapter", responses=error_responses(400, 401, 404))
+    @fastapi_app.post("/admin/v1/unload_lora_adapter", responses=error_responses(400, 401, 404))
+    async def unload_lora_adapter(self, request: Request):
+        return await self._openai(adapter_route("unload"), request)
 
     @fastapi_app.get("/v1/models", response_model=ModelList)
     async def models(self):

@@ -242,6 +242,13 @@ class ServeAppConfig(BaseModel):
     admin_root: Optional[str] = Field(
         None, description="The folder under which every path an admin route takes must lie (no '..', "
                           "no symlink out of it): adapter files, once they can be loaded.")
+    lora_modules: dict[str, str] = Field(default_factory=dict, description=(
+        "LoRA adapters served from the start, name -> PEFT folder (vLLM's --lora-modules name=path): "
+        "requests name one as model='<adapter>' or '<served model>:<adapter>'. Needs engine.lora_config "
+        "(set to the defaults when unset)."))
+    dynamic_lora_loading_path: Optional[str] = Field(None, description=(
+        "Ray Serve LLM's: a folder (or an fsspec URL, with fsspec installed) of adapter folders; a "
+        "request naming an adapter not loaded yet loads <path>/<adapter> on first use."))
     public_metrics: bool = Field(
         False, description="With API keys: answer /metrics and /stats without a key (a scraper on a "
                            "private network). Default: they need a key like every route but /health.")
@@ -269,6 +276,14 @@ class ServeAppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
+        if (self.lora_modules or self.dynamic_lora_loading_path) and self.engine.lora_config is None:
+            from ray_attn.lora import LoRAConfig
+
+            object.__setattr__(self, "engine", self.engine.model_copy(update={"lora_config": LoRAConfig()}))
+        for name in self.lora_modules:
+            if not name or ":" in name or name == self.model_id():
+                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without ':', and not "
+                                 "the served model's name")
         tp = self.engine.parallel.tensor_parallel_size
         if self.executor == "in_process" and tp != 1:
             raise ValueError(f"executor='in_process' runs tensor_parallel_size=1 only, got {tp}")

@@ -42,6 +42,9 @@ log = logging.getLogger("ray.serve")
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATHS = frozenset({"/metrics", "/stats"})
 ADMIN_PREFIX = "/admin"
+# vLLM's adapter routes, kept at their paths for its clients but in the admin scope as their
+# /admin/v1/... twins: loading an adapter reads the server's disk.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 RELOAD_EVERY_S = 1.0
 
 
@@ -177,7 +180,7 @@ class Auth:
 
     def check(self, scope) -> Optional[HTTPError]:
         path = route_path(scope)
-        if path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/"):
+        if path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/") or path in ADMIN_PATHS:
             if not self.admin.configured:  # admin routes are off: they do not exist
                 refusal = HTTPError(404, [("path", f"path: {path[:128]} does not exist (admin routes are "
                                                    f"off: no admin_api_key configured)")])

@@ -38,6 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="resume a request whose replica was lost on another one (resume_requests)")
     p.add_argument("--replica-resource", default=None,
                    help="a custom node resource each replica takes one unit of, to spread replicas over nodes")
+    # LoRA adapters: vLLM's flags (and Ray Serve LLM's dynamic path)
+    p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters (implied by the flags below)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapter folders served from the start, as name=path")
+    p.add_argument("--max-loras", type=int, default=None, help="adapters resident on the device at once")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank served")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters each rank keeps in host memory")
+    p.add_argument("--dynamic-lora-loading-path", default=None,
+                   help="folder (or fsspec URL) of adapter folders loaded on first use by name")
     # Exposing it (docs/serving.md, "Exposing the server"): as vLLM's flags.
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' on every route but "
@@ -108,6 +117,20 @@ def serve_config(args):
     spec = getattr(args, "speculative_config", None)
     if spec is not None:
         engine["speculative_config"] = parse_speculative_config(spec)
+    lora_flags = {"max_loras": getattr(args, "max_loras", None), "max_lora_rank": getattr(args, "max_lora_rank", None),
+                  "max_cpu_loras": getattr(args, "max_cpu_loras", None)}
+    lora_given = {k: v for k, v in lora_flags.items() if v is not None}
+    modules = getattr(args, "lora_modules", None) or []
+    if lora_given or modules or getattr(args, "enable_lora", None) or getattr(args, "dynamic_lora_loading_path", None):
+        engine["lora_config"] = dict(engine.get("lora_config") or {}) | lora_given
+    if modules:
+        pairs = [m.partition("=") for m in modules]
+        bad = [m for m, (n, eq, path) in zip(modules, pairs) if not (n and eq and path)]
+        if bad:
+            raise ValueError(f"--lora-modules: {bad[0]!r} is not name=path")
+        app["lora_modules"] = dict(app.get("lora_modules") or {}) | {n: path for n, _, path in pairs}
+    if getattr(args, "dynamic_lora_loading_path", None):
+        app["dynamic_lora_loading_path"] = args.dynamic_lora_loading_path
     if args.device == "cpu":  # CPU ranks share the host's few cores: reserve half a core each
         engine["parallel"].setdefault("num_cpus_per_worker", 0.5)
         app.setdefault("replica_num_cpus", 0.5)

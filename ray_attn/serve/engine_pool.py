@@ -51,10 +51,11 @@ class EngineReplica:
     def ready(self) -> int:
         return self.executor.num_blocks
 
-    async def generate(self, prompt_token_ids: list[int], params) -> dict:
-        from ray_attn.serve.loop import AsyncioSink
+    async def generate(self, prompt_token_ids: list[int], params, lora_request=None) -> dict:
+        from ray_attn.serve.loop import AsyncioSink, current_lora
 
         sink = AsyncioSink()
+        current_lora.set(lora_request)  # read by submit (this call's own context)
         self.loop.submit(prompt_token_ids, params, sink)
         tokens, ev = [], await sink.get()
         if ev.kind in ("rejected", "failed"):
@@ -116,7 +117,7 @@ class EnginePool:
             raise
 
     def run(self, items: Iterable[tuple], on_done: Callable[[object, dict], None]) -> None:
-        """Generate ``(key, prompt_token_ids, SamplingParams)`` items; ``on_done(key, result)`` is
+        """Generate ``(key, prompt_token_ids, SamplingParams[, LoRARequest])`` items; ``on_done(key, result)`` is
         called on this thread as each finishes, once per key.
 
         A replica that dies (its process, its node) takes none of the work with it: its
@@ -135,7 +136,7 @@ class EnginePool:
                     exhausted = True
                     break
                 i = min((b, j) for j, (b, a) in enumerate(zip(busy, alive)) if a)[1]
-                refs[self.actors[i].generate.remote(item[1], item[2])] = (i, item)
+                refs[self.actors[i].generate.remote(*item[1:])] = (i, item)
                 busy[i] += 1
             if not refs:
                 if retry or not exhausted:

@@ -26,6 +26,8 @@ without a ``traceparent`` one, so that their spans join one trace.
 """
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ray_attn.planner.block_pool import prompt_hashes
+from ray_attn.planner.block_pool import ROOT_HASH, prompt_hashes
 from ray_attn.serve.auth import Auth
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.request_log import RequestLog, request_id_of, with_request_id
@@ -113,17 +115,41 @@ def _messages_text(messages: Any) -> Optional[str]:
     return "".join(parts)
 
 
-def prefix_block_hashes(body: bytes, block_size: int) -> tuple[int, ...]:
-    """Chain hashes of the prompt's full blocks (the planner's ``prompt_hashes``); () when none."""
+def adapter_of(body: bytes, served_model: Optional[str]) -> Optional[str]:
+    """The LoRA adapter a body's ``model`` names (``"<adapter>"`` or ``"<served>:<adapter>"``),
+    None for the served model itself (or when the front does not know its name)."""
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    if served_model is None or not isinstance(model, str) or model == served_model:
+        return None
+    base, sep, name = model.partition(":")
+    return (name if base == served_model else None) if sep else model
+
+
+def adapter_root(name: str) -> int:
+    """The front's chain root for an adapter's prompts (the planner roots its own chains per
+    adapter too, ``LoRARequest.cache_root``): equal prompts of two adapters never match."""
+    return int.from_bytes(hashlib.blake2b(f"lora\0{name}".encode(), digest_size=8).digest(), "little")
+
+
+def prefix_block_hashes(body: bytes, block_size: int, served_model: Optional[str] = None) -> tuple[int, ...]:
+    """Chain hashes of the prompt's full blocks (the planner's ``prompt_hashes``); () when none.
+    Under a LoRA adapter the chains start at its root, and the root itself leads them: a replica
+    that served the adapter (and so holds it) matches one block more, whatever the prompt."""
     units, per_token = prompt_units(body)
+    adapter = adapter_of(body, served_model)
+    root = ROOT_HASH if adapter is None else adapter_root(adapter)
+    lead = () if adapter is None else (root,)
     if units is None:
-        return ()
+        return lead
     size = block_size * per_token
     n = len(units) // size
-    hashes = prompt_hashes(units, n, size)
+    hashes = prompt_hashes(units, n, size, root)
     if per_token != 1:
         hashes = hashes ^ np.uint64(_TEXT_SALT)
-    return tuple(int(h) for h in hashes)
+    return lead + tuple(int(h) for h in hashes)
 
 
 def forwarded_scope(scope: dict) -> dict:
@@ -188,6 +214,7 @@ class PrefixRoutingIngress:
         self.traced = cfg.otlp_traces_endpoint is not None
         self.llm = llm_server.options(stream=True, method_name="handle_http")
         self.block_size = block_size
+        self.served_model = cfg.model_id() if cfg.lora_modules or cfg.dynamic_lora_loading_path else None
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.resume_requests = resume_requests
@@ -225,7 +252,8 @@ class PrefixRoutingIngress:
 
             scope["headers"].append((b"traceparent", new_traceparent().encode()))
         routed = RoutedHTTPRequest(scope, body,
-                                   prefix_block_hashes(body, self.block_size), resumable=self.resume_requests)
+                                   prefix_block_hashes(body, self.block_size, self.served_model),
+                                   resumable=self.resume_requests)
         kw = dict(retry_timeout_s=self.retry_timeout_s, front_id=self.front_id,
                   request_id=None if given == rid.encode() else rid.encode())
         if not self.resume_requests or self.stores is None:

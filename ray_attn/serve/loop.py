@@ -13,6 +13,8 @@ grow with the offered load.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import itertools
 import logging
 import threading
@@ -22,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 log = logging.getLogger(__name__)
+# The adapter (a ray_attn.lora.LoRARequest) of the request being submitted: its handler resolves
+# it (serve/lora_adapters.py) and ``submit``, called in the handler's context, reads it.
+current_lora: contextvars.ContextVar = contextvars.ContextVar("ray_attn_lora", default=None)
 
 
 class QueueFull(Exception):
@@ -132,9 +137,19 @@ class EngineLoop:
             self._in_flight += 1
             self._pending_adds += 1
             rid = f"{request_id or self._prefix}-{next(self._ids)}"
-        self._inbox.append(("add", rid, list(prompt_token_ids), params, sink, list(output_token_ids)))
+        # the request's adapter, resolved by its handler (serve/lora_adapters.py)
+        self._inbox.append(("add", rid, list(prompt_token_ids), params, sink, list(output_token_ids),
+                            current_lora.get()))
         self._wake.set()
         return rid
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps (what must not race a step:
+        unloading an adapter); its result or exception lands in the future returned."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(("call", fn, fut))
+        self._wake.set()
+        return fut
 
     def abort(self, request_id: str) -> None:
         """Stop a request whose client went away; a no-op once it has finished."""
@@ -192,11 +207,12 @@ class EngineLoop:
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
-                _, rid, prompt, params, sink, resumed = cmd
+                _, rid, prompt, params, sink, resumed, lora = cmd
                 with self._lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_request(prompt, params, request_id=rid, output_token_ids=resumed)
+                    self.engine.add_request(prompt, params, request_id=rid, output_token_ids=resumed,
+                                            **({"lora_request": lora} if lora is not None else {}))
                 except Exception as e:  # noqa: BLE001 - one bad request must not end the loop
                     with self._lock:
                         self._in_flight -= 1
@@ -205,6 +221,12 @@ class EngineLoop:
                     continue
                 self._streams[rid] = sink
                 sink.push(Event("accepted"))
+            elif cmd[0] == "call":
+                _, fn, fut = cmd
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 -- the caller's to answer
+                    fut.set_exception(e)
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if rid in self._streams:
@@ -268,6 +290,8 @@ class EngineLoop:
                     self._pending_adds -= 1
                     self._in_flight -= 1
                 cmd[4].push(Event("failed", error=reason))
+            elif cmd[0] == "call":
+                cmd[2].set_exception(RuntimeError(reason))
 
     def _publish(self) -> None:
         eng = self.engine

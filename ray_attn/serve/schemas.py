@@ -9,6 +9,8 @@ live in :class:`ServeAppConfig` and are checked by the app after parsing.
 
 from __future__ import annotations
 
+import os
+
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -84,6 +86,21 @@ class BatchRecord(GenerateRequest):
 
     id: Optional[str] = Field(None, max_length=256, description="Copied to the output line.")
     stream: bool = Field(False, description="Ignored in batch input.")
+    lora_path: Optional[str] = Field(None, max_length=4096, description=(
+        "A PEFT adapter folder this line runs under (lines naming one folder share it); None: the base model."))
+    lora_name: Optional[str] = Field(None, max_length=256, description="The adapter's name (default: its folder's).")
+
+    def lora_request(self, ids: dict):
+        """This line's ``LoRARequest`` (ids handed out by ``ids``, one per folder), or None."""
+        if self.lora_path is None:
+            return None
+        from ray_attn.lora import LoRARequest
+
+        name = self.lora_name or os.path.basename(os.path.normpath(self.lora_path))
+        key = (name, self.lora_path)
+        if key not in ids:
+            ids[key] = LoRARequest(name, len(ids) + 1, self.lora_path)
+        return ids[key]
 
 
 # -------------------------------------------------------------------------------------- responses

@@ -89,7 +89,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(description="When the replica started (Unix seconds).")
     owned_by: str = "ray_attn"
-    root: Optional[str] = Field(None, description="The checkpoint folder, if any.")
+    root: Optional[str] = Field(None, description="The checkpoint folder, if any (an adapter's folder).")
+    parent: Optional[str] = Field(None, description="For a LoRA adapter: the model it adapts.")
     max_model_len: int = Field(description="Longest prompt + completion the model accepts.")
     vocab_size: int = Field(description="Token ids are below this.")
 

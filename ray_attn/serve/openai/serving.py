@@ -284,6 +284,12 @@ def _unknown_keys(body: bytes, model, limit: int = 16) -> list[tuple[str, str]]:
 
 
 def check_model(server, name: Optional[str]) -> None:
+    """The served model, or one of its adapters (``model="<adapter>"`` / ``"<model>:<adapter>"``,
+    serve/lora_adapters.py): the request then runs under it."""
+    adapters = getattr(server, "adapters", None)
+    if adapters is not None:
+        adapters.resolve(name)
+        return
     if name is not None and name != server.model_id:
         raise HTTPError(404, [("model", f"model: '{name[:128]}' does not exist; this server serves "
                                         f"'{server.model_id}' (GET /v1/models)")])

@@ -1,0 +1,194 @@
+"""A rank's LoRA: slot-stacked A/B weights on every targeted linear, the step's slot metadata,
+and the slots' contents (filled from a host LRU of this rank's adapter shards).
+
+Sharding follows the layer an adapter attaches to (vLLM's ``ColumnParallelLinearWithLoRA`` /
+``RowParallelLinearWithLoRA``): on a column-parallel projection (q/k/v, gate/up) A is replicated
+and B cut like the weight's rows, so each rank computes its own output rows; on a row-parallel
+one (o_proj, down_proj) A is cut like the weight's columns and B replicated, and the rank's
+partial update joins the base's partial sum before the layer's one all-reduce
+(``sum_r x_r A_r^T B^T = x A^T B^T``).  Which slice is this rank's comes from the base weight's
+own ``Shard`` (``CausalLM.weight_shards``), so every family whose checkpoint names the
+projections as HF Llama does is served with no code of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from ray_attn.lora import punica
+from ray_attn.lora.config import TARGET_MODULES, LoRAConfig
+from ray_attn.lora.peft_format import read_adapter
+from ray_attn.model.layers import ColumnParallelLinear, RowParallelLinear
+
+_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(?P<proj>\w+)\.weight$")
+
+
+class LoRAStepContext:
+    """The step's slot of each token and the SGMV segments (``punica.step_meta``), in device
+    buffers of fixed size that every LoRA layer (and a captured graph) reads."""
+
+    def __init__(self, capacity: int, max_loras: int, device: torch.device):
+        self.capacity, self.max_loras, self.device = capacity, max_loras, device
+        self.cuda = device.type == "cuda"
+        n = 2 * capacity + max_loras + 1
+        self.meta = torch.full((n,), -1, dtype=torch.int32, device=device)
+        self.token_slots = self.meta[:capacity]
+        self.sorted_tokens = self.meta[capacity:2 * capacity]
+        self.seg_start = self.meta[2 * capacity:]
+        self.active = False  # any token of the step has an adapter (CPU skips the math when not)
+        self.shrunk = None  # the shrink's float32 scratch, grown to [capacity, widest P*R]
+
+    def set_step(self, row_slots: np.ndarray | None, query_lens: np.ndarray, num_tokens: int, put) -> None:
+        if num_tokens > self.capacity:
+            raise ValueError(f"a step of {num_tokens} tokens exceeds the LoRA metadata's {self.capacity}")
+        host = np.full(self.meta.numel(), -1, np.int32)
+        host[2 * self.capacity:] = 0
+        self.active = row_slots is not None and bool((row_slots >= 0).any())
+        if self.active:
+            ts = np.repeat(row_slots, query_lens).astype(np.int32)
+            host[:len(ts)] = ts
+            order, start = punica.step_meta(ts, self.max_loras)
+            host[self.capacity:self.capacity + len(order)] = order
+            host[2 * self.capacity:] = start
+        # one staged copy into the fixed buffer (stream-ordered: a step in flight keeps its own)
+        self.meta.copy_(put("lora_meta", host), non_blocking=True)
+
+
+class LoRALinear:
+    """The slots of one linear layer: A [L, P*R, K_local], B [L, N_local, R] (B pre-scaled)."""
+
+    def __init__(self, module, parts: list[tuple[str, int, int, int]], cfg: LoRAConfig, ctx: LoRAStepContext,
+                 dtype: torch.dtype):
+        # parts: (checkpoint module path, local row offset, shard dim, shard start), by offset;
+        # ``dtype``: the model's (an FP8 layer's adapter stays in the activations' dtype)
+        self.module, self.ctx, self.parts = module, ctx, parts
+        self.rank = cfg.padded_rank
+        w = module.weight
+        N, K = w.shape[0], w.shape[1]
+        L, P, R = cfg.max_loras, len(parts), self.rank
+        self.a = torch.zeros(L, P * R, K, dtype=dtype, device=w.device)
+        self.b = torch.zeros(L, N, R, dtype=dtype, device=w.device)
+        self.offsets = tuple(off for _, off, _, _ in parts)
+        self.bounds = list(self.offsets) + [N]
+        self.row_parallel = isinstance(module, RowParallelLinear)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if ctx.cuda and punica.use_triton(x, self.offsets):
+            x = x if x.stride(1) == 1 else x.contiguous()
+            need = self.a.shape[1]
+            if ctx.shrunk is None or ctx.shrunk.shape[1] < need:
+                ctx.shrunk = torch.empty(ctx.capacity, need, dtype=torch.float32, device=x.device)
+            return punica.lora_triton(x, y, self.a, self.b, self.offsets, self.rank, ctx.sorted_tokens,
+                                      ctx.seg_start, ctx.shrunk)
+        if not ctx.active:
+            return y
+        return punica.lora_reference(x, y, self.a, self.b, self.offsets, self.rank, ctx.token_slots)
+
+    def local(self, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of one part's full A [r, in] and B [out, r]."""
+        _, off, dim, start = self.parts[part]
+        rows = self.bounds[part + 1] - off
+        if dim == 1:  # row-parallel: A's columns as the weight's
+            return lora_a[:, start:start + self.a.shape[2]], lora_b
+        return lora_a, lora_b[start:start + rows]
+
+    def fill(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        R = self.rank
+        for p, (a, b) in parts.items():
+            r, off = a.shape[0], self.offsets[p]
+            self.a[slot, p * R:p * R + r].copy_(a, non_blocking=True)
+            self.b[slot, off:off + b.shape[0], :r].copy_(b, non_blocking=True)
+
+
+def attach_lora(model, cfg: LoRAConfig, capacity: int) -> tuple[LoRAStepContext, dict]:
+    """Give every q/k/v/o/gate/up/down projection of ``model`` its slots; returns the step context
+    and, by checkpoint module path, (its LoRALinear, its part index)."""
+    ctx = LoRAStepContext(capacity, cfg.max_loras, model.device)
+    owners = {}
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            owners[m.weight.untyped_storage().data_ptr()] = m
+    found: dict[int, list] = {}
+    for name, shard in model.weight_shards().items():
+        mm = _WEIGHT.match(name)
+        if mm is None or mm["proj"] not in TARGET_MODULES or not hasattr(shard, "dest"):
+            continue
+        m = owners.get(shard.dest.untyped_storage().data_ptr())
+        if m is None:
+            continue
+        off = (shard.dest.data_ptr() - m.weight.data_ptr()) // (m.weight.stride(0) * m.weight.element_size())
+        found.setdefault(id(m), [m, []])[1].append((name[:-len(".weight")], int(off), shard.dim, shard.start))
+    table = {}
+    for m, parts in found.values():
+        parts.sort(key=lambda p: p[1])
+        lin = LoRALinear(m, parts, cfg, ctx, model.dtype)
+        m.lora = lin
+        for i, (path, *_) in enumerate(parts):
+            table[path] = (lin, i)
+    return ctx, table
+
+
+class RankLoRA:
+    """This rank's adapters: the slots' contents and a host LRU of adapter shards
+    (``LoRAConfig.max_cpu_loras``), refilled from the adapter's folder on a miss."""
+
+    def __init__(self, model, engine_config, device: torch.device):
+        self.cfg: LoRAConfig = engine_config.lora_config
+        self.model_config = engine_config.model
+        cap = engine_config.max_num_batched_tokens + engine_config.max_num_seqs
+        self.ctx, self.table = attach_lora(model, self.cfg, cap)
+        self.linears = {id(lin): lin for lin, _ in self.table.values()}
+        self.dtype = model.dtype
+        self.pin = device.type == "cuda"
+        self.host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> {id(lin): {part: (A, B)}}
+        self.slot_ids = [0] * self.cfg.max_loras  # the adapter each slot holds (0: none)
+        self.disk_loads = 0
+
+    def _shards(self, lora_int_id: int, name: str, path: str) -> dict:
+        hit = self.host.get(lora_int_id)
+        if hit is not None:
+            self.host.move_to_end(lora_int_id)
+            return hit
+        adapter = read_adapter(path, name, self.model_config, self.cfg.max_lora_rank)
+        self.disk_loads += 1
+        out: dict[int, dict] = {}
+        for module, w in adapter.modules.items():
+            lin, part = self.table[module]
+            a, b = lin.local(part, w.lora_a, w.lora_b)
+            a = a.to(lin.a.dtype).contiguous()
+            b = (b.double() * w.scaling).to(lin.b.dtype).contiguous()  # pre-scaled, rounded once
+            if self.pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            out.setdefault(id(lin), {})[part] = (a, b)
+        self.host[lora_int_id] = out
+        while len(self.host) > self.cfg.cpu_capacity:
+            self.host.popitem(last=False)
+        return out
+
+    def load(self, loads) -> None:
+        """Fill slots before the step's forward: ``(slot, lora_int_id, lora_name, lora_path)``."""
+        for slot, lora_int_id, name, path in loads:
+            if not 0 <= slot < self.cfg.max_loras:
+                raise ValueError(f"lora_loads: slot {slot} outside [0, {self.cfg.max_loras})")
+            shards = self._shards(lora_int_id, name, path)
+            for key, lin in self.linears.items():
+                lin.fill(slot, shards.get(key, {}))
+            self.slot_ids[slot] = lora_int_id
+
+    def begin_step(self, plan, loads, put) -> None:
+        rows = getattr(plan, "lora_slots", None)
+        if rows is not None and len(rows) and (rows.min() < -1 or rows.max() >= self.cfg.max_loras):
+            raise ValueError(f"plan.lora_slots must lie in [-1, {self.cfg.max_loras})")
+        if loads:
+            self.load(loads)
+        self.ctx.set_step(rows, plan.query_lens, plan.num_tokens, put)
+
+    def reset(self) -> None:
+        self.slot_ids = [0] * self.cfg.max_loras

@@ -1,0 +1,158 @@
+"""Batched LoRA for a step that mixes adapters: shrink ``S = x A[slot]^T`` then expand
+``y += S B[slot]^T``, over weights stacked by slot (``A [L, P*R, K]``, ``B [L, N, R]``).
+
+A fused projection (q/k/v, gate/up) carries one adapter part per checkpoint projection: its P
+parts' A rows sit one after another (``S``'s columns ``p*R .. (p+1)*R``), and its B rows are the
+projection's own output rows, so output column n reads part ``p(n)`` (``part_offsets``) of S.
+B is stored pre-multiplied by the module's scaling (as vLLM's ``optimize``), so the expand is one
+product.  Tokens of the base model have slot -1 and are not touched.
+
+Which tokens each slot has travels as a step's metadata (``LoRAStepMeta``, built once per step
+on the rank from the plan's per-row slots): the tokens sorted by slot and each slot's start in
+that order (SGMV's segments).  On CUDA the two Triton kernels read it on the device, with a
+grid fixed by the token count and ``max_loras`` -- programs of an empty segment return at
+once -- so a decode step replays from a CUDA graph whatever its adapters: the slot is an input,
+never a branch.  On CPU (and for the tests' reference) a loop over the slots present runs the same
+math in torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ray_attn.backend.triton_ops import available
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - machines without triton
+    triton = None
+
+BLOCK_M = 16  # tl.dot's smallest tile
+
+
+def step_meta(token_slots: np.ndarray, max_loras: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step's tokens of each slot, in slot order (base tokens left out), and each slot's
+    start in that order (``[max_loras + 1]``: slot l's tokens are ``sorted[start[l]:start[l+1]]``)."""
+    ts = np.asarray(token_slots)
+    order = np.argsort(ts, kind="stable")
+    order = order[ts[order] >= 0]
+    counts = np.bincount(ts[order], minlength=max_loras)[:max_loras]
+    return order.astype(np.int32), np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+
+def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int, ...],
+                   rank: int, token_slots: torch.Tensor) -> torch.Tensor:
+    """``y`` plus each token's adapter update, in the activations' dtype (torch; data-dependent
+    shapes, so not for CUDA graphs).  ``token_slots`` [>= T]: the first T are x's tokens'."""
+    slots = token_slots[: x.shape[0]]
+    bounds = list(offsets) + [y.shape[1]]
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        idx = (slots == s).nonzero().squeeze(1)
+        shrunk = x[idx] @ a[s].t().to(x.dtype)  # [n, P*R]
+        for p in range(len(offsets)):
+            lo, hi = bounds[p], bounds[p + 1]
+            y[idx, lo:hi] += shrunk[:, p * rank:(p + 1) * rank] @ b[s, lo:hi].t().to(x.dtype)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, s_ptr, sorted_ptr, start_ptr, K, RT, x_stride, a_slot_stride, a_row_stride,
+                       s_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        slot = tl.program_id(2)
+        begin = tl.load(start_ptr + slot)
+        end = tl.load(start_ptr + slot + 1)
+        m0 = begin + pid_m * BLOCK_M
+        if m0 < end:
+            rm = m0 + tl.arange(0, BLOCK_M)
+            mmask = rm < end
+            tok = tl.load(sorted_ptr + rm, mask=mmask, other=0).to(tl.int64)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = rn < RT
+            rk = tl.arange(0, BLOCK_K)
+            a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                kmask = (k + rk) < K
+                xt = tl.load(x_ptr + tok[:, None] * x_stride + (k + rk)[None, :],
+                             mask=mmask[:, None] & kmask[None, :], other=0.0)
+                at = tl.load(a_base + rn[None, :] * a_row_stride + (k + rk)[:, None],
+                             mask=nmask[None, :] & kmask[:, None], other=0.0)
+                acc += tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
+            tl.store(s_ptr + tok[:, None] * s_stride + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, N, off1, off2, s_stride, b_slot_stride,
+                       b_row_stride, y_stride, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        slot = tl.program_id(2)
+        begin = tl.load(start_ptr + slot)
+        end = tl.load(start_ptr + slot + 1)
+        m0 = begin + pid_m * BLOCK_M
+        if m0 < end:
+            rm = m0 + tl.arange(0, BLOCK_M)
+            mmask = rm < end
+            tok = tl.load(sorted_ptr + rm, mask=mmask, other=0).to(tl.int64)
+            n0 = pid_n * BLOCK_N
+            rn = n0 + tl.arange(0, BLOCK_N)
+            nmask = rn < N
+            part = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)  # the block lies in one part
+            rr = tl.arange(0, R)
+            st = tl.load(s_ptr + tok[:, None] * s_stride + part * R + rr[None, :], mask=mmask[:, None], other=0.0)
+            bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + rn[None, :] * b_row_stride + rr[:, None],
+                         mask=nmask[None, :], other=0.0)
+            acc = tl.dot(st.to(bt.dtype), bt, input_precision=PRECISION)
+            ptrs = y_ptr + tok[:, None] * y_stride + rn[None, :]
+            mask = mmask[:, None] & nmask[None, :]
+            y = tl.load(ptrs, mask=mask, other=0.0)
+            tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def expand_block(offsets: tuple[int, ...]) -> int | None:
+    """The widest expand tile (64, 32 or 16 columns) that no part boundary cuts; None: none."""
+    for bn in (64, 32, 16):
+        if all(o % bn == 0 for o in offsets):
+            return bn
+    return None
+
+
+def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int, ...],
+                rank: int, sorted_tokens: torch.Tensor, seg_start: torch.Tensor,
+                shrunk: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
+    """``lora_reference``'s update with the two kernels (in place on ``y``).  ``shrunk``: a
+    float32 scratch of at least [T, P*R]; ``rank`` (the slots' padded R) a power of two >= 16."""
+    T, K = x.shape
+    L, RT, _ = a.shape
+    N = y.shape[1]
+    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
+        raise ValueError("lora_triton: x, y, A and B need unit stride in their last dim")
+    if shrunk is None:
+        shrunk = torch.empty(T, RT, dtype=torch.float32, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    mblocks = triton.cdiv(T, BLOCK_M)
+    bn_shrink = min(64, triton.next_power_of_2(RT))
+    _shrink_kernel[(mblocks, triton.cdiv(RT, bn_shrink), L)](
+        x, a, shrunk, sorted_tokens, seg_start, K, RT, x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=64 if K >= 64 else 16, PRECISION=precision)
+    bn = block_n or expand_block(offsets[1:])
+    if bn is None:
+        raise ValueError(f"lora_triton: part offsets {offsets} are not multiples of 16")
+    off = list(offsets[1:]) + [N] * (3 - len(offsets))
+    _expand_kernel[(mblocks, triton.cdiv(N, bn), L)](
+        shrunk, b, y, sorted_tokens, seg_start, N, off[0], off[1], shrunk.stride(0), b.stride(0), b.stride(1),
+        y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn, PRECISION=precision)
+    return y
+
+
+def use_triton(x: torch.Tensor, offsets: tuple[int, ...]) -> bool:
+    return available() and x.is_cuda and expand_block(offsets[1:]) is not None

@@ -1,0 +1,116 @@
+"""What the engine does with adapters besides computing them: refusing bad ones by name (and
+going on with the others), keying the prefix cache by adapter, the host LRU in front of the disk,
+and unloading only what no request uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from ray_attn.engine import LLMEngine, SamplingParams
+from ray_attn.lora import LoRAAdapterError, LoRARequest
+from ray_attn.planner import Planner, ScheduledRequest
+from ray_attn.runtime import InProcessExecutor
+from tests.lora.peft_fixture import engine_config, prompts, tiny_model, write_adapter, write_base
+
+GREEDY = SamplingParams(max_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def engine(lora_models):
+    base, _ = lora_models
+    cfg = engine_config(base, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    return LLMEngine(cfg, InProcessExecutor(cfg))
+
+
+def bad_copy(src, dst, edit):
+    shutil.copytree(src, dst)
+    edit(str(dst))
+    return str(dst)
+
+
+def corrupt(folder):
+    with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+
+
+def dora(folder):
+    p = os.path.join(folder, "adapter_config.json")
+    cfg = json.load(open(p))
+    json.dump(cfg | {"use_dora": True}, open(p, "w"))
+
+
+def test_bad_adapters_are_refused_by_name_and_nothing_else_is_disturbed(engine, lora_models, tmp_path):
+    base, adapters = lora_models
+    other_base = write_base(tmp_path / "other", tiny_model(hidden_size=96, num_attention_heads=3,
+                                                           num_key_value_heads=1))
+    cases = {
+        "over max_lora_rank=8": adapters["all"],  # rank 16
+        "is not a folder": str(tmp_path / "nowhere"),
+        "not a readable safetensors file": bad_copy(adapters["qv"], tmp_path / "corrupt", corrupt),
+        "DoRA is not served": bad_copy(adapters["qv"], tmp_path / "dora", dora),
+        "another base model": write_adapter(other_base, tmp_path / "other_ad", ["q_proj"], 4, 8),
+        "is not served": write_adapter(base, tmp_path / "head", ["lm_head"], 4, 8),
+    }
+    running = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=4),
+                                 lora_request=LoRARequest("qv", 4, adapters["qv"]))
+    for i, (why, path) in enumerate(cases.items()):
+        name = f"bad{i}"
+        with pytest.raises(LoRAAdapterError, match=why) as e:
+            engine.add_request(prompts(1)[0], GREEDY, lora_request=LoRARequest(name, 100 + i, path))
+        assert repr(name) in str(e.value)  # the adapter is named
+    assert 4 in engine.list_loras() and not engine.list_loras() & set(range(100, 110))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.output(running).output_token_ids) == 4
+
+
+def test_same_prompt_under_two_adapters_never_shares_kv(engine, lora_models):
+    base, adapters = lora_models
+    qv, attn = LoRARequest("qv", 4, adapters["qv"]), LoRARequest("attn2", 7, adapters["attn"])
+    p = prompts(1, seed=9)[0] * 2  # 3+ full blocks
+    first = engine.generate([p], GREEDY, lora_request=qv)[0]
+    assert first.num_cached_tokens == 0
+    assert engine.generate([p], GREEDY, lora_request=attn)[0].num_cached_tokens == 0
+    assert engine.generate([p], GREEDY)[0].num_cached_tokens == 0  # nor the base model
+    again = engine.generate([p], GREEDY, lora_request=qv)[0]  # the same adapter hits its own blocks
+    assert again.num_cached_tokens >= 32 and again.output_token_ids == first.output_token_ids
+
+
+def test_planner_chains_start_at_the_request_root():
+    planner = Planner(num_blocks=32, block_size=16, num_query_heads=4, num_kv_heads=2)
+    toks = list(range(40))
+    planner.plan([ScheduledRequest("a", toks, cache_root=11, lora_slot=0)])
+    assert planner.num_cached_tokens(toks, root=11) == 32
+    assert planner.num_cached_tokens(toks) == 0 and planner.num_cached_tokens(toks, root=12) == 0
+    plan = planner.plan([ScheduledRequest("b", toks, cache_root=11, lora_slot=1), ScheduledRequest("c", toks)])
+    assert plan.num_prefix_cache_hit_tokens == 32  # b's hit; c (base) takes none
+    assert plan.lora_slots.tolist() == [1, -1]
+
+
+def test_host_lru_serves_slot_refills_without_the_disk(engine, lora_models):
+    """One device slot, two host entries: A, B, A reads the disk twice and fills the slot thrice."""
+    _, adapters = lora_models
+    lora = engine.executor.worker.lora
+    a, b = LoRARequest("lru_a", 20, adapters["attn"]), LoRARequest("lru_b", 21, adapters["mlp"])
+    disk, loads = lora.disk_loads, engine.lora.num_loads
+    for r in (a, b, a):
+        engine.generate([prompts(1)[0]], GREEDY, lora_request=r)
+    assert engine.lora.num_loads - loads == 3 and lora.disk_loads - disk == 2
+
+
+def test_unload_waits_for_no_request_and_refuses_by_name(engine, lora_models):
+    _, adapters = lora_models
+    req = LoRARequest("busy", 30, adapters["qv"])
+    rid = engine.add_request(prompts(1)[0], GREEDY, lora_request=req)
+    with pytest.raises(LoRAAdapterError, match="'busy' is in use by 1"):
+        engine.remove_lora(30)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.output(rid).output_token_ids) == 3  # never failed
+    assert engine.remove_lora(30) and 30 not in engine.list_loras()
+    with pytest.raises(LoRAAdapterError, match="unknown adapter"):
+        engine.remove_lora(30)
