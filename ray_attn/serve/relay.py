@@ -114,6 +114,7 @@ class RelayedResponse(Response):
         self.journal, self.reconnect, self.last_event_id = journal, reconnect, last_event_id
         self.background = None
         self.attempts = 0
+        self.body_sent = False  # a byte of the answer reached the client: no resend from scratch
 
     async def __call__(self, scope, receive, send) -> None:
         async def to_client(message):
@@ -178,6 +179,8 @@ class RelayedResponse(Response):
                             done = not more or any(e.endswith(b"data: [DONE]\n\n") for e in events)
                             await self.journal.append(events, lines, done=done)
                         message = dict(message, body=body)
+                    if kind == "http.response.body" and message.get("body"):
+                        self.body_sent = True  # without resumption events are not numbered
                     await send(message)
                 return
             except _ClientGone:
@@ -201,7 +204,8 @@ class RelayedResponse(Response):
                 what = f"{type(e).__name__}"
                 # A stream whose first event has not gone out yet (its replica died in prefill,
                 # after the headers) is sent again as it came; one with events, from its progress.
-                fresh = not started or (stream and ids.next == 0 and not progress.state.head)
+                fresh = not started or (stream and not self.body_sent and ids.next == 0
+                                         and not progress.state.head)
                 resumable = fresh or (stream and routed.resumable and bool(progress.state.head))
                 if isinstance(e, _NotResumed):
                     resumable = False
