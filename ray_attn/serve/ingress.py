@@ -320,6 +320,7 @@ def _stores_here(window_s: float):
     from ray_attn.serve.progress_store import ProgressStores
 
     stores = ProgressStores(ctx.app_name, ray.get_runtime_context().get_node_id(), window_s)
+    stores.start()
     return stores, ctx.replica_id.unique_id.encode()
 
 

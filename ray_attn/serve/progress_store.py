@@ -254,6 +254,20 @@ class ProgressStores:
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False))
         return actor.remote(self.window_s)
 
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Create this node's store now and wait for it, as the front replica starts: a store's
+        worker takes a second or more to start, and the first stream would wait for it before
+        its first event.  A store that does not come is left to the first write to retry."""
+        import ray
+
+        b = _Batcher(store_name(self.app, self.node_id), self._own())
+        try:
+            ray.get(b.handle.ping.remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - streams still go out; a reconnection would miss them
+            log.warning("progress store on this node not up within %.0fs (%s: %s)", timeout_s, type(e).__name__, e)
+            return
+        self.batchers[self.node_id] = b
+
     async def refresh(self, force: bool = False) -> None:
         """Look the stores up again (every few seconds at most, unless ``force``)."""
         import ray

@@ -179,8 +179,9 @@ def wait_busy_replica(actors: dict) -> str:
 
 def test_without_resumption_a_lost_stream_ends_with_an_error_event(resume_urls):
     _, off = resume_urls
-    # A fault-free run first: its stream's log is the front's first, and the store's first write
-    # is slow enough that an unwarmed replica would finish all 160 tokens before event 3 arrives.
+    # A fault-free run first: the cut stream's tokens must be its beginning.  (Before the front
+    # started its node's progress store at start-up, the first stream waited for that store's
+    # worker, and the replica had finished all 160 tokens when event 3 reached the client.)
     clean, _ = stream(off, "/v1/generate", generate_body(), app=OFF_APP)
     events, _ = stream(off, "/v1/generate", generate_body(), kill_after=3, app=OFF_APP)
     assert events[-1] == "[DONE]"
