@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accuracy_lora as lora  # noqa: E402
 import fp8_checkpoints as f8c  # noqa: E402
 import hf_reference as hf  # noqa: E402
 
@@ -83,6 +84,7 @@ class Row:
     # speculative_config: the engine speculates, and the same engine without it runs too -- the
     # row needs their greedy tokens equal, token for token (info["spec_identical"])
     spec: dict = field(default_factory=dict)
+    lora: bool = False  # accuracy_lora's adapters and base requests in one batch, each against its HF model
     # (stats, info) -> why the feature did not run, or None
     expect: Callable[[dict, dict], str | None] = lambda s, i: None
 
@@ -164,6 +166,10 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
         Row("json_schema", what="JSON-schema structured output (xgrammar mask on rank 0), byte vocabulary",
             grammar=True, expect=default),
         *spec_rows(default),
+        Row("lora", what="four PEFT adapters (r4-r16, every target module) and the base model in one batch, "
+            "each against HF on peft's merged model", lora=True,
+            expect=lambda s, i: default(s, i) or need(i["lora_shift"] >= lora.MIN_SHIFT,
+                                                      f"adapters moved agreement by {i['lora_shift']:.1f} points only")),
         Row("tp2_graphs", what="TP=2, CUDA graphs on (NCCL inside)", tp=2, parallel=dict(cuda_graphs="on"),
             expect=default),
         Row("tp2_eager", what="TP=2, CUDA graphs off", tp=2, parallel=dict(cuda_graphs="off"),
@@ -227,9 +233,10 @@ def engine_config(row: Row, folder: str, gpu: bool, num_blocks: int) -> EngineCo
     model = ModelConfig.from_pretrained(folder, dtype=dtype, **row.model, **extra)
     cache = dict(num_blocks=num_blocks) | row.cache
     par = dict(tensor_parallel_size=row.tp, device="cuda" if gpu else "cpu") | row.parallel
+    extra = dict(lora_config=lora.lora_config()) if row.lora else {}
     return EngineConfig(model=model, checkpoint=folder, cache=CacheConfig(**cache),
                         parallel=ParallelConfig(**par), max_num_seqs=16, **row.engine,
-                        speculative_config=row.spec or None)
+                        speculative_config=row.spec or None, **extra)
 
 
 def grammar(vocab: int):
@@ -244,7 +251,7 @@ def grammar(vocab: int):
     return compiler, compiler.compile(spec), spec
 
 
-def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[int]], dict, dict]:
+def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None) -> tuple[list[list[int]], dict, dict]:
     from ray_attn.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(cfg)
@@ -257,7 +264,7 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix) -> tuple[list[list[
         if row.grammar:
             engine.grammar_compiler, _, spec = grammar(cfg.model.vocab_size)
             params = SamplingParams(max_tokens=GRAMMAR_MAX_TOKENS, ignore_eos=True, structured_outputs=spec)
-        outs = engine.generate(prompts, params)
+        outs = engine.generate(prompts, params, lora_request=loras)
         info = {"kernel": engine.executor.kernel_name, "async": engine.async_scheduling,
                 "cuda_graphs": bool(engine.executor.infos[0].get("cuda_graphs")),  # what rank 0 captured
                 "fp8_linears": engine.executor.infos[0].get("fp8_linears", 0), "num_prompts": len(prompts)}
@@ -365,10 +372,15 @@ class Gate:
             act = f8c.ACT[row.weights] if row.weights else None
             prompts = self.prompts[row.prompts]
             cfg = engine_config(row, folder, self.gpu, 4096 if row.cache.get("block_size", 16) == 16 else 256)
-            outs, stats, info = run_engine(row, cfg, prompts, self.prompts["_prefix"])
+            adapters = lora.write_adapters(folder, self.workdir) if row.lora else None
+            outs, stats, info = run_engine(row, cfg, prompts, self.prompts["_prefix"],
+                                           lora.requests(adapters, len(prompts)) if row.lora else None)
             c = self.controls
             attn_ref = c.attention(row, cfg)
-            if row.grammar:
+            if row.lora:
+                agree, ctrl, info["lora_shift"] = lora.score(c, folder, attn_ref, adapters, row.prompts, prompts, outs)
+                res["lora_shift"] = round(info["lora_shift"], 1)
+            elif row.grammar:
                 agree, ctrl = self.grammar_scores(ref_folder, attn_ref, cfg.model.vocab_size, prompts, outs)
                 res["json_valid"] = self.valid_json(cfg.model.vocab_size, outs)
             else:

@@ -111,7 +111,7 @@ fi
 if [[ $stage == serving || $stage == serving_tp2 || $stage == serving_http ]]; then
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
-if [[ $stage == defects || $stage == real_model || $stage == rest ]] && [[ -d .whl && ! -f /tmp/site/.wheels ]]; then
+if [[ $stage == defects || $stage == real_model || $stage == rest || $stage == lora ]] && [[ -d .whl && ! -f /tmp/site/.wheels ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.wheels || exit 1
 fi
@@ -134,6 +134,11 @@ if [[ $stage == real_model ]]; then
     [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_real_model.json "$OUT"/ 2>/dev/null
   fi
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, engine vs peft) and the gate's lora row
+  step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/lora
+  step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _lora --rows "${ACCURACY_ROWS:-lora}"
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_lora.json "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and

@@ -36,9 +36,10 @@ def inputs(T, K, rows, R, L, dtype=torch.float32, device="cpu", seed=0, base_sha
     return x.to(**to), y.to(**to), a.to(**to), b.to(**to), offsets, slots.astype(np.int32)
 
 
-def float64_loop(x, y, a, b, offsets, R, slots):
-    """Per token: y[t] + B[s]_p (A[s]_p x[t]) for every part p, in float64."""
-    out = y.double().clone()
+def float64_loop(x, y, a, b, offsets, R, slots, magnitude=False):
+    """Per token: y[t] + B[s]_p (A[s]_p x[t]) for every part p, in float64.  ``magnitude``: instead
+    the update's sum of absolute terms, |B[s]_p| |A[s]_p x[t]| (what rounding S scales with)."""
+    out = torch.zeros_like(y, dtype=torch.float64) if magnitude else y.double().clone()
     bounds = list(offsets) + [y.shape[1]]
     for t, s in enumerate(slots.tolist()):
         if s < 0:
@@ -46,7 +47,8 @@ def float64_loop(x, y, a, b, offsets, R, slots):
         for p in range(len(offsets)):
             lo, hi = bounds[p], bounds[p + 1]
             sh = a[s, p * R:(p + 1) * R].double() @ x[t].double()
-            out[t, lo:hi] += b[s, lo:hi].double() @ sh
+            bs = b[s, lo:hi].double()
+            out[t, lo:hi] += bs.abs() @ sh.abs() if magnitude else bs @ sh
     return out
 
 
@@ -93,13 +95,15 @@ def test_triton_matches_reference(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES + [(64, 4096, (4096, 1024, 1024), 16, 8), (1, 14336, (4096,), 16, 8)])
 def test_gpu_bf16_matches_float64(case):
-    """bf16 in and out, float32 accumulation: S is rounded to bf16 once before the expand and
-    y once after the add (2^-8 relative each), so |err| <= 2^-7 (|y| + |update|) + 1e-3."""
+    """bf16 in and out, float32 accumulation: S is rounded to bf16 once before the expand (as
+    vLLM's expand does; 2^-8 of each |B_r S_r| term) and y once after the add (2^-8 of |y'|), so
+    |err| <= 2^-8 (sum_r |B_r| |S_r| + |y'|), with 5% and 1e-4 for the float32 sums.  The bound is
+    on the terms, not on |update|: under cancellation the update is far smaller than its terms."""
     T, K, rows, R, L = case
     x, y, a, b, offsets, slots = inputs(T, K, rows, R, L, torch.bfloat16, "cuda")
     order, start = P.step_meta(slots, L)
     got = P.lora_triton(x, y.clone(), a, b, offsets, R, torch.from_numpy(order).cuda(), torch.from_numpy(start).cuda())
     want = float64_loop(x.cpu(), y.cpu(), a.cpu(), b.cpu(), offsets, R, slots)
-    update = (want - y.cpu().double()).abs()
-    tol = 2 ** -7 * (y.cpu().double().abs() + update) + 1e-3
+    terms = float64_loop(x.cpu(), y.cpu(), a.cpu(), b.cpu(), offsets, R, slots, magnitude=True)
+    tol = 1.05 * 2 ** -8 * (terms + want.abs()) + 1e-4
     assert ((got.cpu().double() - want).abs() <= tol).all()

@@ -64,6 +64,27 @@ def test_spec_rows_pass_on_cpu_with_drafts_accepted(gate, name):
         assert res["stats"]["cascade_steps"] > 0
 
 
+def test_lora_row_passes_and_the_adapters_moved_the_tokens(gate):
+    (row,) = rows(gate, "lora")
+    res = gate.run(row)
+    assert res["passed"] and res["agreement"] >= 99.0, res
+    assert res["lora_shift"] >= ga.lora.MIN_SHIFT, res
+
+
+def test_lora_row_fails_when_each_prompt_gets_the_other_adapter(gate, monkeypatch):
+    """The engine serves "attn"'s prompts under "mlp", "all"'s under "qv", and the other way round:
+    each group is then held to the wrong merged model, and the row must fail on agreement."""
+    real = ga.lora.requests
+
+    def swapped(adapters, n):
+        flip = {"attn": "mlp", "mlp": "attn", "all": "qv", "qv": "all"}
+        return real({k: adapters[flip[k]] for k in adapters}, n)
+    monkeypatch.setattr(ga.lora, "requests", swapped)
+    (row,) = rows(gate, "lora")
+    res = gate.run(row)
+    assert not res["passed"] and res["agreement"] < res["threshold"], res
+
+
 @pytest.mark.slow
 def test_a_wrong_model_fails_the_gate(gate):
     """RoPE base off by 10x: the engine still runs, but it is not the checkpoint's model."""
