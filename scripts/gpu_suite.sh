@@ -136,7 +136,7 @@ if [[ $stage == real_model ]]; then
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, engine vs peft) and the gate's lora row
-  step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/lora
+  step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/lora/test_punica.py tests/lora/test_lora_gpu.py
   step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _lora --rows "${ACCURACY_ROWS:-lora}"
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_lora.json "$log" "$OUT"/ 2>/dev/null
 fi

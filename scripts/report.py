@@ -43,7 +43,8 @@ def table(rows, cols, fmt=None):
 
 def accuracy():
     """The "Correctness on GPU" table: one row per feature from scripts/gpu_accuracy.py."""
-    runs = [r for r in (load("gpu_accuracy"), load("gpu_accuracy_tp2"), load("gpu_accuracy_fp8_weights")) if r]
+    runs = [r for r in (load("gpu_accuracy"), load("gpu_accuracy_tp2"), load("gpu_accuracy_fp8_weights"),
+                                 load("gpu_accuracy_lora")) if r]
     if not runs:
         return
     rows = []
@@ -54,6 +55,9 @@ def accuracy():
                             if k != "steps" and v and k in ("cascade_steps", "multi_group_cascade_steps",
                                                           "local_steps", "preemptions", "prefix_cache_hit_tokens",
                                                           "host_hit_blocks"))
+            if r.get("lora_shift") is not None:
+                ran = f"adapters moved agreement with the base model by {r['lora_shift']:.1f} points" + (
+                    f", {ran}" if ran else "")
             if r.get("fp8_linears"):
                 ran = f"e4m3 linears on rank 0: {r['fp8_linears']}" + (f", {ran}" if ran else "")
             rows.append(dict(row=r["row"], checks=r["what"], kernel=r.get("kernel"), graphs=r.get("cuda_graphs"),
