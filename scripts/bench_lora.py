@@ -8,6 +8,9 @@ Each case runs the same prompts through the same engine (its adapters in max_lor
 graphs on where the device has them), times ``engine.step()`` over the steady decode steps, and
 reports the median; the adapters are written in PEFT's format (random A and B) into a temp folder.
 ``--preset tiny --device cpu`` runs it in seconds (its test); its numbers mean nothing.
+On CUDA the JSON also holds the kernel table of one batch-1 decode step with and without the
+adapter (``kernels``: count, GPU microseconds and share by kind, ``profile_decode.KINDS``): what
+the adapter adds, kernel by kernel.
 
     python scripts/bench_lora.py                       # H200: llama-3-8b, bf16
     python scripts/bench_lora.py --preset tiny --device cpu --steps 4 --batch 4 --adapters 2
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -70,6 +74,28 @@ def decode_step_times(engine, prompts, loras, max_tokens: int, skip: int) -> lis
     return times[skip:-2] or times[-1:]
 
 
+def kernel_table(engine, prompt, lora, tokens: int = 12) -> dict:
+    """One steady batch-1 decode step under the torch profiler: its kernels by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import profile_decode as pd
+    from ray_attn.engine import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), lora_request=lora)
+    for _ in range(4):  # prefill and the first decode steps
+        engine.step()
+    engine.device_sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        engine.device_sync()
+    while engine.has_unfinished_requests():
+        engine.step()
+    ka = prof.key_averages()
+    kinds = pd.kernel_kinds(ka)
+    return dict(kernels=sum(r["kernels"] for r in kinds), us=round(sum(r["us"] for r in kinds), 1),
+                kinds=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in kinds])
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODEL_PRESETS))
@@ -105,6 +131,8 @@ def main(argv=None) -> dict:
         mixed = [loras[i % args.adapters] for i in range(args.batch)]
         run(args.batch, mixed)  # every adapter into its slot first
         bn_base, bn_lora = run(args.batch, [None] * args.batch), run(args.batch, mixed)
+        tables = {name: kernel_table(engine, prompts(1)[0], lr) for name, lr in (("base", None), ("lora", loras[0]))} \
+            if cuda else None
     info = engine.executor.infos[0]
     out = {"preset": args.preset, "device": info.get("name"), "kernel": info.get("kernel"),
            "cuda_graphs": info.get("cuda_graphs"), "rank": args.rank, "targets": len(TARGET_MODULES),
@@ -114,7 +142,13 @@ def main(argv=None) -> dict:
                "base": round(bn_base * 1e3, 3), "lora": round(bn_lora * 1e3, 3),
                "ratio": round(bn_lora / bn_base, 3), "goal": 1.15,
                "throughput_ratio": round(bn_base / bn_lora, 3), "throughput_goal": 0.87}}
-    print(json.dumps(out))
+    if tables:
+        out["batch1_kernels"] = tables
+    print(json.dumps({k: v for k, v in out.items() if k != "batch1_kernels"}))
+    for name, t in (tables or {}).items():
+        print(f"batch-1 decode step, {name}: {t['kernels']} kernels, {t['us'] / 1e3:.2f} ms of GPU time")
+        for r in t["kinds"]:
+            print(f"  {r['kind']:<18} {r['kernels']:5d} {r['us']:9.1f} us {r['us_per_kernel']:7.2f} us/kernel {r['share']:6.1%}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
     return out

