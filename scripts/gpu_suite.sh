@@ -18,6 +18,7 @@
 # fp8: the FP8-weight GPU tests, the fp8_weights_* accuracy rows (gpu_accuracy_fp8_weights.json) and
 # bench_fp8 (FP8_PARTS, default error,kernels); fp8_serving: bf16 and FP8-weight engines through the
 # serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
+# spec (issue 40): bench_spec_verify, the verify cost of k drafts against a plain step.
 # lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table) and the lora accuracy row.
 # defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
 # scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
@@ -135,6 +136,9 @@ if [[ $stage == real_model ]]; then
     [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_real_model.json "$OUT"/ 2>/dev/null
   fi
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == spec ]]; then  # issue 40: what verifying k drafts costs (k = 0..8; batch 1 and where it stops paying)
+  bench scripts/bench_spec_verify.py --batch ${SPEC_BATCHES:-1 8 32 64}
 fi
 if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, engine vs peft) and the gate's lora row
   step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/lora/test_punica.py tests/lora/test_lora_gpu.py

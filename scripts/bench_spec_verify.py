@@ -1,0 +1,142 @@
+"""What verifying k draft tokens costs: a speculative step against a plain decode step, on one engine.
+
+Issue 40's goal, on an H200 with the Llama-3-8B shape (random bf16 weights) at batch 1: a step
+that verifies k=4 drafts costs <= 1.15x a plain decode step.  The engine speculates with
+``num_speculative_tokens = max(--k)`` and no batch limit; its proposer is replaced by one that
+proposes exactly k random tokens for every decoding row (k = 0: none, so the step is a plain
+decode, CUDA graphs included), so every step verifies k drafts whatever the weights accept.
+Each point steps the engine over ``--steps`` decode steps at a context of ``--ctx`` tokens
+and takes the median step time (device synchronised).
+
+The weights are random, so they accept nothing; what real text accepts comes from
+``bench_spec_decode.py``'s measured acceptance lengths (SmolLM2 on CPU, its JSON): the ITL that
+speculation gives is verify cost / acceptance length, reported for each k that file measured.
+
+    python scripts/bench_spec_verify.py                          # H200: llama-3-8b, k = 0..8, batch 1
+    python scripts/bench_spec_verify.py --batch 1 8 32 64 --k 0 4  # where speculation stops paying
+    python scripts/bench_spec_verify.py --preset tiny --device cpu --k 0 2 --steps 4 --ctx 32   # its test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import benchlib as bl  # noqa: E402
+from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+class ForcedDrafts:
+    """A proposer that proposes ``k`` random tokens (within what the row has room for)."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.k, self.vocab, self.rng = 0, vocab, np.random.default_rng(seed)
+
+    def propose(self, tokens: np.ndarray, k: int | None = None) -> np.ndarray:
+        n = self.k if k is None else min(k, self.k)
+        return self.rng.integers(0, self.vocab, n).astype(tokens.dtype)
+
+
+def step_times(engine, sync, batch: int, ctx: int, steps: int, vocab: int, rng) -> list[float]:
+    from ray_attn.engine import SamplingParams
+
+    prompts = [rng.integers(0, vocab, ctx).tolist() for _ in range(batch)]
+    ids = bl.start_decoding(engine, prompts, [SamplingParams(max_tokens=steps * 12 + 16, ignore_eos=True)] * batch)
+    for _ in range(3):  # warm-up: the first steps of a new shape compile or capture
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    bl.end_requests(engine, ids)
+    return times
+
+
+def real_text_itl(points: list[dict]) -> list[dict]:
+    """For each (workload, k) bench_spec_decode.json measured: the acceptance length there and the
+    ITL it gives with this machine's verify cost at batch 1, as a fraction of plain decode."""
+    path = RESULTS / "bench_spec_decode.json"
+    if not path.exists():
+        return []
+    cost = {p["k"]: p["ratio"] for p in points if p["batch"] == 1}
+    out = []
+    for r in json.loads(path.read_text()).get("rows", []):
+        k, L = r.get("k"), r.get("acceptance_length")
+        if k in cost and L:
+            out.append(dict(workload=r["workload"], k=k, acceptance_length=round(L, 2),
+                            verify_cost=round(cost[k], 3), itl_vs_plain=round(cost[k] / L, 3)))
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODEL_PRESETS))
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--k", type=int, nargs="+", default=list(range(9)), help="draft tokens per step (0: plain)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--ctx", type=int, default=1024, help="context tokens of each row")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", default=str(RESULTS / "bench_spec_verify.json"))
+    args = ap.parse_args(argv)
+    from ray_attn.engine import LLMEngine
+    from ray_attn.runtime import InProcessExecutor
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    model = ModelConfig(**(MODEL_PRESETS[args.preset] | {"dtype": "bfloat16" if cuda else "float32"}))
+    kmax = max(max(args.k), 1)
+    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=None if cuda else 512),
+                       parallel=ParallelConfig(device="cuda" if cuda else "cpu", kernel="auto" if cuda else "torch"),
+                       max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, max(args.batch) * (kmax + 1)),
+                       speculative_config=dict(method="ngram", num_speculative_tokens=kmax, disable_by_batch_size=None))
+    engine = LLMEngine(cfg, InProcessExecutor(cfg))
+    proposer = ForcedDrafts(model.vocab_size)
+    engine.spec.proposer = proposer
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rng = np.random.default_rng(0)
+    points = []
+    try:
+        for batch in args.batch:
+            plain = None
+            for k in sorted(set(args.k)):
+                proposer.k = k
+                drafts0 = engine.spec.stats.num_draft_tokens
+                ms = statistics.median(step_times(engine, sync, batch, args.ctx, args.steps, model.vocab_size, rng)) * 1e3
+                verified = engine.spec.stats.num_draft_tokens - drafts0
+                if k and verified < k * batch * args.steps:
+                    raise RuntimeError(f"k={k} batch={batch}: only {verified} drafts verified; the point did not run")
+                plain = ms if k == 0 else plain
+                p = dict(batch=batch, k=k, step_ms=round(ms, 3), ratio=round(ms / plain, 3) if plain else None)
+                points.append(p)
+                print(f"batch {batch:3d}  k={k}  step {ms:8.3f} ms" + (f"  {p['ratio']:.3f}x plain" if plain else ""),
+                      flush=True)
+    finally:
+        info = engine.executor.infos[0]
+        engine.shutdown()
+    out = dict(machine=bl.machine(), preset=args.preset, ctx=args.ctx, steps=args.steps, kernel=info.get("kernel"),
+               cuda_graphs=info.get("cuda_graphs"), points=points, goal=dict(k=4, batch=1, max_ratio=1.15),
+               real_text=real_text_itl(points))
+    for r in out["real_text"]:
+        print(f"{r['workload']:5s} k={r['k']}: acceptance length {r['acceptance_length']:.2f} (SmolLM2, CPU) x verify "
+              f"cost {r['verify_cost']:.3f} -> ITL {r['itl_vs_plain']:.2f}x plain")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""scripts/bench_spec_verify.py end to end at the tiny preset on CPU (its numbers are the H200's to
+give): every point ran, the k > 0 ones verified k drafts in every step, the plain point is the
+reference, and the real-text ITL is the verify cost over bench_spec_decode.json's acceptance."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+
+def test_tiny_on_cpu(tmp_path):
+    import bench_spec_verify as bsv
+
+    out = bsv.main(["--preset", "tiny", "--device", "cpu", "--k", "0", "2", "--batch", "1", "2", "--steps", "3",
+                    "--ctx", "24", "--json", str(tmp_path / "v.json")])
+    assert [(p["batch"], p["k"]) for p in out["points"]] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert all(p["ratio"] == 1.0 for p in out["points"] if p["k"] == 0)
+    assert (tmp_path / "v.json").exists()
+    for r in out["real_text"]:
+        cost = next(p["ratio"] for p in out["points"] if p["batch"] == 1 and p["k"] == r["k"])
+        assert r["itl_vs_plain"] == pytest.approx(cost / r["acceptance_length"], rel=1e-2)
+
+
+def test_a_point_whose_drafts_did_not_run_is_an_error(tmp_path, monkeypatch):
+    import bench_spec_verify as bsv
+
+    monkeypatch.setattr(bsv.ForcedDrafts, "propose", lambda self, tokens, k=None: tokens[:0])
+    with pytest.raises(RuntimeError, match="drafts verified"):
+        bsv.main(["--preset", "tiny", "--device", "cpu", "--k", "0", "2", "--steps", "2", "--ctx", "16",
+                  "--json", str(tmp_path / "v.json")])
