@@ -7,7 +7,12 @@ host-side arguments, so every input lives in a static buffer here, padded to the
 graph was captured for, and the host arguments are fixed upper bounds:
 
 - ``max_query_len`` is 1 and ``query_start_loc`` is ``arange``: only pure decode steps qualify;
-  prefill steps run eagerly (their shapes vary step to step).
+  prefill steps run eagerly (their shapes vary step to step).  Speculative decoding's verifying
+  steps get graphs of their own (``query_len = 1 + k``, vLLM's ``uniform_decode_query_len``):
+  every row a query of exactly 1 + k tokens, ``query_start_loc = arange * (1 + k)``; the
+  per-token inputs are 1 + k per row, padding rows included.  Those graphs have no cascade and
+  no chunked-local layers (a row's 1 + k queries may straddle a chunk boundary: two virtual
+  batches), so such steps run eagerly.
 - Chunked-local layers (Llama 4's iRoPE) read a decode step's virtual batches, which are its rows
   again (each query sits in one chunk): ``local_seqused_k`` [B] and ``local_block_table`` [B,
   chunk pages], with ``local_max_seq_len`` bounded by the chunk.  A plan with no local metadata
@@ -68,16 +73,19 @@ import torch
 from ray_attn.metadata import FlashAttentionMetadata, LocalAttentionMetadata
 
 MAX_CASCADE_GROUPS = 32
+# Verifying steps' graphs stop at 64 rows: on an H200 a plain step of 64 x 1k already costs 1.6x
+# one of a single row, so speculation gains little beyond it (bench_spec_verify.py)
+SPEC_GRAPH_MAX_BATCH = 64
 _ALIGN = 64  # int32 elements (256 bytes, as cudaMalloc aligns): every view starts aligned
 _MIRRORS = 2  # host mirrors used in turn when staged (see the module docstring)
 
 
-def _layout(B: int, G: int, W: int, P: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _layout(B: int, G: int, W: int, P: int, q: int = 1) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The static int inputs in buffer order.  The per-row vectors (and the chunked-local table,
     [B, P] with P = 0 for models without chunked layers) come first and are sent whole (a few
     KiB), so that with the block table's used rows right after them a plain step's whole input is
     one contiguous span; the cascade tables come last, sent only on cascade steps."""
-    return (("input_ids", (B,)), ("positions", (B,)), ("slot_mapping", (B,)), ("seq_lens", (B,)),
+    return (("input_ids", (B * q,)), ("positions", (B * q,)), ("slot_mapping", (B * q,)), ("seq_lens", (B,)),
             ("suffix_kv_lens", (B,)), ("cu_prefix_query_lens", (G + 1,)), ("prefix_kv_lens", (G,)),
             ("local_seqused_k", (B,)), ("local_block_table", (B, P)), ("block_table", (B, W)), ("suffix_block_table", (B, W)), ("prefix_block_table", (G, W)),
             # Compact tables (see ``_table``): each is at most 1/4 of its full-width rows.
@@ -132,9 +140,12 @@ class DecodeGraphs:
     local_block_table: torch.Tensor
 
     def __init__(self, model, max_batch: int, device: torch.device, capture: bool = True,
-                 staged: bool | None = None):
+                 staged: bool | None = None, query_len: int = 1, pool=None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
+        if query_len < 1:
+            raise ValueError(f"query_len must be positive, got {query_len}")
+        q = self.query_len = query_len  # tokens per row: 1, or 1 + k for verifying steps
         self.model, self.device = model, torch.device(device)
         self.sizes = batch_sizes(max_batch)
         B = self.sizes[-1]
@@ -148,10 +159,12 @@ class DecodeGraphs:
         self._width = width
         cfg = model.config
         self.chunk = cfg.attention_chunk_size if "chunked_attention" in cfg.layer_kinds() else None
+        if self.chunk and q > 1:
+            raise ValueError("graphs of multi-token queries do not cover chunked-local layers")
         pages = self.chunk // model.block_size if self.chunk else 0
         self._offset: dict[str, tuple[int, tuple[int, ...]]] = {}
         size = 0
-        for name, shape in _layout(B, MAX_CASCADE_GROUPS, width, pages):
+        for name, shape in _layout(B, MAX_CASCADE_GROUPS, width, pages, q):
             size = -(-size // _ALIGN) * _ALIGN
             self._offset[name] = (size, shape)
             size += math.prod(shape)
@@ -161,7 +174,7 @@ class DecodeGraphs:
         self._host = [{name: t[o:o + math.prod(shape)].numpy().reshape(shape)
                        for name, (o, shape) in self._offset.items()} for t in self._mirrors]
         for h in self._host:
-            for name, value in _INITIAL.items():
+            for name, value in (_INITIAL | {"seq_lens": q}).items():  # a padding row's q queries see q keys
                 h[name][:] = value
         self._buf = torch.empty(size, **i32).copy_(self._mirrors[0]) if self.staged else self._mirrors[0]
         for name, (o, shape) in self._offset.items():
@@ -176,12 +189,13 @@ class DecodeGraphs:
         self.max_unused = 1 << 16
         self.last_copies: list[tuple[int, int]] = []  # the [lo, hi) spans the last load sent
         self.last_compact: list[str] = []  # the tables it sent compact
-        self.query_start_loc = torch.arange(B + 1, **i32)  # never changes: not in the buffer
+        self.query_start_loc = torch.arange(B + 1, **i32) * q  # never changes: not in the buffer
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 132)
-        self.attn_out = torch.zeros(B, model.num_heads, model.head_size, dtype=model.dtype, device=self.device)
+        self.attn_out = torch.zeros(B * q, model.num_heads, model.head_size, dtype=model.dtype, device=self.device)
         # Cascade needs the LSE of both passes, which ALiBi models cannot merge (no cascade there).
-        self.cascade = model.config.use_alibi is False
+        self.cascade = model.config.use_alibi is False and q == 1
+        self.pool = pool  # a graph memory pool to share (another DecodeGraphs'), else a new one
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         if capture:
@@ -189,10 +203,11 @@ class DecodeGraphs:
 
     def metadata(self, n: int, cascade: bool = False) -> FlashAttentionMetadata:
         """The step's metadata as views of the static buffers, padded to ``n`` rows."""
+        q = self.query_len
         m = FlashAttentionMetadata(
-            num_actual_tokens=n, max_query_len=1, query_start_loc=self.query_start_loc[:n + 1],
+            num_actual_tokens=n * q, max_query_len=q, query_start_loc=self.query_start_loc[:n + 1],
             max_seq_len=self.max_seq_len, seq_lens=self.seq_lens[:n],
-            block_table=self.block_table[:n], slot_mapping=self.slot_mapping[:n],
+            block_table=self.block_table[:n], slot_mapping=self.slot_mapping[:n * q],
             num_splits=decode_num_splits(n, self.model.num_kv_heads, self.num_sms),
             # Placeholders while capturing; at replay the buffers hold a plan the worker checked.
             host_checked=True)
@@ -209,12 +224,13 @@ class DecodeGraphs:
         return m
 
     def _forward(self, n: int, cascade: bool) -> torch.Tensor:
-        return self.model(self.input_ids[:n], self.positions[:n], self.metadata(n, cascade),
-                          attn_out=self.attn_out[:n])
+        t = n * self.query_len
+        return self.model(self.input_ids[:t], self.positions[:t], self.metadata(n, cascade),
+                          attn_out=self.attn_out[:t])
 
     def _capture_all(self) -> None:
         # Largest first, all in one memory pool: smaller graphs reuse the larger ones' memory.
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -233,12 +249,14 @@ class DecodeGraphs:
     # -- per step -----------------------------------------------------------------------------
     def can_run(self, plan) -> bool:
         m = plan.attn
-        b, width = m.num_reqs, self.block_table.shape[1]
+        b, width, q = m.num_reqs, self.block_table.shape[1], self.query_len
         loc = m.local_attn_metadata
-        ok = (m.max_query_len == 1
-              and m.num_actual_tokens == b and 0 < b <= self.sizes[-1]
-              and len(plan.input_token_ids) == b and m.max_seq_len <= self.max_seq_len
+        ok = (m.max_query_len == q
+              and m.num_actual_tokens == b * q and 0 < b <= self.sizes[-1]
+              and len(plan.input_token_ids) == b * q and m.max_seq_len <= self.max_seq_len
               and m.block_table.shape[1] <= width)
+        if ok and q > 1:  # every row exactly q tokens (a row with fewer drafts: not this graph)
+            ok = np.array_equal(np.asarray(m.query_start_loc), np.arange(b + 1) * q)
         if ok and loc is not None:  # decode: one virtual batch per row, one chunk's pages
             ok = (self.chunk is not None and len(loc.local_seqused_k) == b
                   and loc.local_block_table.shape[1] <= self.local_block_table.shape[1])
@@ -257,15 +275,16 @@ class DecodeGraphs:
         touched (see the module docstring) -- not through the worker's per-array staging
         (``StepBuffers.put``): staging each array on its own is the cost this avoids."""
         m = plan.attn
-        b = m.num_reqs
+        b, q = m.num_reqs, self.query_len
         n = self.padded_size(b)
         k, h = self._next_mirror()
-        # Padding rows [b, n) write nowhere (slot -1) and read one token (seq_len 1); they are
-        # written every step because the span sent carries whatever the mirror holds there.
-        _rows(h["input_ids"], b, n, plan.input_token_ids, 0)
-        _rows(h["positions"], b, n, plan.positions, 0)
-        _rows(h["slot_mapping"], b, n, m.slot_mapping[:b], -1)
-        _rows(h["seq_lens"], b, n, m.seq_lens, 1)
+        # Padding rows [b, n) write nowhere (slot -1) and read q tokens (seq_len q) for their q
+        # queries; they are written every step because the span sent carries whatever the mirror
+        # holds there.  Per-token inputs run to b * q (the real rows' tokens, in row order).
+        _rows(h["input_ids"], b * q, n * q, plan.input_token_ids, 0)
+        _rows(h["positions"], b * q, n * q, plan.positions, 0)
+        _rows(h["slot_mapping"], b * q, n * q, m.slot_mapping[:b * q], -1)
+        _rows(h["seq_lens"], b, n, m.seq_lens, q)
         if self.chunk:
             loc = m.local_attn_metadata
             if loc is None:  # every key in chunk 0: the rows themselves, from their first page
@@ -339,12 +358,13 @@ class DecodeGraphs:
         return torch.cuda.current_stream(self.device)  # where copy_ queued the copies
 
     def replay(self, n: int, b: int, cascade: bool = False) -> torch.Tensor:
-        """Final hidden states [b, hidden] of the step ``load`` staged (padded to ``n``)."""
+        """Final hidden states [b * query_len, hidden] of the step ``load`` staged (padded to ``n``)."""
         graph = self.graphs.get((n, cascade))
+        t = b * self.query_len
         if graph is None:
-            return self._forward(n, cascade)[:b]
+            return self._forward(n, cascade)[:t]
         graph.replay()
-        return self.outputs[n, cascade][:b]
+        return self.outputs[n, cascade][:t]
 
 
 def _top(compact: list[tuple[str, int, int, int]]) -> int:

@@ -76,6 +76,7 @@ class AttentionWorker:
         self.seen_refs: collections.deque[str] = collections.deque(maxlen=1024)
         self.buffers = StepBuffers(self.device)
         self.graphs = None  # DecodeGraphs once the model and its cache exist (GPU only)
+        self.spec_graphs = None  # and for verifying steps: every row 1 + k tokens (speculative decoding)
         self.tiers = None  # RankKVTiers: the host pool and the copies a step carries, when on
         self.lora = None  # RankLoRA: adapter slots on every targeted linear, with lora_config
         self.memory_profile = None  # how the KV cache was sized, when sized on a GPU
@@ -155,8 +156,29 @@ class AttentionWorker:
             warnings.warn(f"rank {self.rank}: CUDA graph capture failed ({type(e).__name__}: {e}); "
                           "decode steps run eagerly (set parallel.cuda_graphs='off' to skip the attempt)")
             return None
+        self.spec_graphs = self._capture_spec_graphs(graphs)
         self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
         return graphs
+
+    def _capture_spec_graphs(self, graphs):
+        """Graphs of speculative decoding's uniform verifying steps (1 + k tokens a row, up to
+        ``SPEC_GRAPH_MAX_BATCH`` rows), in the decode graphs' memory pool: eager, such a step cost
+        3x a plain one at batch 1 on an H200, whatever k (launch-bound; bench_spec_verify.py)."""
+        from ray_attn.runtime.cuda_graphs import SPEC_GRAPH_MAX_BATCH, DecodeGraphs
+
+        spec, cfg = self.config.speculative_config, self.config
+        if spec is None or "chunked_attention" in cfg.model.layer_kinds():
+            return None
+        try:
+            return DecodeGraphs(self.model, min(cfg.parallel.cuda_graph_max_batch, cfg.max_num_seqs,
+                                                SPEC_GRAPH_MAX_BATCH), self.device,
+                                query_len=1 + spec.num_speculative_tokens, pool=graphs.pool)
+        except Exception as e:  # noqa: BLE001 -- verifying steps then run eagerly, as before
+            if cfg.parallel.cuda_graphs == "on":
+                raise
+            warnings.warn(f"rank {self.rank}: CUDA graph capture of verifying steps failed "
+                          f"({type(e).__name__}: {e}); they run eagerly")
+            return None
 
     def _blocks_from_memory(self) -> int:
         """On a GPU: as many KV blocks as ``memory_fraction`` of the device's total memory holds
@@ -345,11 +367,12 @@ class AttentionWorker:
         else the model run eagerly."""
         plan, buf = step.plan, self.buffers
         m = plan.attn
-        if self.graphs is not None and self.graphs.can_run(plan):
-            n = self.graphs.load(plan)
-            self._fill_previous_tokens(self.graphs.input_ids, step)
+        graphs = next((g for g in (self.graphs, self.spec_graphs) if g is not None and g.can_run(plan)), None)
+        if graphs is not None:
+            n = graphs.load(plan)
+            self._fill_previous_tokens(graphs.input_ids, step)
             buf.end()
-            return self.graphs.replay(n, m.num_reqs, m.use_cascade)
+            return graphs.replay(n, m.num_reqs, m.use_cascade)
         dm = m.to_device(self.device, put=buf.put)
         ids = buf.put("input_token_ids", plan.input_token_ids).long()
         self._fill_previous_tokens(ids, step)
