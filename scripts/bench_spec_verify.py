@@ -1,12 +1,13 @@
 """What verifying k draft tokens costs: a speculative step against a plain decode step, on one engine.
 
 Issue 40's goal, on an H200 with the Llama-3-8B shape (random bf16 weights) at batch 1: a step
-that verifies k=4 drafts costs <= 1.15x a plain decode step.  The engine speculates with
-``num_speculative_tokens = max(--k)`` and no batch limit; its proposer is replaced by one that
-proposes exactly k random tokens for every decoding row (k = 0: none, so the step is a plain
-decode, CUDA graphs included), so every step verifies k drafts whatever the weights accept.
-Each point steps the engine over ``--steps`` decode steps at a context of ``--ctx`` tokens
-and takes the median step time (device synchronised).
+that verifies k=4 drafts costs <= 1.15x a plain decode step.  For each k an engine speculates
+with ``num_speculative_tokens = k`` and no batch limit (so its verifying steps replay the CUDA
+graphs of 1 + k-token queries); its proposer is replaced by one that proposes exactly k random
+tokens for every decoding row -- or none, for the same engine's plain decode steps, the
+reference -- so every step verifies k drafts whatever the weights accept.  Each point steps the
+engine over ``--steps`` decode steps at a context of ``--ctx`` tokens and takes the median step
+time (device synchronised); ``graphed`` says whether the verifying steps replayed a graph.
 
 The weights are random, so they accept nothing; what real text accepts comes from
 ``bench_spec_decode.py``'s measured acceptance lengths (SmolLM2 on CPU, its JSON): the ITL that
@@ -97,35 +98,44 @@ def main(argv=None) -> dict:
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     model = ModelConfig(**(MODEL_PRESETS[args.preset] | {"dtype": "bfloat16" if cuda else "float32"}))
-    kmax = max(max(args.k), 1)
-    cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=None if cuda else 512),
-                       parallel=ParallelConfig(device="cuda" if cuda else "cpu", kernel="auto" if cuda else "torch"),
-                       max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, max(args.batch) * (kmax + 1)),
-                       speculative_config=dict(method="ngram", num_speculative_tokens=kmax, disable_by_batch_size=None))
-    engine = LLMEngine(cfg, InProcessExecutor(cfg))
-    proposer = ForcedDrafts(model.vocab_size)
-    engine.spec.proposer = proposer
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng(0)
-    points = []
-    try:
-        for batch in args.batch:
-            plain = None
-            for k in sorted(set(args.k)):
-                proposer.k = k
-                drafts0 = engine.spec.stats.num_draft_tokens
-                ms = statistics.median(step_times(engine, sync, batch, args.ctx, args.steps, model.vocab_size, rng)) * 1e3
-                verified = engine.spec.stats.num_draft_tokens - drafts0
-                if k and verified < k * batch * args.steps:
-                    raise RuntimeError(f"k={k} batch={batch}: only {verified} drafts verified; the point did not run")
-                plain = ms if k == 0 else plain
-                p = dict(batch=batch, k=k, step_ms=round(ms, 3), ratio=round(ms / plain, 3) if plain else None)
+    points, info = [], {}
+    for k in sorted({k for k in args.k if k > 0} or {1}):  # k = 0: each engine's own plain step
+        cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=None if cuda else 512),
+                           parallel=ParallelConfig(device="cuda" if cuda else "cpu",
+                                                   kernel="auto" if cuda else "torch"),
+                           max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, max(args.batch) * (k + 1)),
+                           speculative_config=dict(method="ngram", num_speculative_tokens=k, disable_by_batch_size=None))
+        engine = LLMEngine(cfg, InProcessExecutor(cfg))
+        proposer = engine.spec.proposer = ForcedDrafts(model.vocab_size)
+        graphs = getattr(engine.executor.worker, "spec_graphs", None)
+        try:
+            for batch in args.batch:
+                ms = {}
+                for kk in (0, k):
+                    proposer.k = kk
+                    drafts0 = engine.spec.stats.num_draft_tokens
+                    ms[kk] = statistics.median(step_times(engine, sync, batch, args.ctx, args.steps, model.vocab_size,
+                                                          rng)) * 1e3
+                    verified = engine.spec.stats.num_draft_tokens - drafts0
+                    if kk and verified < kk * batch * args.steps:
+                        raise RuntimeError(f"k={kk} batch={batch}: only {verified} drafts verified; the point did not run")
+                graphed = bool(graphs is not None and graphs.graphs and batch <= graphs.sizes[-1])
+                if 0 in args.k and not any(p["batch"] == batch and p["k"] == 0 for p in points):
+                    points.append(dict(batch=batch, k=0, step_ms=round(ms[0], 3), ratio=1.0, graphed=None))
+                p = dict(batch=batch, k=k, step_ms=round(ms[k], 3), plain_ms=round(ms[0], 3),
+                         ratio=round(ms[k] / ms[0], 3), graphed=graphed)
                 points.append(p)
-                print(f"batch {batch:3d}  k={k}  step {ms:8.3f} ms" + (f"  {p['ratio']:.3f}x plain" if plain else ""),
-                      flush=True)
-    finally:
-        info = engine.executor.infos[0]
-        engine.shutdown()
+                print(f"batch {batch:3d}  k={k}  verify {ms[k]:8.3f} ms  plain {ms[0]:8.3f} ms  {p['ratio']:.3f}x"
+                      f"{'  (graphs)' if graphed else ''}", flush=True)
+        finally:
+            info = engine.executor.infos[0]
+            engine.shutdown()
+            del engine
+            if cuda:
+                torch.cuda.empty_cache()
+    points.sort(key=lambda p: (p["batch"], p["k"]))
     out = dict(machine=bl.machine(), preset=args.preset, ctx=args.ctx, steps=args.steps, kernel=info.get("kernel"),
                cuda_graphs=info.get("cuda_graphs"), points=points, goal=dict(k=4, batch=1, max_ratio=1.15),
                real_text=real_text_itl(points))

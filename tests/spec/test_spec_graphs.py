@@ -25,7 +25,9 @@ MODEL = dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_
 
 
 def config(device="cpu", dtype="float32", spec=True) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(**MODEL, dtype=dtype), cache=CacheConfig(num_blocks=96),
+    # on a GPU head size 64 (FlashAttention 3's; the flash kernels are the ones with graphs)
+    model = MODEL | (dict(hidden_size=256, intermediate_size=512) if device == "cuda" else {})
+    return EngineConfig(model=ModelConfig(**model, dtype=dtype), cache=CacheConfig(num_blocks=96),
                         parallel=ParallelConfig(device=device), max_num_batched_tokens=256, max_num_seqs=8,
                         async_scheduling=False, speculative_config=dict(
                             method="ngram", num_speculative_tokens=K, disable_by_batch_size=None) if spec else None)
@@ -147,7 +149,7 @@ def test_captured_verifying_graphs_match_eager_on_gpu():
     cfg = config("cuda", "bfloat16")
     plain_toks = [o.output_token_ids for o in LLMEngine(config("cuda", "bfloat16", spec=False)).generate(*workload())]
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
-    assert eng.executor.worker.spec_graphs is not None
+    assert eng.executor.worker.spec_graphs is not None, eng.executor.infos[0]["kernel"]
     replays = []
     g = eng.executor.worker.spec_graphs
     orig = g.replay
