@@ -138,7 +138,11 @@ def test_imbalanced_load_spreads(app_url, rng):
     async def burst():
         async with httpx.AsyncClient(base_url=url, timeout=scaled(120)) as ac:
             return await asyncio.gather(*[
-                ac.post("/v1/generate", json={"prompt_token_ids": prefix + tokens(rng, 4), "max_tokens": 32})
+                # long enough (200 tokens) that the burst's requests overlap at the holder even when
+                # a loaded machine lets them in slowly: with 32 the holder finished each before the
+                # next arrived under a CPU hog, never led by the threshold, and took all 24
+                ac.post("/v1/generate", json={"prompt_token_ids": prefix + tokens(rng, 4), "max_tokens": 200,
+                                              "ignore_eos": True})
                 for _ in range(24)])
 
     resps = asyncio.run(burst())
