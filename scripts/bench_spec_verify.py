@@ -21,6 +21,7 @@ speculation gives is verify cost / acceptance length, reported for each k that f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -101,8 +102,11 @@ def main(argv=None) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng(0)
     points, info = [], {}
+    # A fixed cache (every row's context and its steps' tokens, twice over): sized from memory, the
+    # second engine's profile would count the first one's memory not yet returned as its own.
+    blocks = 2 * max(args.batch) * -(-(args.ctx + args.steps * (max(args.k) + 1) + 64) // 16) + 64
     for k in sorted({k for k in args.k if k > 0} or {1}):  # k = 0: each engine's own plain step
-        cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=None if cuda else 512),
+        cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=blocks if cuda else 512),
                            parallel=ParallelConfig(device="cuda" if cuda else "cpu",
                                                    kernel="auto" if cuda else "torch"),
                            max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, max(args.batch) * (k + 1)),
@@ -132,7 +136,8 @@ def main(argv=None) -> dict:
         finally:
             info = engine.executor.infos[0]
             engine.shutdown()
-            del engine
+            del engine, proposer, graphs
+            gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
     points.sort(key=lambda p: (p["batch"], p["k"]))

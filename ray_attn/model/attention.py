@@ -14,7 +14,7 @@ from torch import nn
 
 from ray_attn.backend.flash_attn import AttentionLayer, FlashAttentionImpl
 from ray_attn.config import ModelConfig
-from ray_attn.model.fused import apply_rope
+from ray_attn.model.fused import qk_norm_rope
 from ray_attn.model.layers import RMSNorm, RotaryEmbedding, RowParallelLinear, alibi_slopes, qkv_parallel
 from ray_attn.model.tp import TPGroup
 
@@ -55,17 +55,16 @@ class ParallelAttention(nn.Module):
         self.attn_layer = AttentionLayer(device=device)
 
     def forward(self, x, cos_sin, kv_cache, attn_metadata, out):
-        T, D, nq, nk = x.shape[0], self.head_size, self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x)
+        D, nq, nk = self.head_size, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # x may come quantized for FP8 weights (fp8.QuantizedActivation)
+        T = qkv.shape[0]
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         qk, v = qkv.split([(nq + nk) * D, nk * D], dim=-1)
         qk = qk.view(T, nq + nk, D)
-        if self.q_norm is not None:
-            q, k = qk.split([nq, nk], dim=1)
-            q, k = self.q_norm(q), self.k_norm(k)  # fresh tensors: RoPE may rotate them in place
-            if cos_sin is not None:
-                q, k = apply_rope(q, *cos_sin, inplace=True), apply_rope(k, *cos_sin, inplace=True)
+        if self.q_norm is not None:  # per-head norms and RoPE: one kernel on CUDA
+            q, k = qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                *(cos_sin if cos_sin is not None else (None, None)), nq)
         else:
             if cos_sin is not None:
                 qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k heads rotated in one pass

@@ -29,6 +29,7 @@ measurements).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,28 @@ KERNELS = ("auto", "dequant", "scaled_mm", "skinny", "block_triton", "block_dequ
 FORCE = os.environ.get("RAY_ATTN_FP8_KERNEL", "auto")
 if FORCE not in KERNELS:
     raise ValueError(f"RAY_ATTN_FP8_KERNEL={FORCE!r} is not one of {KERNELS}")
+
+
+# RAY_ATTN_FUSED_QUANT=0: the norm and SiLU-mul before an FP8 linear leave quantizing to the
+# linear's own quantizer launch (an A/B switch for benchmarks; read at import).
+FUSED_QUANT = os.environ.get("RAY_ATTN_FUSED_QUANT", "1") != "0"
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """An activation in the model dtype with its e4m3 codes and per-row scales, quantized by the
+    kernel that made it (``fused.rms_norm(..., quant=True)``, ``fused.silu_mul``): the FP8 linear
+    after it (``apply_fp8_linear(..., pre=)``) then launches no quantizer.  ``x`` stays for LoRA
+    and for the paths that quantize on their own."""
+
+    x: torch.Tensor  # [..., K]
+    xq: torch.Tensor  # [M, K] e4m3: quantize_per_token(x)'s codes
+    xs: torch.Tensor  # [M, 1] float32
+
+
+def plain(x):
+    """The model-dtype tensor of an activation that may come quantized."""
+    return x.x if isinstance(x, QuantizedActivation) else x
 
 
 # -- quantize / dequantize (torch; the reference every kernel is held to) ------------------------
@@ -137,6 +160,14 @@ def online_quantize(w: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tenso
 
 
 # -- forward ---------------------------------------------------------------------------------------
+def wants_quantized_input(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config | None) -> bool:
+    """Whether the kernel before this linear should hand it x quantized: dynamic per-token
+    activations into a path that runs on their codes (``skinny``, ``scaled_mm``)."""
+    return (FUSED_QUANT and scheme is not None and weight.dtype == FP8_DTYPE and scheme.activation_scheme == "dynamic"
+            and scheme.activation_strategy != "group" and scheme.weight_strategy != "block"
+            and select_fp8_kernel(x.reshape(-1, x.shape[-1]), weight, scheme) in ("skinny", "scaled_mm"))
+
+
 def select_fp8_kernel(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config) -> str:
     """The path ``apply_fp8_linear`` runs for x [M, K] and this weight (see the module doc)."""
     M, K = x.shape
@@ -174,9 +205,16 @@ def _quantized_rows(x: torch.Tensor, scheme: Fp8Config, input_scale) -> tuple[to
 def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scheme: Fp8Config,
                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      kernel: str | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for an fp8 weight [N, K]; x [..., K] in the model dtype, y in x's dtype.
+    """y = x W^T (+ bias) for an fp8 weight [N, K]; x [..., K] in the model dtype (or a
+    ``QuantizedActivation``, whose codes the per-token paths use), y in x's dtype.
     ``weight_scale``: [N] float32, or [ceil(N/128), ceil(K/128)] for block weights.
     ``kernel`` overrides ``select_fp8_kernel`` (tests)."""
+    pre = None
+    if isinstance(x, QuantizedActivation):
+        if scheme.activation_scheme != "dynamic" or scheme.activation_strategy == "group":
+            raise ValueError(f"fp8 linear: a per-token quantized input does not fit the {scheme.activation_scheme} "
+                             f"{scheme.activation_strategy} activation scheme")
+        pre, x = (x.xq, x.xs), x.x
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.shape[1] != weight.shape[1]:
@@ -184,7 +222,7 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                          f"{weight.shape[1]}")
     kernel = kernel or select_fp8_kernel(x, weight, scheme)
     if kernel == "dequant":
-        xq, xs = quantize_activation(x, scheme, input_scale)
+        xq, xs = pre if pre is not None else quantize_activation(x, scheme, input_scale)
         xd = dequantize_activation(xq, xs, scheme.group_size)
         y = F.linear(xd, dequantize_weight(weight, weight_scale, scheme)).to(x.dtype)
     elif kernel == "block_dequant":  # slower fallback: the weight dequantized to x's dtype every call
@@ -192,7 +230,7 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         xd = dequantize_activation(xq, xs, scheme.group_size).to(x.dtype)
         y = F.linear(xd, dequantize_weight(weight, weight_scale, scheme).to(x.dtype))
     elif kernel in ("scaled_mm", "skinny"):
-        xq, xs = _quantized_rows(x, scheme, input_scale)
+        xq, xs = pre if pre is not None else _quantized_rows(x, scheme, input_scale)
         if kernel == "skinny":
             y = fp8_skinny(xq, xs, weight, weight_scale, x.dtype)
         else:

@@ -1,5 +1,10 @@
 """One-kernel versions of the decoder's small elementwise ops: RMSNorm, residual add + RMSNorm,
-RoPE and SiLU-and-mul.
+RoPE, SiLU-and-mul, and Qwen3's per-head q/k RMSNorm with RoPE.
+
+The norms and SiLU-and-mul also quantize their output for an FP8 linear after them (``quant=``):
+the codes and per-row scales are written by the same kernel, so the linear needs no quantizer
+launch of its own (vLLM's Inductor pass fuses RMSNorm + quant and SiLU-mul + quant the same way).
+The codes are the standalone quantizer's: the same float32 value, division and rounding.
 
 Why: a CUDA-graph decode step is bound by kernel count, and in torch these ops cost ~20
 elementwise kernels per layer.  The Triton path runs only on CUDA when Triton imports; elsewhere
@@ -13,10 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.model.fp8 import QuantizedActivation, quantize_per_token
+from ray_attn.model.fp8_kernels import FP8_DTYPE, INTERPRET
 
 try:
     import triton
     import triton.language as tl
+
+    from ray_attn.model.fp8_kernels import _quantize
 except Exception:  # pragma: no cover - CPU machines without triton
     triton = None
 
@@ -38,8 +47,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, x_stride, d_stride, eps,
-                         N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, x_stride, d_stride, eps,
+                         N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
+                         INTERPRET: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -54,7 +64,19 @@ if triton is not None:
         # HF Llama's order: normalise in float32, round to x's dtype, then scale by the weight.
         h = (xf * r).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * N + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (h * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * N + offs, y, mask=mask)
+        if QUANT:
+            _store_codes(y.to(tl.float32), q_ptr + t * N + offs, s_ptr + t, mask, INTERPRET)
+
+    @triton.jit
+    def _store_codes(yf, q_ptrs, s_ptr, mask, INTERPRET: tl.constexpr):
+        # quantize_per_token_triton's math on a row held in registers: scale = max|y| / 448 (at
+        # least vLLM's floor), codes by IEEE division and round-to-nearest-even.
+        sx = tl.maximum(tl.math.div_rn(tl.max(tl.where(mask, tl.abs(yf), 0.0), axis=0), 448.0),
+                        1.0 / (448.0 * 512.0))
+        tl.store(q_ptrs, _quantize(yf, sx, INTERPRET), mask=mask)
+        tl.store(s_ptr, sx)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, x_st, x_sh, cs_st, o_st, o_sh,
@@ -85,6 +107,67 @@ if triton is not None:
         a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + t * N + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _silu_mul_value(x_ptr, offs, mask, N: tl.constexpr, dtype: tl.constexpr):
+        g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (a * u).to(dtype)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+        """One program per row (the scale needs the row's max): a pass for the products and their
+        max, a second that recomputes them (no read-back of another thread's store) for the codes."""
+        t = tl.program_id(0).to(tl.int64)
+        dt = out_ptr.dtype.element_ty
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for n in range(0, N, BLOCK):
+            offs = n + tl.arange(0, BLOCK)
+            mask = offs < N
+            y = _silu_mul_value(x_ptr + t * x_stride, offs, mask, N, dt)
+            tl.store(out_ptr + t * N + offs, y, mask=mask)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
+        sx = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1.0 / (448.0 * 512.0))
+        for n in range(0, N, BLOCK):
+            offs = n + tl.arange(0, BLOCK)
+            mask = offs < N
+            y = _silu_mul_value(x_ptr + t * x_stride, offs, mask, N, dt).to(tl.float32)
+            tl.store(q_ptr + t * N + offs, _quantize(y, sx, INTERPRET), mask=mask)
+        tl.store(s_ptr + t, sx)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, NQ, H, eps, x_st, x_sh, cs_st,
+                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                             ROPE: tl.constexpr):
+        """Qwen3's q/k heads: RMSNorm over each head (q heads by q_norm's weight, k heads by
+        k_norm's), rounded as the norm kernel rounds, then neox RoPE in float32, rounded once --
+        what rms_norm then apply_rope compute, in one kernel instead of four."""
+        t = tl.program_id(0).to(tl.int64)
+        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ds = tl.arange(0, BLOCK_D)
+        dmask = ds < HALF
+        mask = (hs < H)[:, None] & dmask[None, :]
+        dt = out_ptr.dtype.element_ty
+        xp = x_ptr + t * x_st + hs[:, None].to(tl.int64) * x_sh + ds[None, :]
+        x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / D + eps)[:, None]
+        isq = (hs < NQ)[:, None]
+        w1 = tl.where(isq, tl.load(qw_ptr + ds, mask=dmask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + ds, mask=dmask, other=0.0).to(tl.float32)[None, :])
+        w2 = tl.where(isq, tl.load(qw_ptr + HALF + ds, mask=dmask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + HALF + ds, mask=dmask, other=0.0).to(tl.float32)[None, :])
+        h1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        h2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+        if ROPE:
+            c = tl.load(cos_ptr + t * cs_st + ds, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            s = tl.load(sin_ptr + t * cs_st + ds, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            h1, h2 = h1 * c - h2 * s, h2 * c + h1 * s
+        op = out_ptr + t * H * D + hs[:, None].to(tl.int64) * D + ds[None, :]
+        tl.store(op, h1.to(dt), mask=mask)
+        tl.store(op + HALF, h2.to(dt), mask=mask)
+
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # F.rms_norm is one kernel where torch fuses it; the weight scales after the cast, as in HF.
@@ -92,18 +175,28 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * h.to(x.dtype)
 
 
-def _rms_norm_launch(x, delta, weight, eps):
+def _rms_norm_launch(x, delta, weight, eps, quant=False):
+    """(x + delta or None, the norm's output, its codes or None, their scales or None)."""
     N = x.shape[-1]
     x2 = _rows(x)
     d2 = _rows(delta) if delta is not None else x2
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else out
+    q = torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device) if quant else out
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device) if quant else out
     if x2.shape[0]:
         BLOCK = triton.next_power_of_2(N)
-        _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, out, s, x2.stride(0), d2.stride(0), float(eps),
-                                         N=N, BLOCK=BLOCK, ADD=delta is not None,
-                                         num_warps=_num_warps(BLOCK))
-    return s, out
+        _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, out, s, q, scale, x2.stride(0), d2.stride(0), float(eps),
+                                         N=N, BLOCK=BLOCK, ADD=delta is not None, QUANT=quant,
+                                         INTERPRET=INTERPRET, num_warps=_num_warps(BLOCK))
+    return s, out, (q if quant else None), (scale if quant else None)
+
+
+def _quantized(y: torch.Tensor, q=None, scale=None) -> QuantizedActivation:
+    """y with its codes: the kernel's, or the torch reference quantizer's (CPU, fallbacks)."""
+    if q is None:
+        q, scale = quantize_per_token(y.reshape(-1, y.shape[-1]))
+    return QuantizedActivation(y, q, scale)
 
 
 def _norm_ok(x, weight) -> bool:
@@ -111,21 +204,27 @@ def _norm_ok(x, weight) -> bool:
             and weight.shape[0] == x.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * rms_norm(x.float()).to(x.dtype)``, normalised over the last dim."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False):
+    """``weight * rms_norm(x.float()).to(x.dtype)``, normalised over the last dim; with ``quant``
+    a ``QuantizedActivation`` of it (for an FP8 linear: ``Fp8Linear.wants_fp8_input``)."""
     if not (_use_triton(x, weight) and _norm_ok(x, weight)):
-        return _rms_norm_torch(x, weight, eps)
-    return _rms_norm_launch(x, None, weight, eps)[1]
+        y = _rms_norm_torch(x, weight, eps)
+        return _quantized(y) if quant else y
+    _, y, q, scale = _rms_norm_launch(x, None, weight, eps, quant)
+    return _quantized(y, q, scale) if quant else y
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, rms_norm(x + delta))``: a residual add and the norm after it, one kernel."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quant: bool = False) -> tuple[torch.Tensor, torch.Tensor | QuantizedActivation]:
+    """``(x + delta, rms_norm(x + delta))``: a residual add and the norm after it, one kernel
+    (``quant``: the norm as a ``QuantizedActivation``, from the same kernel)."""
     if not (_use_triton(x, delta, weight) and _norm_ok(x, weight) and delta.shape == x.shape
             and delta.dtype == x.dtype):
         s = x + delta
-        return s, _rms_norm_torch(s, weight, eps)
-    return _rms_norm_launch(x, delta, weight, eps)
+        y = _rms_norm_torch(s, weight, eps)
+        return s, _quantized(y) if quant else y
+    s, y, q, scale = _rms_norm_launch(x, delta, weight, eps, quant)
+    return s, _quantized(y, q, scale) if quant else y
 
 
 def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -155,15 +254,64 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = cat(gate, up)`` along the last dim."""
+def silu_mul(gate_up: torch.Tensor, quant: bool = False):
+    """``silu(gate) * up`` for ``gate_up = cat(gate, up)`` along the last dim (``quant``: as a
+    ``QuantizedActivation``, codes from the same kernel)."""
     if not _use_triton(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        y = F.silu(gate) * up
+        return _quantized(y) if quant else y
+    return silu_mul_launch(gate_up, quant)
+
+
+def silu_mul_launch(gate_up: torch.Tensor, quant: bool = False):
+    """The Triton path of ``silu_mul`` (also what the interpreter tests call on CPU tensors)."""
     N = gate_up.shape[-1] // 2
     x2 = _rows(gate_up)
     out = torch.empty(*gate_up.shape[:-1], N, dtype=gate_up.dtype, device=gate_up.device)
+    q = torch.empty(x2.shape[0], N, dtype=FP8_DTYPE, device=gate_up.device) if quant else None
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=gate_up.device) if quant else None
     if x2.shape[0] and N:
         BLOCK = min(triton.next_power_of_2(N), 1024)
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](x2, out, x2.stride(0), N=N, BLOCK=BLOCK)
-    return out
+        if quant:
+            _silu_mul_quant_kernel[(x2.shape[0],)](x2, out, q, scale, x2.stride(0), N=N, BLOCK=BLOCK,
+                                                   INTERPRET=INTERPRET, num_warps=4)
+        else:
+            _silu_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](x2, out, x2.stride(0), N=N, BLOCK=BLOCK)
+    return _quantized(out, q, scale) if quant else out
+
+
+def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor | None, sin: torch.Tensor | None, num_q_heads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention input: ``qk`` [T, nq + nk, D] (a view over the fused qkv output) ->
+    (q [T, nq, D], k [T, nk, D]) RMS-normalised per head by q_weight / k_weight, then RoPE'd
+    (``cos``/``sin`` [T, 1, D/2]; None for none).  Views of one fresh tensor; on CUDA one kernel,
+    elsewhere ``rms_norm`` then ``apply_rope`` (the model's original code)."""
+    T, H, D = qk.shape
+    rope = cos is not None
+    ok = (_use_triton(qk, q_weight, k_weight) and qk.stride(2) == 1 and D % 2 == 0
+          and all(_norm_ok(qk, w) for w in (q_weight, k_weight))
+          and (not rope or (cos.shape == sin.shape == (T, 1, D // 2) and cos.stride() == sin.stride()
+                            and cos.stride(2) == 1)))
+    if not ok:
+        q, k = qk.split([num_q_heads, H - num_q_heads], dim=1)
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)  # fresh: rotated in place
+        if rope:
+            q, k = apply_rope(q, cos, sin, inplace=True), apply_rope(k, cos, sin, inplace=True)
+        return q, k
+    return qk_norm_rope_launch(qk, q_weight, k_weight, eps, cos, sin, num_q_heads)
+
+
+def qk_norm_rope_launch(qk, q_weight, k_weight, eps, cos, sin, num_q_heads):
+    """The Triton path of ``qk_norm_rope`` (also what the interpreter tests call on CPU tensors)."""
+    T, H, D = qk.shape
+    out = torch.empty(T, H, D, dtype=qk.dtype, device=qk.device)
+    if T and H:
+        rope = cos is not None
+        BLOCK_H = min(triton.next_power_of_2(H), 8)
+        _qk_norm_rope_kernel[(T, triton.cdiv(H, BLOCK_H))](
+            qk, q_weight, k_weight, cos if rope else qk, sin if rope else qk, out, num_q_heads, H, float(eps),
+            qk.stride(0), qk.stride(1), cos.stride(0) if rope else 0, D=D, HALF=D // 2, BLOCK_H=BLOCK_H,
+            BLOCK_D=triton.next_power_of_2(D // 2), ROPE=rope)
+    return out[:, :num_q_heads], out[:, num_q_heads:]

@@ -234,9 +234,14 @@ class Fp8Linear(nn.Module):
         elif sc.activation_scheme == "static":
             self.input_scale.data.copy_(self.input_scale_parts.data.amax().view(1))
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def wants_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether the kernel that makes x [..., K] should quantize it for this layer (``quant=``
+        of ``fused.rms_norm`` / ``silu_mul``): the quantizer launch then fuses into that kernel."""
+        return fp8.wants_quantized_input(x, self.weight, self.scheme)
+
+    def _linear(self, x, bias: torch.Tensor | None) -> torch.Tensor:
         if self.scheme is None:
-            return linear(x, self.weight, bias)
+            return linear(fp8.plain(x), self.weight, bias)
         if self.weight.dtype != fp8.FP8_DTYPE:
             raise RuntimeError(f"{self.name}: FP8 weights are quantized when they load; load or init them first")
         return fp8.apply_fp8_linear(x, self.weight, self.weight_scale, self.scheme, getattr(self, "input_scale", None),
@@ -304,9 +309,9 @@ class ColumnParallelLinear(Fp8Linear):
                 out.companions["input_scale"] = BroadcastShard(self.input_scale_parts, (1,))
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
         y = self._linear(x, self.bias)
-        return y if self.lora is None else self.lora(x, y)
+        return y if self.lora is None else self.lora(fp8.plain(x), y)
 
 
 class RowParallelLinear(Fp8Linear):
@@ -330,10 +335,10 @@ class RowParallelLinear(Fp8Linear):
         comp = self._companions(0, N, self.start, N, 0, 0, dim=1)
         return Shard(self.weight, (N, self.full_in), 1, self.start, dtype=F8 if comp else None, companions=comp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
         y = self._linear(x, None)
         if self.lora is not None:  # the rank's partial update joins the partial sum before the reduce
-            y = self.lora(x, y)
+            y = self.lora(fp8.plain(x), y)
         return self.tp.all_reduce(y)
 
 
@@ -416,12 +421,13 @@ class MLP(nn.Module):
         return {prefix + "gate_proj.weight": self.gate_up.shard(0), prefix + "up_proj.weight": self.gate_up.shard(1),
                 prefix + "down_proj.weight": self.down.shard()}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
         h = self.gate_up(x)
         if not self.gated:
             return self.down(self.act(h))
         if self.activation == "silu":
-            return self.down(silu_mul(h))  # one kernel on CUDA
+            # One kernel on CUDA, which also quantizes for FP8 weights.
+            return self.down(silu_mul(h, quant=self.down.wants_fp8_input(h[..., :h.shape[-1] // 2])))
         gate, up = h.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 

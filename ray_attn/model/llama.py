@@ -14,7 +14,7 @@ from torch import nn
 from ray_attn.config import ModelConfig
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.base import CausalLM
-from ray_attn.model.fused import add_rms_norm
+from ray_attn.model.fused import add_rms_norm, rms_norm
 from ray_attn.model.layers import MLP, RMSNorm
 from ray_attn.model.tp import TPGroup
 
@@ -37,10 +37,16 @@ class LlamaDecoderLayer(nn.Module):
         return MLP(config.hidden_size, config.intermediate_size, tp, activation="silu", **dd)
 
     def forward(self, h, cos_sin, kv_cache, attn_metadata, out):
-        a = self.self_attn(self.input_layernorm(h), cos_sin, kv_cache, attn_metadata, out)
+        norm = self.input_layernorm
+        if type(norm) is RMSNorm and self.self_attn.qkv_proj.wants_fp8_input(h):
+            x = rms_norm(h, norm.weight, norm.eps, quant=True)  # FP8 weights: the norm quantizes too
+        else:
+            x = norm(h)
+        a = self.self_attn(x, cos_sin, kv_cache, attn_metadata, out)
         # The residual add and the next norm in one kernel on CUDA (same numerics as apart).
         norm = self.post_attention_layernorm
-        h, x = add_rms_norm(h, a, norm.weight, norm.eps)
+        quant = isinstance(self.mlp, MLP) and self.mlp.gate_up.wants_fp8_input(h)
+        h, x = add_rms_norm(h, a, norm.weight, norm.eps, quant=quant)
         return h + self.mlp(x)
 
 

@@ -735,6 +735,12 @@ def test_gpu_model_matches_cpu_float32(kind, tmp_path):
     extra = dict(quantization="fp8") if kind == "online" else {}
     tokens = random_tokens(SHAPES["vocab_size"])
     out, calls = {}, []
+
+    def record(m, a, y):
+        x = F8.plain(a[0])
+        kept = a[0] if isinstance(a[0], F8.QuantizedActivation) else x.detach().clone()
+        calls.append((m, kept, y.detach().clone(), F8.select_fp8_kernel(x.reshape(-1, x.shape[-1]), m.weight, m.scheme)))
+
     for device, dtype in (("cuda", "bfloat16"), ("cpu", "float32")):
         cfg = ModelConfig.from_pretrained(folder, dtype=dtype, **extra)
         model = build_model(cfg, device=device, block_size=BLOCK_SIZE, kernel="torch")
@@ -742,15 +748,19 @@ def test_gpu_model_matches_cpu_float32(kind, tmp_path):
         if device == "cuda":
             for mod in model.modules():
                 if isinstance(mod, Fp8Linear) and mod.scheme is not None:
-                    mod.register_forward_hook(lambda m, a, y: calls.append(
-                        (m, a[0].detach().clone(), y.detach().clone(), F8.select_fp8_kernel(
-                            a[0].reshape(-1, a[0].shape[-1]), m.weight, m.scheme))))
+                    mod.register_forward_hook(record)
         out[device] = torch.cat(run_schedule(model, tokens, SCHEDULE, device=device))
-    worst = {}
+    worst, fused = {}, 0
     for mod, x, y, path in calls:
+        if isinstance(x, F8.QuantizedActivation):  # codes from the norm or SiLU-mul kernel before it
+            q0, s0 = F8.quantize_per_token(x.x.reshape(-1, x.x.shape[-1]).float().cpu())
+            assert torch.equal(x.xs.cpu(), s0) and torch.equal(x.xq.cpu().float(), q0.float()), mod.name
+            fused, x = fused + 1, x.x
         e = path_excess(y, x, mod.weight, mod.weight_scale, mod.scheme, path, getattr(mod, "input_scale", None))
         worst[path] = max(worst.get(path, e), e)
     assert calls and all(e <= 0 for e, _ in worst.values()), worst
+    # Online per-channel weights: qkv, gate_up and down take their codes from the kernel before.
+    assert (fused > 0) == (kind == "online" and F8.FUSED_QUANT), (kind, fused, len(calls))
     plain_dir = write("unquantized", "llama", tmp_path / "plain")  # the same model, not quantized
     model = build_model(ModelConfig.from_pretrained(plain_dir, dtype="float32"), device="cpu",
                         block_size=BLOCK_SIZE, kernel="torch")

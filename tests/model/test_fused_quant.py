@@ -1,0 +1,190 @@
+"""The fusions of issue 39 against what they replace: RMSNorm (+ residual add) and SiLU-mul that
+also quantize their output for the FP8 linear after them, Qwen3's per-head q/k RMSNorm with RoPE
+in one kernel, and the model plumbing that hands the quantized activation to the linear.
+
+The kernels run compiled on a GPU; without one ``test_kernels_under_the_interpreter`` runs this
+module again with TRITON_INTERPRET=1, where they run on CPU tensors.  The codes are held exactly
+to the standalone quantizer's (``fp8.quantize_per_token`` of the kernel's own bf16 output): the
+fusion must not change a single code.  The q/k kernel is held to the float32 formula within the
+ulps ``test_fused.py`` states for the kernels it replaces (RMSNorm's 2, then RoPE's rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_attn.model import fp8 as F8
+from ray_attn.model import fused
+from tests.interpreter import kernels_run_here, run_module_interpreted
+from tests.model.test_fused import EPS, cos_sin, qk_view, rand, ref_rms_norm, ref_rope, ref_silu_mul, ulp_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+kernels = pytest.mark.skipif(fused.triton is None or not kernels_run_here(),
+                             reason="CPU: run by test_kernels_under_the_interpreter in a subprocess")
+
+
+def test_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    if kernels_run_here():
+        pytest.skip("the kernels' tests run in this process")
+    run_module_interpreted(__file__, min_passed=20)
+
+
+def assert_codes(qa: F8.QuantizedActivation, y: torch.Tensor):
+    """qa holds y and exactly the reference quantizer's codes and scales of y."""
+    assert isinstance(qa, F8.QuantizedActivation) and qa.x is y or torch.equal(qa.x, y)
+    q0, s0 = F8.quantize_per_token(y.reshape(-1, y.shape[-1]).float().cpu())
+    assert qa.xq.dtype == F8.FP8_DTYPE and qa.xs.shape == s0.shape
+    assert torch.equal(qa.xs.cpu(), s0), (qa.xs.flatten()[:4], s0.flatten()[:4])
+    assert torch.equal(qa.xq.cpu().float(), q0.float())
+
+
+# -- the torch paths (CPU): the reference quantizer on the unfused output ---------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_outputs_on_the_torch_path(dtype, rng):
+    x, d = rand(rng, 5, 96, dtype=dtype, scale=3.0), rand(rng, 5, 96, dtype=dtype)
+    w = rand(rng, 96, dtype=dtype) + 1
+    y = fused.rms_norm(x, w, EPS)
+    qa = fused.rms_norm(x, w, EPS, quant=True)
+    assert torch.equal(qa.x, y)
+    assert_codes(qa, y)
+    s, qa = fused.add_rms_norm(x, d, w, EPS, quant=True)
+    assert torch.equal(s, x + d) and torch.equal(qa.x, fused.rms_norm(x + d, w, EPS))
+    assert_codes(qa, qa.x)
+    gu = rand(rng, 5, 2 * 80, dtype=dtype, scale=3.0)
+    qa = fused.silu_mul(gu, quant=True)
+    assert torch.equal(qa.x, fused.silu_mul(gu))
+    assert_codes(qa, qa.x)
+
+
+# -- the kernels -----------------------------------------------------------------------------------
+# bf16 on the GPU only: Triton's interpreter rounds float32 -> bf16 by truncation, not to nearest.
+DTYPES = [torch.bfloat16, torch.float32] if DEVICE == "cuda" else [torch.float32]
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 1000, 4096])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_quant_kernel(add, T, hidden, dtype, rng):
+    x, d = rand(rng, T, hidden, dtype=dtype, device=DEVICE, scale=3.0), rand(rng, T, hidden, dtype=dtype, device=DEVICE)
+    w = rand(rng, hidden, dtype=dtype, device=DEVICE, scale=0.2) + 1
+    x[0, 3] = 40.0  # one large value: the row's scale is set by it, the rest quantize coarsely
+    s, y, q, scale = fused._rms_norm_launch(x, d if add else None, w, EPS, quant=True)
+    ref = ref_rms_norm(x + d if add else x, w)
+    if add:
+        assert torch.equal(s, x + d)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    else:
+        ulp_close(y, ref, ulps=2)
+    assert_codes(F8.QuantizedActivation(y, q, scale), y)
+    _, y2, q2, _ = fused._rms_norm_launch(x, d if add else None, w, EPS, quant=False)
+    assert q2 is None and torch.equal(y2, y)  # quantizing does not change the norm's own output
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [80, 1500, 3000])
+@pytest.mark.parametrize("T", [1, 4])
+def test_silu_mul_quant_kernel(T, n, dtype, rng):
+    gu = rand(rng, T, 2 * n, dtype=dtype, device=DEVICE, scale=3.0)
+    qa = fused.silu_mul_launch(gu, quant=True)
+    plain = fused.silu_mul_launch(gu, quant=False)
+    assert torch.equal(qa.x, plain)  # the same products as the unquantized kernel
+    if dtype == torch.float32:
+        torch.testing.assert_close(qa.x, ref_silu_mul(gu), rtol=1e-5, atol=1e-5)
+    else:
+        ulp_close(qa.x, ref_silu_mul(gu), ulps=2)
+    assert_codes(qa, qa.x)
+
+
+def ref_qk_norm_rope(qk, qw, kw, cos, sin, nq):
+    q, k = qk[:, :nq], qk[:, nq:]
+    q, k = ref_rms_norm(q, qw), ref_rms_norm(k, kw)
+    if cos is not None:
+        q, k = ref_rope(q, cos, sin), ref_rope(k, cos, sin)
+    return q, k
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (5, 1), (16, 16)])
+@pytest.mark.parametrize("rope", [True, False])
+def test_qk_norm_rope_kernel(rope, heads, D, dtype, rng):
+    nq, nk = heads
+    T = 3
+    qkv, qk = qk_view(rng, T, nq, nk, D, dtype, device=DEVICE)
+    cos, sin = cos_sin(rng, T, D, dtype, device=DEVICE) if rope else (None, None)
+    qw = rand(rng, D, dtype=dtype, device=DEVICE, scale=0.3) + 1
+    kw = rand(rng, D, dtype=dtype, device=DEVICE, scale=0.3) + 1
+    before = qkv.clone()
+    q, k = fused.qk_norm_rope_launch(qk, qw, kw, EPS, cos, sin, nq)
+    assert torch.equal(qkv, before)  # the qkv output (v too) is left alone
+    rq, rk = ref_qk_norm_rope(qk, qw, kw, cos, sin, nq)
+    assert q.shape == (T, nq, D) and k.shape == (T, nk, D)
+    for out, ref in ((q, rq), (k, rk)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        else:  # the norm's 2 ulps, carried through the rotation, plus its own rounding
+            ulp_close(out, ref, ulps=3, exact_frac=0.97)
+    if DEVICE == "cuda":  # the same as the kernels it replaces, run apart: but for a rare flip
+        uq, uk = fused.rms_norm(qk[:, :nq], qw, EPS), fused.rms_norm(qk[:, nq:], kw, EPS)
+        if rope:
+            uq, uk = fused.apply_rope(uq, cos, sin), fused.apply_rope(uk, cos, sin)
+        ulp_close(q, uq, ulps=1, exact_frac=0.99)
+        ulp_close(k, uk, ulps=1, exact_frac=0.99)
+
+
+# -- the plumbing in a model: the linear gets the codes of exactly its own input ---------------------
+def test_layers_hand_the_quantized_input_to_the_fp8_linears(monkeypatch):
+    """A Llama and a Qwen3 model with FP8 weights on CPU, with the fusion forced on (on CPU the
+    linears run the reference path, which uses the codes it is handed): the logits equal the
+    unfused model's, and every linear that got a QuantizedActivation got the reference codes of
+    the very tensor it would have quantized itself (a norm or SiLU-mul that quantized the wrong
+    tensor -- the pre-norm residual, the gate half -- fails it)."""
+    from ray_attn.config import ModelConfig
+    from ray_attn.model.layers import Fp8Linear
+    from ray_attn.model.registry import build_model
+    from tests.model.steps import SCHEDULE, random_tokens, run_schedule
+
+    got = {}
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        cfg = ModelConfig(architecture=arch, vocab_size=96, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          dtype="float32", quantization="fp8")
+        outs = {}
+        for force in (False, True):
+            monkeypatch.setattr(F8, "wants_quantized_input", lambda x, w, s: force and s is not None)
+            model = build_model(cfg, device="cpu", block_size=16, kernel="torch")
+            model.init_random_weights(0)
+            seen = []
+            for mod in model.modules():
+                if isinstance(mod, Fp8Linear) and mod.scheme is not None:
+                    mod.register_forward_hook(lambda m, a, y: seen.append((m, a[0])))
+            outs[force] = torch.cat(run_schedule(model, random_tokens(cfg.vocab_size), SCHEDULE))
+            quantized = [a for _, a in seen if isinstance(a, F8.QuantizedActivation)]
+            for a in quantized:
+                assert_codes(a, a.x)
+            got[arch, force] = len(quantized)
+        assert torch.equal(outs[True], outs[False]), arch
+    # qkv, gate_up and down of each layer, every step; o_proj quantizes itself
+    n = 3 * cfg.num_hidden_layers * len(SCHEDULE)
+    assert got == {("LlamaForCausalLM", False): 0, ("LlamaForCausalLM", True): n,
+                   ("Qwen3ForCausalLM", False): 0, ("Qwen3ForCausalLM", True): n}, got
+
+
+def test_a_quantized_input_is_refused_by_a_static_scheme():
+    from ray_attn.model.quantization import parse_quantization
+
+    static = parse_quantization({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}})
+    x = torch.randn(2, 32)
+    wq, ws = F8.quantize_per_row(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="per-token quantized input"):
+        F8.apply_fp8_linear(F8.QuantizedActivation(x, *F8.quantize_per_token(x)), wq, ws, static,
+                            torch.ones(1))
