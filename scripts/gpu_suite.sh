@@ -19,6 +19,10 @@
 # bench_fp8 (FP8_PARTS, default error,kernels); fp8_serving: bf16 and FP8-weight engines through the
 # serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
 # spec (issue 40): bench_spec_verify, the verify cost of k drafts against a plain step.
+# fusion (issue 39): the fused kernels' GPU tests, the decode kernel table of four presets, Inductor
+# against our kernels (bench_fusion), the verify cost of drafts; fusion_rows: the bf16/FP8
+# concurrency-1 ITL (NO_SERVING=1 skips it) and accuracy rows (ACCURACY_ROWS, result
+# gpu_accuracy_fusion.json, --update: two calls fill it).
 # lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table) and the lora accuracy row.
 # defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
 # scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
@@ -83,6 +87,22 @@ if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, the accuracy rows, e
     --rows fp8_weights_online,fp8_weights_compressed_tensors,fp8_weights_block,fp8_weights_fp8_kv
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_fp8_weights.json "$OUT"/
   bench scripts/bench_fp8.py --parts ${FP8_PARTS:-error,kernels} --rows ${FP8_ROWS:-1,2,4,8,16,32,64,128,256,1024,4096}
+fi
+if [[ $stage == fusion ]]; then
+  step timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_fusions.py tests/model/test_fused.py \
+    tests/model/test_gemv.py "tests/model/test_fp8_weights.py::test_gpu_model_matches_cpu_float32"
+  step timeout 150 python3 scripts/profile_decode.py --points 1x1024 --presets llama-3-8b,llama-3-8b:fp8,qwen3-30b-a3b,llama-4-scout \
+    --json benchmarks/results/profile_decode_kernels_fused.json
+  bench scripts/bench_fusion.py
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/profile_decode_kernels_fused.json "$OUT"/ 2>/dev/null
+  step timeout 150 python3 scripts/bench_spec_verify.py --batch 1 8 32 --k 1 4 8 --steps 20
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_spec_verify.json "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == fusion_rows ]]; then
+  [[ -z ${NO_SERVING:-} ]] && step python3 scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --suffix _fusion \
+    --no-capacity --budget-sweep "" --only random_concurrency_1 --deadline-s 100 ${OUT:+--mirror-dir "$OUT"}
+  step python3 scripts/gpu_accuracy.py --rows "$ACCURACY_ROWS" --suffix _fusion --update
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_fusion.json "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == fp8_serving ]]; then  # FP8 weights against bf16 in the serving suite (issue 25's speed goals)
   step python3 scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --suffix _fp8_weights --no-capacity \

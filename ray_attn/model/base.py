@@ -26,6 +26,7 @@ from ray_attn.config import ModelConfig
 from ray_attn.metadata import FlashAttentionMetadata
 from ray_attn.model import weights
 from ray_attn.model.attention import ParallelAttention
+from ray_attn.model.fused import add_rms_norm
 from ray_attn.model.gemv import linear
 from ray_attn.model.layers import Fp8Linear, RMSNorm, RotaryEmbedding, Shard, new_param, replicated
 from ray_attn.model.quantization import check_model, parse_quantization
@@ -220,10 +221,17 @@ class CausalLM(nn.Module):
                 self._attn_out = self._attn_out.new_zeros(T, self.num_heads, self.head_size)
             attn_out = self._attn_out[:T]
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, self.dtype)
-        h = self.embed(input_ids)
+        h, delta = self.embed(input_ids), None
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, cos_sin, cache, attn_metadata, attn_out)
-        return self.norm(h)
+            if hasattr(layer, "forward_residual"):  # its output's add runs in the next norm's kernel
+                h, delta = layer.forward_residual(h, delta, cos_sin, cache, attn_metadata, attn_out)
+            else:
+                h, delta = layer(h if delta is None else h + delta, cos_sin, cache, attn_metadata, attn_out), None
+        if delta is None:
+            return self.norm(h)
+        if type(self.norm) is RMSNorm:
+            return add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]
+        return self.norm(h + delta)
 
     def _check_step(self, m: FlashAttentionMetadata) -> None:
         if self.kv_caches is None:

@@ -34,13 +34,15 @@ MAX_ROWS = 1  # from two rows on, cuBLAS wins (see above)
 MAX_N = 8192  # wider outputs (gate_up, the LM head) already stream at the copy rate in cuBLAS
 # RAY_ATTN_GEMV=0 turns the kernel off (an A/B switch for benchmarks; read once, at import).
 ENABLED = os.environ.get("RAY_ATTN_GEMV", "1") != "0"
+# RAY_ATTN_GEMV_SILU=0 keeps SiLU-mul a kernel of its own before down_proj's GEMV (A/B switch).
+FUSE_SILU = os.environ.get("RAY_ATTN_GEMV_SILU", "1") != "0"
 
 if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -60,6 +62,13 @@ if triton is not None:
                 w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
                             eviction_policy="evict_first")
                 x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if SILU_MUL:
+                # x holds gate and up ([M, 2K]): silu(gate) * up made here, rounded where the
+                # silu_mul kernel rounds (fused.py), so the product is that kernel's to the bit.
+                u = tl.load(x_ptrs + K, mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0).to(tl.float32)
+                g = x.to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+                x = (a * u).to(x_ptr.dtype.element_ty)
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -79,18 +88,30 @@ def config(m: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) on CUDA with the Triton kernel; ``cfg`` overrides ``config``."""
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+         **cfg) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ bias) on CUDA with the Triton kernel; ``cfg`` overrides ``config``.
+    ``silu_mul``: x is [M, 2K], gate then up, and the kernel multiplies silu(gate) * up itself
+    (down_proj after a SwiGLU: one kernel, not two)."""
     m, k = x.shape
+    k = k // 2 if silu_mul else k
     n = w.shape[0]
-    if w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} must agree on K, unit stride")
+    if w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1 or (silu_mul and x.shape[1] != 2 * k):
+        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} must agree on K"
+                         f"{' (x: gate and up, 2K)' if silu_mul else ''}, unit stride")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     c = {**config(m, n, k), **cfg}
     grid = (triton.cdiv(n, c["BLOCK_N"]),)
     _gemv_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
-                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0, **c)
+                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0,
+                       SILU_MUL=silu_mul, **c)
     return y
+
+
+def use_gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether down_proj's GEMV can take ``gate_up`` [M, 2K] and make silu(gate) * up itself."""
+    return (FUSE_SILU and gate_up.dim() == 2 and gate_up.shape[-1] == 2 * w.shape[1] and gate_up.stride(1) == 1
+            and use_gemv(gate_up[:, :w.shape[1]], w))
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:

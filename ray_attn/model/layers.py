@@ -18,6 +18,7 @@ from torch import nn
 
 from ray_attn.model import fp8
 from ray_attn.model.fused import apply_rope, rms_norm, silu_mul
+from ray_attn.model import gemv
 from ray_attn.model.gemv import linear
 from ray_attn.model.quantization import Fp8Config
 from ray_attn.model.tp import TPGroup
@@ -341,6 +342,13 @@ class RowParallelLinear(Fp8Linear):
             y = self.lora(fp8.plain(x), y)
         return self.tp.all_reduce(y)
 
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``forward(silu_mul(gate_up))`` with the product made inside the one-row GEMV (bf16
+        weights, no adapter: LoRA needs the product itself); None where that kernel does not serve."""
+        if self.scheme is not None or self.lora is not None or not gemv.use_gemv_silu_mul(gate_up, self.weight):
+            return None
+        return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True))
+
 
 def qkv_parts(num_heads: int, num_kv_heads: int, head_size: int, rank: int, size: int
               ) -> tuple[list[tuple[int, int, int]], int, int]:
@@ -426,6 +434,9 @@ class MLP(nn.Module):
         if not self.gated:
             return self.down(self.act(h))
         if self.activation == "silu":
+            y = self.down.forward_silu_mul(h)  # one row, bf16: the product inside down's GEMV
+            if y is not None:
+                return y
             # One kernel on CUDA, which also quantizes for FP8 weights.
             return self.down(silu_mul(h, quant=self.down.wants_fp8_input(h[..., :h.shape[-1] // 2])))
         gate, up = h.chunk(2, dim=-1)

@@ -37,17 +37,28 @@ class LlamaDecoderLayer(nn.Module):
         return MLP(config.hidden_size, config.intermediate_size, tp, activation="silu", **dd)
 
     def forward(self, h, cos_sin, kv_cache, attn_metadata, out):
+        h, m = self.forward_residual(h, None, cos_sin, kv_cache, attn_metadata, out)
+        return h + m
+
+    def forward_residual(self, h, delta, cos_sin, kv_cache, attn_metadata, out):
+        """(the residual stream, this layer's MLP output not yet added to it), after adding
+        ``delta`` (the layer before's MLP output, or None): the model's layer loop passes each
+        layer's output to the next, so every residual add runs inside the norm kernel after it
+        (vLLM's fused_add_rms_norm; the same rounding as torch's add)."""
         norm = self.input_layernorm
-        if type(norm) is RMSNorm and self.self_attn.qkv_proj.wants_fp8_input(h):
-            x = rms_norm(h, norm.weight, norm.eps, quant=True)  # FP8 weights: the norm quantizes too
+        fusable = type(norm) is RMSNorm
+        # FP8 weights: the norm quantizes for qkv too.
+        quant = fusable and self.self_attn.qkv_proj.wants_fp8_input(h)
+        if delta is not None and fusable:
+            h, x = add_rms_norm(h, delta, norm.weight, norm.eps, quant=quant)
         else:
-            x = norm(h)
+            h = h if delta is None else h + delta
+            x = rms_norm(h, norm.weight, norm.eps, quant=True) if quant else norm(h)
         a = self.self_attn(x, cos_sin, kv_cache, attn_metadata, out)
-        # The residual add and the next norm in one kernel on CUDA (same numerics as apart).
         norm = self.post_attention_layernorm
         quant = isinstance(self.mlp, MLP) and self.mlp.gate_up.wants_fp8_input(h)
         h, x = add_rms_norm(h, a, norm.weight, norm.eps, quant=quant)
-        return h + self.mlp(x)
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,6 +1,7 @@
 """The fusions of issue 39 against what they replace: RMSNorm (+ residual add) and SiLU-mul that
 also quantize their output for the FP8 linear after them, Qwen3's per-head q/k RMSNorm with RoPE
-in one kernel, and the model plumbing that hands the quantized activation to the linear.
+in one kernel, SiLU-mul inside down_proj's one-row GEMV, the residual add carried into the next
+layer's norm, and the model plumbing that hands the quantized activation to the linear.
 
 The kernels run compiled on a GPU; without one ``test_kernels_under_the_interpreter`` runs this
 module again with TRITON_INTERPRET=1, where they run on CPU tensors.  The codes are held exactly
@@ -139,6 +140,26 @@ def test_qk_norm_rope_kernel(rope, heads, D, dtype, rng):
         ulp_close(k, uk, ulps=1, exact_frac=0.99)
 
 
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(37, 1000), (130, 264), (4096, 1536)])
+def test_gemv_silu_mul_kernel(n, k, dtype, rng):
+    """down(silu(gate) * up) in one GEMV: the same products (silu_mul's roundings) and the same
+    summation as the two kernels apart, so equal to the bit; and within float64's reach."""
+    from ray_attn.model import gemv as G
+
+    gu = rand(rng, 1, 2 * k, dtype=dtype, device=DEVICE, scale=2.0)
+    w = rand(rng, n, k, dtype=dtype, device=DEVICE, scale=k ** -0.5)
+    cfg = dict(BLOCK_K=256) if DEVICE == "cpu" else {}
+    y = G.gemv(gu, w, silu_mul=True, **cfg)
+    apart = G.gemv(fused.silu_mul_launch(gu), w, **cfg)
+    assert torch.equal(y, apart)
+    want = ref_silu_mul(gu).double() @ w.double().T
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-4 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(ValueError, match="gate and up"):
+        G.gemv(gu[:, :-2], w, silu_mul=True)
+
+
 # -- the plumbing in a model: the linear gets the codes of exactly its own input ---------------------
 def test_layers_hand_the_quantized_input_to_the_fp8_linears(monkeypatch):
     """A Llama and a Qwen3 model with FP8 weights on CPU, with the fusion forced on (on CPU the
@@ -188,3 +209,28 @@ def test_a_quantized_input_is_refused_by_a_static_scheme():
     with pytest.raises(ValueError, match="per-token quantized input"):
         F8.apply_fp8_linear(F8.QuantizedActivation(x, *F8.quantize_per_token(x)), wq, ws, static,
                             torch.ones(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_one_row_decode_with_the_fusions_equals_it_without(arch, monkeypatch):
+    """A bf16 model on CUDA decoding one sequence (one-row steps: down_proj's GEMV makes the SiLU
+    product itself): the logits equal, to the bit, those with SiLU-mul a kernel of its own."""
+    from ray_attn.config import ModelConfig
+    from ray_attn.model import gemv as G
+    from ray_attn.model.registry import build_model
+    from tests.model.steps import random_tokens, run_schedule
+
+    cfg = ModelConfig(architecture=arch, vocab_size=256, hidden_size=512, intermediate_size=1536,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                      dtype="bfloat16")
+    tokens = random_tokens(cfg.vocab_size)[:1]
+    out = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(G, "FUSE_SILU", fuse)
+        model = build_model(cfg, device="cuda", block_size=16, kernel="torch")
+        model.init_random_weights(3)
+        assert G.use_gemv_silu_mul(torch.zeros(1, 3072, dtype=torch.bfloat16, device="cuda"),
+                                   model.layers[0].mlp.down.weight) == fuse
+        out[fuse] = torch.cat(run_schedule(model, tokens, [[12], [1], [1], [1]], device="cuda"))
+    assert out[True].isfinite().all() and torch.equal(out[True], out[False])
