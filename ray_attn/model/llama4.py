@@ -29,6 +29,7 @@ from torch import nn
 
 from ray_attn.config import ModelConfig
 from ray_attn.model.attention import ParallelAttention
+from ray_attn.model.fused_llama4 import llama4_qk_launch, llama4_qk_ok
 from ray_attn.model.layers import rope_inv_freq
 from ray_attn.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from ray_attn.model.mixtral import sparse_block
@@ -79,9 +80,18 @@ class Llama4Attention(ParallelAttention):
         self.temperature = config.attn_temperature_tuning and not self.use_rope
 
     def forward(self, x, step: Llama4Positions, kv_cache, attn_metadata, out):
-        T, D, nq, nk = x.shape[0], self.head_size, self.num_heads, self.num_kv_heads
-        q, k, v = self.qkv_proj(x).split([nq * D, nk * D, nk * D], dim=-1)
-        q, k = q.view(T, nq, D), k.view(T, nk, D)
+        D, nq, nk = self.head_size, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # x may come quantized for FP8 weights (fp8.QuantizedActivation)
+        T = qkv.shape[0]
+        qk, v = qkv.split([(nq + nk) * D, nk * D], dim=-1)
+        qk = qk.view(T, nq + nk, D)
+        cos, sin = (step.cos, step.sin) if self.use_rope else (None, None)
+        temp = step.temperature if self.temperature else None
+        if llama4_qk_ok(qk, cos, sin, temp):  # CUDA: RoPE, the L2 norm or the temperature, one kernel
+            q, k = llama4_qk_launch(qk, nq, cos, sin, self.qk_norm_eps, temp)
+            self.impl.forward(self.attn_layer, q, k, v.view(T, nk, D), kv_cache, attn_metadata, out)
+            return self.o_proj(out.view(T, nq * D))
+        q, k = qk.split([nq, nk], dim=1)
         if self.use_rope:
             q, k = rope_interleaved(q, step.cos, step.sin), rope_interleaved(k, step.cos, step.sin)
         if self.qk_norm_eps is not None:

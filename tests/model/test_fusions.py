@@ -160,6 +160,45 @@ def test_gemv_silu_mul_kernel(n, k, dtype, rng):
         G.gemv(gu[:, :-2], w, silu_mul=True)
 
 
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (5, 1)])
+@pytest.mark.parametrize("kind", ["rope_l2", "rope", "temperature", "none"])
+def test_llama4_qk_kernel(kind, heads, D, dtype, rng):
+    """Llama 4's q/k work in one kernel against model/llama4.py's torch functions: RoPE layers
+    (interleaved pairs, then the L2 norm when use_qk_norm), NoPE layers (q scaled by the
+    temperature), on the strided q/k view of the qkv output."""
+    from ray_attn.model import llama4 as L4
+    from ray_attn.model.fused_llama4 import llama4_qk_launch
+
+    nq, nk = heads
+    T = 3
+    qkv, qk = qk_view(rng, T, nq, nk, D, dtype, device=DEVICE)
+    pos = torch.randint(0, 100_000, (T,), generator=rng).float()
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
+    freqs = (pos[:, None, None] * inv).to(DEVICE)
+    cos, sin = (freqs.cos(), freqs.sin()) if kind.startswith("rope") else (None, None)
+    eps = 1e-5 if kind == "rope_l2" else None
+    temp = (torch.rand(T, 1, 1, generator=rng) + 1.0).to(DEVICE) if kind == "temperature" else None
+    before = qkv.clone()
+    q, k = llama4_qk_launch(qk, nq, cos, sin, eps, temp)
+    assert torch.equal(qkv, before)
+    rq, rk = qk[:, :nq], qk[:, nq:]
+    if cos is not None:
+        rq, rk = L4.rope_interleaved(rq, cos, sin), L4.rope_interleaved(rk, cos, sin)
+    if eps is not None:
+        rq, rk = L4.l2_norm(rq, eps), L4.l2_norm(rk, eps)
+    if temp is not None:
+        rq = (rq * temp).to(dtype)
+    for out, ref in ((q, rq), (k, rk)):
+        assert out.shape == ref.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        else:  # RoPE's rounding, then the norm's: a flip in the first moves the second by an ulp
+            ulp_close(out, ref, ulps=2, exact_frac=0.97)
+
+
 # -- the plumbing in a model: the linear gets the codes of exactly its own input ---------------------
 def test_layers_hand_the_quantized_input_to_the_fp8_linears(monkeypatch):
     """A Llama and a Qwen3 model with FP8 weights on CPU, with the fusion forced on (on CPU the
