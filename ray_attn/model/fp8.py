@@ -163,7 +163,12 @@ def online_quantize(w: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tenso
 def wants_quantized_input(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config | None) -> bool:
     """Whether the kernel before this linear should hand it x quantized: dynamic per-token
     activations into a path that runs on their codes (``skinny``, ``scaled_mm``)."""
-    return (FUSED_QUANT and scheme is not None and weight.dtype == FP8_DTYPE and scheme.activation_scheme == "dynamic"
+    # Online quantization only, for now: on the H200 the compressed-tensors gate row (dynamic
+    # per-token, channel weights) fell from 83.1% to 80.5% agreement with the fusion on, below its
+    # bar, while the online row passes with it (86.7%) and its codes are checked exact in the GPU
+    # model test; why the serialized checkpoint differs is not yet known.
+    return (FUSED_QUANT and scheme is not None and not scheme.is_checkpoint_fp8_serialized
+            and weight.dtype == FP8_DTYPE and scheme.activation_scheme == "dynamic"
             and scheme.activation_strategy != "group" and scheme.weight_strategy != "block"
             and select_fp8_kernel(x.reshape(-1, x.shape[-1]), weight, scheme) in ("skinny", "scaled_mm"))
 
