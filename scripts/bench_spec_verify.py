@@ -6,8 +6,8 @@ with ``num_speculative_tokens = k`` and no batch limit (so its verifying steps r
 graphs of 1 + k-token queries); its proposer is replaced by one that proposes exactly k random
 tokens for every decoding row -- or none, for the same engine's plain decode steps, the
 reference -- so every step verifies k drafts whatever the weights accept.  Each point steps the
-engine over ``--steps`` decode steps at a context of ``--ctx`` tokens and takes the median step
-time (device synchronised); ``graphed`` says whether the verifying steps replayed a graph.
+engine over ``--steps`` decode steps at a context of ``--ctx`` tokens, ``--rounds`` times each
+side taken in turn, and takes the median step time (device synchronised); ``graphed`` says whether the verifying steps replayed a graph.
 
 The weights are random, so they accept nothing; what real text accepts comes from
 ``bench_spec_decode.py``'s measured acceptance lengths (SmolLM2 on CPU, its JSON): the ITL that
@@ -91,7 +91,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, nargs="+", default=list(range(9)), help="draft tokens per step (0: plain)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens of each row")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps a run")
+    ap.add_argument("--rounds", type=int, default=3, help="plain/verifying run pairs a point, taken in turn")
     ap.add_argument("--json", default=str(RESULTS / "bench_spec_verify.json"))
     args = ap.parse_args(argv)
     from ray_attn.engine import LLMEngine
@@ -116,15 +117,19 @@ def main(argv=None) -> dict:
         graphs = getattr(engine.executor.worker, "spec_graphs", None)
         try:
             for batch in args.batch:
-                ms = {}
-                for kk in (0, k):
-                    proposer.k = kk
-                    drafts0 = engine.spec.stats.num_draft_tokens
-                    ms[kk] = statistics.median(step_times(engine, sync, batch, args.ctx, args.steps, model.vocab_size,
-                                                          rng)) * 1e3
-                    verified = engine.spec.stats.num_draft_tokens - drafts0
-                    if kk and verified < kk * batch * args.steps:
-                        raise RuntimeError(f"k={kk} batch={batch}: only {verified} drafts verified; the point did not run")
+                # Plain and verifying runs taken in turn, ``--rounds`` times: the machine's drift
+                # (clocks, a neighbour) then falls on both sides alike, not on whichever ran second.
+                times = {0: [], k: []}
+                for _ in range(args.rounds):
+                    for kk in (0, k):
+                        proposer.k = kk
+                        drafts0 = engine.spec.stats.num_draft_tokens
+                        times[kk] += step_times(engine, sync, batch, args.ctx, args.steps, model.vocab_size, rng)
+                        verified = engine.spec.stats.num_draft_tokens - drafts0
+                        if kk and verified < kk * batch * args.steps:
+                            raise RuntimeError(f"k={kk} batch={batch}: only {verified} drafts verified; the point "
+                                               "did not run")
+                ms = {kk: statistics.median(t) * 1e3 for kk, t in times.items()}
                 graphed = bool(graphs is not None and graphs.graphs and batch <= graphs.sizes[-1])
                 if 0 in args.k and not any(p["batch"] == batch and p["k"] == 0 for p in points):
                     points.append(dict(batch=batch, k=0, step_ms=round(ms[0], 3), ratio=1.0, graphed=None))
@@ -141,7 +146,7 @@ def main(argv=None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
     points.sort(key=lambda p: (p["batch"], p["k"]))
-    out = dict(machine=bl.machine(), preset=args.preset, ctx=args.ctx, steps=args.steps, kernel=info.get("kernel"),
+    out = dict(machine=bl.machine(), preset=args.preset, ctx=args.ctx, steps=args.steps, rounds=args.rounds, kernel=info.get("kernel"),
                cuda_graphs=info.get("cuda_graphs"), points=points, goal=dict(k=4, batch=1, max_ratio=1.15),
                real_text=real_text_itl(points))
     for r in out["real_text"]:

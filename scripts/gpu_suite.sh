@@ -100,7 +100,7 @@ if [[ $stage == fusion ]]; then
 fi
 if [[ $stage == fusion_rows ]]; then
   [[ -z ${NO_SERVING:-} ]] && step python3 scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --suffix _fusion \
-    --no-capacity --budget-sweep "" --only random_concurrency_1 --deadline-s 100 ${OUT:+--mirror-dir "$OUT"}
+    --no-capacity --budget-sweep "" --only random_concurrency_1 --deadline-s "${SERVING_DEADLINE_S:-240}" ${OUT:+--mirror-dir "$OUT"}
   step python3 scripts/gpu_accuracy.py --rows "$ACCURACY_ROWS" --suffix _fusion --update
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_fusion.json "$OUT"/ 2>/dev/null
 fi

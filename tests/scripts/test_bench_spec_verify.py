@@ -16,7 +16,8 @@ def test_tiny_on_cpu(tmp_path):
     import bench_spec_verify as bsv
 
     out = bsv.main(["--preset", "tiny", "--device", "cpu", "--k", "0", "2", "--batch", "1", "2", "--steps", "3",
-                    "--ctx", "24", "--json", str(tmp_path / "v.json")])
+                    "--ctx", "24", "--rounds", "2", "--json", str(tmp_path / "v.json")])
+    assert out["rounds"] == 2
     assert [(p["batch"], p["k"]) for p in out["points"]] == [(1, 0), (1, 2), (2, 0), (2, 2)]
     assert all(p["ratio"] == 1.0 for p in out["points"] if p["k"] == 0)
     assert (tmp_path / "v.json").exists()
