@@ -16,6 +16,11 @@ Acceptance length = tokens a speculating request emitted per verifying step (vLL
 acceptance length: 1 + accepted / drafts).  The outputs of the two sides are compared: greedy
 with speculation is greedy without, but for float32 near-ties (a 1+k query sums in another order).
 
+Per request, the steps speculation takes are also counted exactly, without a clock: greedy output
+with speculation is the plain greedy output, so replaying the proposer over the plain output
+(``replay``) gives each request's steps and tokens per step -- which requests the model copies
+and which it rewrites.
+
 ``--batch`` sweeps the batch size (the edit and chat prompts mixed, repeated to fill the batch,
 all at once) with speculation always on: the largest batch at which it still pays is what
 ``SpeculativeConfig.disable_by_batch_size`` defaults to on CPU (``spec_config.py``).
@@ -34,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+import numpy as np  # noqa: E402
 
 TEXTS = [
     "The city library opens at nine in the morning and closes at six in the evening. Visitors can borow up to "
@@ -89,6 +95,25 @@ def timed(eng, prompts, max_tokens: int, at_once: bool) -> tuple[float, list[lis
     return wall, [o.output_token_ids for o in outs], grew
 
 
+def replay(prompt: list[int], output: list[int], k: int, min_n: int, max_n: int) -> dict:
+    """The steps a speculating greedy request takes to emit ``output``: at each step the proposer
+    drafts from the tokens so far, the longest prefix of the drafts that the output continues
+    with is accepted, plus the step's own token (a request's last step drafts no further than
+    its end)."""
+    from ray_attn.spec.ngram import propose_ngram
+
+    tokens = np.array(prompt + output)
+    i = steps = drafted = 0
+    while i < len(output):
+        d = propose_ngram(tokens[:len(prompt) + i], min(k, len(output) - i - 1), min_n, max_n)
+        a = 0
+        while a < len(d) and d[a] == output[i + a]:
+            a += 1
+        i, steps, drafted = i + a + 1, steps + 1, drafted + bool(len(d))
+    return dict(tokens=len(output), steps=steps, tokens_per_step=round(len(output) / max(steps, 1), 2),
+                drafted_steps=drafted)
+
+
 def compare(plain, spec, prompts, max_tokens: int, repeats: int, at_once: bool) -> dict:
     runs = {"plain": [], "spec": []}
     for _ in range(repeats):  # in turn, so that a burst of load hits both sides alike
@@ -99,11 +124,15 @@ def compare(plain, spec, prompts, max_tokens: int, repeats: int, at_once: bool) 
     best = {side: min(w for w, _, _ in r) for side, r in runs.items()}
     g = runs["spec"][0][2]
     same = sum(a == b for a, b in zip(runs["plain"][0][1], runs["spec"][0][1]))
+    prop = spec.spec.proposer  # the engine's NgramProposer: k and the n-gram range it resolved
+    per_request = [] if at_once else [replay(list(p), o, prop.k, prop.min_n, prop.max_n)
+                                      for p, o in zip(prompts, runs["plain"][0][1])]
     return dict(requests=len(prompts), tokens=n_plain, plain_tok_s=n_plain / best["plain"],
                 spec_tok_s=n_spec / best["spec"], speedup=(n_spec / best["spec"]) / (n_plain / best["plain"]),
                 acceptance_length=1 + g["accepted"] / g["drafts"] if g["drafts"] else 1.0,
                 draft_acceptance_rate=g["accepted"] / g["draft_tokens"] if g["draft_tokens"] else 0.0,
-                identical=f"{same}/{len(prompts)}")
+                identical=f"{same}/{len(prompts)}", drafts=g["drafts"], accepted=g["accepted"],
+                per_request=per_request)
 
 
 def break_even(sweep: list[dict]) -> int | None:

@@ -15,6 +15,7 @@ speculation gives is verify cost / acceptance length, reported for each k that f
 
     python scripts/bench_spec_verify.py                          # H200: llama-3-8b, k = 0..8, batch 1
     python scripts/bench_spec_verify.py --batch 1 8 32 64 --k 0 4  # where speculation stops paying
+    python scripts/bench_spec_verify.py --checkpoint smollm2 --device cpu --k 0 1 2 4 --ctx 256 --steps 10
     python scripts/bench_spec_verify.py --preset tiny --device cpu --k 0 2 --steps 4 --ctx 32   # its test
 """
 
@@ -68,6 +69,53 @@ def step_times(engine, sync, batch: int, ctx: int, steps: int, vocab: int, rng) 
     return times
 
 
+def kernel_profile(engine, sync, ctx: int, steps: int, vocab: int, rng) -> dict:
+    """One row's decode steps under torch's profiler: GPU microseconds a step by kernel kind
+    (profile_decode's kinds), to say where a verifying step's extra time goes: kernels or host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_decode import kernel_kinds
+
+    from ray_attn.engine import SamplingParams
+
+    ids = bl.start_decoding(engine, [rng.integers(0, vocab, ctx).tolist()],
+                            [SamplingParams(max_tokens=steps * 12 + 16, ignore_eos=True)])
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    bl.end_requests(engine, ids)
+    kinds = kernel_kinds(prof.key_averages())
+    for r in kinds:
+        r["us"] /= steps
+        r["kernels"] /= steps
+    return dict(gpu_us=sum(r["us"] for r in kinds), kinds=kinds)
+
+
+def host_profile(engine, sync, ctx: int, steps: int, vocab: int, rng) -> dict[str, float]:
+    """One row's decode steps under cProfile: host microseconds a step spent in each function's
+    own code (``tottime``), by ``file:line(function)``."""
+    import cProfile
+    import pstats
+
+    from ray_attn.engine import SamplingParams
+
+    ids = bl.start_decoding(engine, [rng.integers(0, vocab, ctx).tolist()],
+                            [SamplingParams(max_tokens=steps * 12 + 16, ignore_eos=True)])
+    for _ in range(3):
+        engine.step()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        engine.step()
+        sync()
+    pr.disable()
+    bl.end_requests(engine, ids)
+    return {f"{Path(f).name}:{line}({fn})": v[2] / steps * 1e6 for (f, line, fn), v in pstats.Stats(pr).stats.items()}
+
+
 def real_text_itl(points: list[dict]) -> list[dict]:
     """For each (workload, k) bench_spec_decode.json measured: the acceptance length there and the
     ITL it gives with this machine's verify cost at batch 1, as a fraction of plain decode."""
@@ -87,12 +135,16 @@ def real_text_itl(points: list[dict]) -> list[dict]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODEL_PRESETS))
+    ap.add_argument("--checkpoint", default=None, help='a checkpoint to serve instead of --preset ("smollm2": the '
+                    "embedded SmolLM2-135M GGUF, the model bench_spec_decode.py's acceptance lengths come from)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--k", type=int, nargs="+", default=list(range(9)), help="draft tokens per step (0: plain)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens of each row")
     ap.add_argument("--steps", type=int, default=30, help="timed steps a run")
     ap.add_argument("--rounds", type=int, default=3, help="plain/verifying run pairs a point, taken in turn")
+    ap.add_argument("--profile", action="store_true", help="at batch 1: where a verifying step's extra host time "
+                    "goes (cProfile) and, on CUDA, its GPU time by kernel kind")
     ap.add_argument("--json", default=str(RESULTS / "bench_spec_verify.json"))
     args = ap.parse_args(argv)
     from ray_attn.engine import LLMEngine
@@ -100,6 +152,12 @@ def main(argv=None) -> dict:
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     model = ModelConfig(**(MODEL_PRESETS[args.preset] | {"dtype": "bfloat16" if cuda else "float32"}))
+    if args.checkpoint:  # a real checkpoint instead of the preset ("smollm2": the embedded GGUF)
+        from ray_attn.presets import default_gguf
+
+        source = dict(checkpoint=str(default_gguf()) if args.checkpoint == "smollm2" else args.checkpoint)
+    else:
+        source = dict(model=model)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng(0)
     points, info = [], {}
@@ -107,13 +165,14 @@ def main(argv=None) -> dict:
     # second engine's profile would count the first one's memory not yet returned as its own.
     blocks = 2 * max(args.batch) * -(-(args.ctx + args.steps * (max(args.k) + 1) + 64) // 16) + 64
     for k in sorted({k for k in args.k if k > 0} or {1}):  # k = 0: each engine's own plain step
-        cfg = EngineConfig(model=model, cache=CacheConfig(num_blocks=blocks if cuda else 512),
+        cfg = EngineConfig(**source, cache=CacheConfig(num_blocks=blocks if cuda else 512),
                            parallel=ParallelConfig(device="cuda" if cuda else "cpu",
                                                    kernel="auto" if cuda else "torch"),
                            max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, max(args.batch) * (k + 1)),
                            speculative_config=dict(method="ngram", num_speculative_tokens=k, disable_by_batch_size=None))
         engine = LLMEngine(cfg, InProcessExecutor(cfg))
-        proposer = engine.spec.proposer = ForcedDrafts(model.vocab_size)
+        vocab = engine.config.model.vocab_size
+        proposer = engine.spec.proposer = ForcedDrafts(vocab)
         graphs = getattr(engine.executor.worker, "spec_graphs", None)
         try:
             for batch in args.batch:
@@ -124,17 +183,39 @@ def main(argv=None) -> dict:
                     for kk in (0, k):
                         proposer.k = kk
                         drafts0 = engine.spec.stats.num_draft_tokens
-                        times[kk] += step_times(engine, sync, batch, args.ctx, args.steps, model.vocab_size, rng)
+                        times[kk] += step_times(engine, sync, batch, args.ctx, args.steps, vocab, rng)
                         verified = engine.spec.stats.num_draft_tokens - drafts0
                         if kk and verified < kk * batch * args.steps:
                             raise RuntimeError(f"k={kk} batch={batch}: only {verified} drafts verified; the point "
                                                "did not run")
                 ms = {kk: statistics.median(t) * 1e3 for kk, t in times.items()}
                 graphed = bool(graphs is not None and graphs.graphs and batch <= graphs.sizes[-1])
+                prof = {}
+                if args.profile and batch == 1:
+                    host = {}
+                    for kk in (0, k):
+                        proposer.k = kk
+                        host[kk] = host_profile(engine, sync, args.ctx, 10, vocab, rng)
+                    grew = sorted(((host[k].get(f, 0.0) - host[0].get(f, 0.0), f) for f in set(host[0]) | set(host[k])),
+                                  reverse=True)[:12]
+                    prof["host_self_us_growth"] = [dict(function=f, us=round(d, 1)) for d, f in grew]
+                    print(f"  k={k} batch 1 host self time a step, largest growth plain -> verifying: " + ", ".join(
+                        f"{f} +{d:.0f} us" for d, f in grew), flush=True)
+                if args.profile and cuda and batch == 1:
+                    for kk in (0, k):
+                        proposer.k = kk
+                        prof[kk] = kernel_profile(engine, sync, args.ctx, 5, vocab, rng)
+                    kinds = {r["kind"] for kk in (0, k) for r in prof[kk]["kinds"]}
+                    us = {kk: {r["kind"]: r["us"] for r in prof[kk]["kinds"]} for kk in (0, k)}
+                    print(f"  k={k} batch 1 GPU time a step: plain {prof[0]['gpu_us']:.0f} us, verifying "
+                          f"{prof[k]['gpu_us']:.0f} us; by kind (plain -> verifying): " + ", ".join(
+                              f"{n} {us[0].get(n, 0):.0f} -> {us[k].get(n, 0):.0f}" for n in sorted(kinds)), flush=True)
                 if 0 in args.k and not any(p["batch"] == batch and p["k"] == 0 for p in points):
                     points.append(dict(batch=batch, k=0, step_ms=round(ms[0], 3), ratio=1.0, graphed=None))
                 p = dict(batch=batch, k=k, step_ms=round(ms[k], 3), plain_ms=round(ms[0], 3),
                          ratio=round(ms[k] / ms[0], 3), graphed=graphed)
+                if prof:
+                    p["profile"] = {("plain" if kk == 0 else "verify" if kk == k else kk): v for kk, v in prof.items()}
                 points.append(p)
                 print(f"batch {batch:3d}  k={k}  verify {ms[k]:8.3f} ms  plain {ms[0]:8.3f} ms  {p['ratio']:.3f}x"
                       f"{'  (graphs)' if graphed else ''}", flush=True)
@@ -146,7 +227,7 @@ def main(argv=None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
     points.sort(key=lambda p: (p["batch"], p["k"]))
-    out = dict(machine=bl.machine(), preset=args.preset, ctx=args.ctx, steps=args.steps, rounds=args.rounds, kernel=info.get("kernel"),
+    out = dict(machine=bl.machine(), preset=args.preset, checkpoint=args.checkpoint, ctx=args.ctx, steps=args.steps, rounds=args.rounds, kernel=info.get("kernel"),
                cuda_graphs=info.get("cuda_graphs"), points=points, goal=dict(k=4, batch=1, max_ratio=1.15),
                real_text=real_text_itl(points))
     for r in out["real_text"]:

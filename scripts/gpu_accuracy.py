@@ -189,7 +189,8 @@ def spec_rows(default) -> list[Row]:
         if i["spec_identical"] != i["num_prompts"]:
             return (f"speculative greedy differs from plain greedy in {i['num_prompts'] - i['spec_identical']} "
                     f"output(s) (first forks at {i['spec_forks']})")
-        return need(s["spec_num_accepted_tokens"] > 0, "no draft was accepted")
+        return (need(s["spec_num_accepted_tokens"] > 0, "no draft was accepted")
+                or need(s["spec_num_draft_tokens"] > s["spec_num_accepted_tokens"], "no draft was rejected"))
 
     return [
         Row("spec_ngram", prompts="repeating", what="n-gram speculation (k=4): greedy equals plain greedy",
@@ -251,10 +252,40 @@ def grammar(vocab: int):
     return compiler, compiler.compile(spec), spec
 
 
+class PlainRunDrafts:
+    """Drafts from the same model's plain greedy run: for a request at output position i, the
+    plain run's next k tokens, the last of every third draft run made wrong.  With random weights
+    prompt lookup finds nothing the model goes on to say (the rows' drafts were never accepted),
+    so the verifying path -- accepted runs, a rejection inside a run, the bonus token -- would go
+    untested; with these, every step verifies drafts that are mostly right and sometimes not."""
+
+    def __init__(self, prompts, plain, k: int, vocab: int):
+        self.runs = {tuple(p): list(o) for p, o in zip(prompts, plain)}
+        self.k, self.vocab, self.calls = k, vocab, 0
+
+    def propose(self, tokens, k=None):
+        k = self.k if k is None else min(k, self.k)
+        for p, out in self.runs.items():
+            if len(tokens) >= len(p) and tuple(tokens[:len(p)].tolist()) == p:
+                i = len(tokens) - len(p)
+                d = list(out[i:i + k])
+                self.calls += 1
+                if d and self.calls % 3 == 0:
+                    d[-1] = (d[-1] + 1) % self.vocab
+                return np.array(d, dtype=tokens.dtype)
+        return tokens[:0]
+
+
 def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None) -> tuple[list[list[int]], dict, dict]:
     from ray_attn.engine import LLMEngine, SamplingParams
 
+    want = None
+    if row.spec:  # the plain run first: its tokens are the drafts, then what speculation must equal
+        want, _, _ = run_engine(dataclasses.replace(row, spec={}), cfg.model_copy(update={"speculative_config": None}),
+                                prompts, prefix)
     engine = LLMEngine(cfg)
+    if want is not None:
+        engine.spec.proposer = PlainRunDrafts(prompts, want, row.spec["num_speculative_tokens"], cfg.model.vocab_size)
     try:
         if row.warm_prefix:
             engine.generate([prefix[0] + [0]], SamplingParams(max_tokens=1))
@@ -272,8 +303,7 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None) -> tupl
         tokens = [o.output_token_ids for o in outs]
     finally:
         engine.shutdown()
-    if row.spec:
-        want, _, _ = run_engine(dataclasses.replace(row, spec={}), cfg.model_copy(update={"speculative_config": None}), prompts, prefix)
+    if want is not None:
         forks = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
                  for x, y in zip(tokens, want) if x != y]
         info.update(spec_identical=len(prompts) - len(forks), spec_forks=forks)
@@ -391,7 +421,7 @@ class Gate:
                        async_scheduling=info["async"], stats={k: stats[k] for k in (
                            "steps", "cascade_steps", "multi_group_cascade_steps", "local_steps",
                            "preemptions", "prefix_cache_hit_tokens", "host_hit_blocks", "onloaded_blocks",
-                           "spec_num_drafts", "spec_num_accepted_tokens", "spec_mean_acceptance_length") if k in stats})
+                           "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_mean_acceptance_length") if k in stats})
             if row.spec:
                 res.update(spec_identical=info["spec_identical"], spec_forks=info["spec_forks"])
             threshold = ctrl - MARGIN

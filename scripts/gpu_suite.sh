@@ -95,7 +95,7 @@ if [[ $stage == fusion ]]; then
     --json benchmarks/results/profile_decode_kernels_fused.json
   bench scripts/bench_fusion.py
   [[ -n ${OUT:-} ]] && cp benchmarks/results/profile_decode_kernels_fused.json "$OUT"/ 2>/dev/null
-  step timeout 150 python3 scripts/bench_spec_verify.py --batch 1 8 32 --k 1 4 8 --steps 20
+  step timeout 240 python3 scripts/bench_spec_verify.py --batch 1 8 32 --k 1 4 8 --steps 20 --rounds 3 --profile
   [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_spec_verify.json "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == fusion_rows ]]; then

@@ -120,11 +120,12 @@ class TorchKernel(Kernel):
                      v_descale=None, scheduler_metadata=None, return_lse=False, num_splits=0):
         # float64 inputs (the tests' oracle mode) are computed in float64, all else in float32.
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if cpu_decode.supports(q, k_cache, cu_seqlens_q, max_seqlen_q, alibi_slopes, compute):
-            _, lse = cpu_decode.paged_decode(  # a pure decode step, batched (the loop's per-op cost)
+        if cpu_decode.supports(q, k_cache, cu_seqlens_q, max_seqlen_q, alibi_slopes, compute, causal):
+            _, lse = cpu_decode.paged_decode(  # decode or verification, batched (the loop's per-op cost)
                 q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table, scale=scale,
                 window_size=window_size, softcap=softcap, k_descale=_scalar(k_descale),
-                v_descale=_scalar(v_descale), out=out, return_lse=return_lse)
+                v_descale=_scalar(v_descale), out=out, return_lse=return_lse,
+                cu_seqlens_q=cu_seqlens_q if max_seqlen_q > 1 else None, max_seqlen_q=max_seqlen_q)
             return lse if return_lse else None
         _, lse = paged_attention_ref(
             q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,

@@ -12,7 +12,7 @@ down_proj 31.2 -> 28.8 us, qkv 15.3 -> 14.6 us; gate_up (55 us) and the LM head 
 cuBLAS.  At two rows or more cuBLAS's tiles share each weight load across the rows and this
 kernel loses (o_proj 13.2 vs 14.0 us at two rows, 2x slower at four), so it serves one row only.
 Everything else -- other dtypes, wider N, more rows -- is ``F.linear``; float32 on CPU is
-oneDNN's matmul (``use_onednn``).
+oneDNN's matmul or MKL's, by rows and machine (``use_onednn``).
 """
 
 from __future__ import annotations
@@ -127,21 +127,47 @@ def _onednn_available() -> bool:
         return False
 
 
-# float32 on CPU: oneDNN's matmul (the op torch.compile's CPU backend emits) instead of F.linear's
-# MKL sgemm, which ran SmolLM2-135M's decode linears at batch 8 in 64 ms against oneDNN's 36 (2
-# AMD EPYC cores; batch 1: 21 vs 16 ms; scripts/bench_cpu_vs_hf.py).  Same float32 math, another
-# summation order.  RAY_ATTN_CPU_ONEDNN=0 turns it off (read once, at import).
-CPU_ONEDNN = os.environ.get("RAY_ATTN_CPU_ONEDNN", "1") != "0" and _onednn_available()
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# float32 on CPU: oneDNN's matmul (the op torch.compile's CPU backend emits) or F.linear's MKL
+# sgemm, whichever the rows favour.  On 2 AMD EPYC cores oneDNN won at every size (SmolLM2-135M's
+# decode linears at batch 8 in 36 ms against MKL's 64; batch 1: 16 vs 21).  On 2 Intel Xeon cores
+# MKL wins up to 3 rows and loses from 4 (all 30 layers' linears at 1 / 3 / 4 rows: MKL 16.4 /
+# 20.5 / 30.5 ms, oneDNN 24.8 / 31.8 / 33.5; the LM head 4.3 / 5.1 / 9.1 against 4.4 / 6.4 / 6.5):
+# a plain decode step at batch 1 and a step verifying 2 drafts stay on MKL there
+# (``python scripts/bench_cpu_linear.py`` prints this table for the machine it runs on).  The
+# choice is a fixed rule of the vendor and the row count, not a timing taken at start-up, so every
+# process on a machine -- the TP ranks, a test's in-process reference -- sums in the same order.
+# RAY_ATTN_CPU_ONEDNN=1 / 0 forces oneDNN / MKL at every size (read once, at import).
+_ONEDNN_ENV = os.environ.get("RAY_ATTN_CPU_ONEDNN", "auto")
+CPU_ONEDNN = _ONEDNN_ENV != "0" and _onednn_available()
+
+
+def mkl_max_rows(env: str, vendor: str) -> int:
+    """Rows up to which float32 CPU linears stay on MKL (0: oneDNN at every size)."""
+    return 0 if env == "1" else 3 if vendor == "GenuineIntel" else 0
+
+
+CPU_MKL_MAX_ROWS = mkl_max_rows(_ONEDNN_ENV, _cpu_vendor())
 
 
 def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (CPU_ONEDNN and not x.is_cuda and x.dim() == 2 and x.dtype == torch.float32
-            and w.dtype == torch.float32 and w.is_contiguous() and x.is_contiguous())
+    return (CPU_ONEDNN and not x.is_cuda and x.dim() == 2 and x.shape[0] > CPU_MKL_MAX_ROWS
+            and x.dtype == torch.float32 and w.dtype == torch.float32 and w.is_contiguous() and x.is_contiguous())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA, and oneDNN's matmul for
-    float32 on CPU (``use_onednn``)."""
+    float32 on CPU where it is the faster (``use_onednn``)."""
     if use_gemv(x, w):
         return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
     if use_onednn(x, w):

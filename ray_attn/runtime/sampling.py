@@ -143,6 +143,9 @@ class SamplingTensors:
     spec_verify_rows: torch.Tensor | None = None  # long [D]
     spec_draft_ids: torch.Tensor | None = None  # long [D]
     spec_seg_first: torch.Tensor | None = None  # long [R]
+    spec_seg_start: torch.Tensor | None = None  # long [B] each request's first logits row
+    spec_num_drafts: torch.Tensor | None = None  # long [B]
+    spec_max_drafts: int = 0
 
     @classmethod
     def stage(cls, temperatures: np.ndarray, seeds: np.ndarray, sample_index: np.ndarray,
@@ -156,9 +159,12 @@ class SamplingTensors:
         extra: dict = {}
         if spec is not None:
             seg_first, verify_rows = spec_layout(spec.num_draft_tokens)
+            k = np.asarray(spec.num_draft_tokens, np.int64)
             for name, a in (("spec_verify_rows", verify_rows), ("spec_draft_ids", spec.draft_token_ids),
-                            ("spec_seg_first", seg_first)):
+                            ("spec_seg_first", seg_first), ("spec_seg_start", np.cumsum(k + 1) - (k + 1)),
+                            ("spec_num_drafts", k)):
                 i[name] = ints.add(a)
+            extra["spec_max_drafts"] = int(k.max()) if len(k) else 0
         hot = np.nonzero(temperatures > 0)[0]
         if hot.size:
             seeded = seeds[hot] >= 0
@@ -308,7 +314,8 @@ def sample_on_device(logits: torch.Tensor, st: SamplingTensors, generator: torch
         rows = st.logprob_rows_dev
         lp = LogprobsTensors(st.logprob_rows, *compute_logprobs(raw[rows], tokens[rows], st.max_num_logprobs))
     if st.spec_seg_first is not None:  # the rows' tokens after their first rejected draft: -1
-        tokens = reject_drafts(tokens, st.spec_verify_rows, st.spec_draft_ids, st.spec_seg_first)
+        tokens = reject_drafts(tokens, st.spec_verify_rows, st.spec_draft_ids, st.spec_seg_first, st.spec_seg_start,
+                               st.spec_num_drafts, st.spec_max_drafts)
     return tokens, lp
 
 

@@ -52,7 +52,7 @@ def test_batched_decode_equals_the_float64_reference(rng, window, softcap, dtype
     assert want.std() > 0.1
 
 
-def test_the_torch_kernel_takes_the_batched_path_only_for_pure_decode(rng, monkeypatch):
+def test_the_torch_kernel_takes_the_batched_path_only_for_decode_and_verification(rng, monkeypatch):
     lens = [5, 40]
     q, k, v, table, kv_lens = case(rng, lens)
     calls = []
@@ -69,12 +69,42 @@ def test_the_torch_kernel_takes_the_batched_path_only_for_pure_decode(rng, monke
     assert kern.varlen_paged(q, k, v, out2, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
                              **(kw | {"return_lse": False})) is None
     assert calls == [1, 1] and (out2 - want).abs().max().item() < ATOL
-    # A prefill step (two queries for the second sequence) and ALiBi run the reference loop.
+    # A verifying step (two queries for the second sequence) is batched too; a prefill chunk
+    # longer than MAX_QUERY, ALiBi and float64 run the reference loop.
     q3 = torch.cat([q, q[1:]])
     kern.varlen_paged(q3, k, v, torch.empty_like(q3), cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
                       max_seqlen_q=2, **kw)
+    assert calls == [1, 1, 1]
+    n = cpu_decode.MAX_QUERY + 1
+    q4 = torch.randn(n + 1, 8, 32, generator=rng)
+    kern.varlen_paged(q4, k, v, torch.empty_like(q4), cu_seqlens_q=torch.tensor([0, 1, n + 1], dtype=torch.int32),
+                      max_seqlen_q=n, **kw)
     kern.varlen_paged(q, k, v, out, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
                       alibi_slopes=torch.ones(8), **kw)
     kern.varlen_paged(q.double(), k.double(), v.double(), out.double(),
                       cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1, **kw)
-    assert calls == [1, 1]
+    assert calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("window,softcap,dtype", [((-1, -1), 0.0, torch.float32), ((20, 0), 0.0, torch.float32),
+                                                  ((-1, -1), 5.0, torch.bfloat16), ((3, -1), 0.0, torch.float16)])
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_verifying_queries_equal_the_float64_reference(rng, window, softcap, dtype, return_lse):
+    """Ragged causal queries at the end of each sequence (1 + k drafts; one sequence with none in
+    this step): the causal mask among the drafts, each query's own window, the LSE per token."""
+    lens, q_lens = [1, 17, 300, 64, 33, 9], [1, 3, 5, 2, 0, 4]
+    q, k, v, table, kv_lens = case(rng, lens, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 8, 32, generator=rng)
+    assert cpu_decode.supports(q, k, cu, max(q_lens), None, torch.float32)
+    assert not cpu_decode.supports(q, k, cu, max(q_lens), None, torch.float32, causal=False)
+    got, lse = cpu_decode.paged_decode(q, k, v, seqused_k=kv_lens, block_table=table, scale=0.3, window_size=window,
+                                       softcap=softcap, return_lse=return_lse, cu_seqlens_q=cu,
+                                       max_seqlen_q=max(q_lens))
+    want, want_lse = paged_attention_ref(q.double(), k.double(), v.double(), cu_seqlens_q=cu, seqused_k=kv_lens,
+                                         block_table=table, scale=0.3, causal=True, window_size=window,
+                                         softcap=softcap, compute_dtype=torch.float64)
+    assert (got.double() - want).abs().max().item() < ATOL
+    if return_lse:
+        assert (lse.double() - want_lse).abs().max().item() < ATOL
+    assert want.std() > 0.1

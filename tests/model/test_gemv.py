@@ -27,19 +27,31 @@ def inputs(m, n, k, dtype, device, bias, seed=0):
     return x, w, b
 
 
-def test_cpu_float32_is_onednn_within_float64_and_other_dtypes_exactly_f_linear():
-    """float32 on CPU runs oneDNN's matmul (``gemv.use_onednn``): another summation order than
-    F.linear's, so it is held to float64 (70 unit terms: errors ~1e-6; 1e-5 catches a dropped
-    bias or a transposed weight); bfloat16 stays exactly F.linear."""
-    x, w, b = inputs(2, 33, 70, torch.float32, "cpu", True)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9])
+def test_cpu_float32_is_onednn_or_mkl_within_float64_and_other_dtypes_exactly_f_linear(m):
+    """float32 on CPU runs oneDNN's matmul from ``CPU_MKL_MAX_ROWS + 1`` rows (``gemv.use_onednn``),
+    MKL's F.linear below: another summation order than each other, so both are held to float64
+    (70 unit terms: errors ~1e-6; 1e-5 catches a dropped bias or a transposed weight); bfloat16
+    stays exactly F.linear."""
+    x, w, b = inputs(m, 33, 70, torch.float32, "cpu", True)
     assert not G.use_gemv(x, w)
-    assert G.use_onednn(x, w) == G.CPU_ONEDNN
+    assert G.use_onednn(x, w) == (G.CPU_ONEDNN and m > G.CPU_MKL_MAX_ROWS)
     want = F.linear(x.double(), w.double(), b.double())
     assert (G.linear(x, w, b).double() - want).abs().max().item() < 1e-5
     assert (G.linear(x, w).double() - F.linear(x.double(), w.double())).abs().max().item() < 1e-5
     xb, wb, bb = (t.bfloat16() for t in (x, w, b))
     assert not G.use_onednn(xb, wb) and torch.equal(G.linear(xb, wb, bb), F.linear(xb, wb, bb))
     assert not G.use_onednn(x, w.t().contiguous().t())  # a strided weight: F.linear
+
+
+def test_cpu_linear_rule_is_the_vendors_and_the_env_forces_it():
+    """Intel keeps up to 3 rows on MKL, others run oneDNN at every size, RAY_ATTN_CPU_ONEDNN=1 is
+    oneDNN everywhere (=0 turns CPU_ONEDNN off instead); the rule, not a timing, so every process
+    on a machine picks alike."""
+    assert G.mkl_max_rows("auto", "GenuineIntel") == 3
+    assert G.mkl_max_rows("auto", "AuthenticAMD") == 0
+    assert G.mkl_max_rows("1", "GenuineIntel") == 0
+    assert G.mkl_max_rows("auto", "") == 0
 
 
 @pytest.mark.parametrize("m", [1, 3, 4])

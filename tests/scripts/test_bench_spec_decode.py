@@ -27,6 +27,11 @@ def test_main_at_a_tiny_setting(tmp_path):
     # the edit prompt's answer repeats it: drafts are accepted (at most k of them a step)
     assert 1 < edit["acceptance_length"] <= 1 + 3 and edit["identical"] == "1/1"
     assert all(r["identical"] == f"{r['requests']}/{r['requests']}" for r in saved["sweep"])
+    # the replayed proposer takes the engine's own steps: as many drafting steps as it verified
+    # drafts, and tokens - steps accepted tokens (an off-by-one in the replay moves both)
+    for r in saved["rows"]:
+        assert sum(q["drafted_steps"] for q in r["per_request"]) == r["drafts"]
+        assert sum(q["tokens"] - q["steps"] for q in r["per_request"]) == r["accepted"]
     assert saved["break_even_batch"] == bench_spec_decode.break_even(saved["sweep"])
 
 
