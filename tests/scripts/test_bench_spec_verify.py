@@ -23,7 +23,21 @@ def test_tiny_on_cpu(tmp_path):
     assert (tmp_path / "v.json").exists()
     for r in out["real_text"]:
         cost = next(p["ratio"] for p in out["points"] if p["batch"] == 1 and p["k"] == r["k"])
-        assert r["itl_vs_plain"] == pytest.approx(cost / r["acceptance_length"], rel=1e-2)
+        assert r["itl_vs_plain_drafting_steps"] == pytest.approx(cost / r["acceptance_length"], rel=1e-2)
+
+
+def test_real_text_itl_weighs_drafting_and_plain_steps(tmp_path, monkeypatch):
+    """A request of 10 tokens in 6 steps, 4 of them drafting at cost 1.5: ITL (4 x 1.5 + 2) / 10."""
+    import json
+
+    import bench_spec_verify as bsv
+
+    (tmp_path / "bench_spec_decode.json").write_text(json.dumps({"rows": [dict(
+        workload="edit", k=2, acceptance_length=2.0, per_request=[dict(tokens=10, steps=6, drafted_steps=4)])]}))
+    monkeypatch.setattr(bsv, "RESULTS", tmp_path)
+    (r,) = bsv.real_text_itl([dict(batch=1, k=2, ratio=1.5)])
+    assert r["itl_vs_plain"] == pytest.approx(0.8) and r["tokens_per_step"] == pytest.approx(10 / 6, abs=0.01)
+    assert r["itl_vs_plain_drafting_steps"] == pytest.approx(0.75)
 
 
 def test_a_point_whose_drafts_did_not_run_is_an_error(tmp_path, monkeypatch):
