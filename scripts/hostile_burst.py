@@ -18,8 +18,14 @@ request to its last answer): percentiles (p50, p90, p99, max) and how many took 
 poller asks ``--control-path`` (``/stats``: a replica route that awaits nothing), so that what
 /health adds of its own is told apart from what every route of the replica waits.
 
+With ``--api-key`` the burst carries no key -- every answer should be our 401 -- while a client
+with the key asks one short generation after another: alone for ``--idle-s`` first, then through
+the burst (issue 42: its p99 within ``--keyed-p99-ratio`` of the idle run's)::
+
+    python scripts/hostile_burst.py --api-key "$KEY" --requests 1000 --addresses 50 --check
+
 With ``--check`` it exits 1 when any answer is foreign or a /health took longer than
-``--health-deadline`` (or failed).  Writes the counts as JSON (``--output``).
+``--health-deadline`` (or failed), or, keyed, the keyed client failed or its p99 grew too much.  Writes the counts as JSON (``--output``).
 The run is bounded: every request has ``--timeout``, and the poller stops when the burst ends.
 """
 
@@ -94,19 +100,22 @@ async def one_request(client: httpx.AsyncClient, url: str, stream: bool, max_tok
         out.foreign(type(e).__name__, repr(e))
 
 
-def poll_health(url: str, every: float, ready, stop, timeout: float, results) -> None:
+def poll_health(url: str, every: float, ready, stop, timeout: float, results, key: str = "",
+                max_tokens: int = 4) -> None:
     """GET ``url`` every ``every`` s on a fresh connection until ``stop`` is set; put
     ``(polls, failures)`` on ``results``, a poll being (wall time sent, latency) of a 200.  It
     runs in a process of its own: in the burst's event loop it would wait behind 400 coroutines,
     and what it timed would be this client's loop, not the server (a 2-core CI box saw 2 asks in
-    3.7 s, one of them 2.7 s)."""
+    3.7 s, one of them 2.7 s).  With ``key`` it is an authenticated client instead: each ask is
+    a ``max_tokens`` generation on ``url`` with ``Authorization: Bearer <key>``."""
     polls, failures = [], 0
+    body = {"prompt_token_ids": [1, 2, 3, 4], "max_tokens": max_tokens, "ignore_eos": True}
     ready.set()
     while not stop.is_set():
         sent, t0 = time.time(), time.perf_counter()
         try:
             with httpx.Client(timeout=timeout) as c:  # a fresh connection each time
-                r = c.get(url)
+                r = (c.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) if key else c.get(url))
             if r.status_code == 200:
                 polls.append((sent, time.perf_counter() - t0))
             else:
@@ -161,9 +170,25 @@ def proxy_health_url(url: str) -> str:
     return str(u.copy_with(path="/-/healthz", query=None))
 
 
+def keyed_alone(url: str, key: str, seconds: float, max_tokens: int, timeout: float) -> list:
+    """The authenticated client's asks over ``seconds`` with no burst: its idle latencies."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=poll_health, args=(url + "/v1/generate", 0.0, ready, stop, timeout, results, key,
+                                                 max_tokens), daemon=True)
+    proc.start()
+    if not ready.wait(timeout):
+        raise RuntimeError(f"the keyed client did not start within {timeout} s")
+    time.sleep(seconds)
+    stop.set()
+    polls, _ = results.get(timeout=timeout + 30)
+    proc.join(timeout=30)
+    return polls
+
+
 def burst_with_health(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
                       max_tokens: int, timeout: float, health_every: float,
-                      control_path: str = "") -> tuple[Outcome, float, float, tuple, tuple]:
+                      control_path: str = "", key: str = "") -> tuple[Outcome, float, float, tuple, tuple, tuple]:
     """The burst, with pollers in spawned processes from before the first request until after
     the last answer: the app's ``/health``, Serve's proxy's ``/-/healthz`` and, with
     ``control_path``, an app route that awaits nothing (``/stats``).  The proxy's says how long
@@ -172,11 +197,12 @@ def burst_with_health(url: str, requests: int, addresses: int, first_address: in
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     pollers = []
-    targets = [url + "/health", proxy_health_url(url)] + ([url + control_path] if control_path else [])
-    for target in targets:
+    targets = [(url + "/health", "")] + [(proxy_health_url(url), "")] + ([(url + control_path, "")] if control_path
+                                                                        else []) + ([(url + "/v1/generate", key)] if key else [])
+    for target, k in targets:
         ready, results = ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=poll_health, args=(target, health_every, ready, stop, timeout, results),
-                           daemon=True)
+        proc = ctx.Process(target=poll_health, args=(target, 0.0 if k else health_every, ready, stop, timeout, results,
+                                                     k, max_tokens), daemon=True)
         proc.start()
         pollers.append((proc, ready, results))
     try:
@@ -193,7 +219,8 @@ def burst_with_health(url: str, requests: int, addresses: int, first_address: in
         proc.join(timeout=30)
     out.health_polls, out.health_failures = polled[0]
     out.health_s = [lat for _, lat in out.health_polls]
-    return out, wall, began, polled[1], (polled[2] if control_path else ([], 0))
+    return (out, wall, began, polled[1], (polled[2] if control_path else ([], 0)),
+            (polled[-1] if key else ([], 0)))
 
 
 def main(argv=None) -> int:
@@ -210,13 +237,26 @@ def main(argv=None) -> int:
     ap.add_argument("--control-path", default="/stats",
                     help="an app route that awaits nothing, polled beside /health ('' for none)")
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/hostile_burst.json"))
+    ap.add_argument("--api-key", default="", help="the server's API key: the burst then carries none (a flood "
+                    "of 401s) while a client with the key asks one generation after another, alone for "
+                    "--idle-s first, then during the burst; its p99 during / alone is reported")
+    ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--keyed-p99-ratio", type=float, default=1.2, help="--check: the most the keyed p99 may grow")
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     if not 1 <= a.addresses <= 250 - a.first_address + 1:
         ap.error("--addresses: the source addresses must stay within 127.0.0.1-250")
-    out, wall, began, (proxy_polls, proxy_failures), (control_polls, control_failures) = burst_with_health(
-        a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout, a.health_every,
-        a.control_path)
+    idle = keyed_alone(a.url, a.api_key, a.idle_s, a.max_tokens, a.timeout) if a.api_key else []
+    out, wall, began, (proxy_polls, proxy_failures), (control_polls, control_failures), (keyed_polls, keyed_failures) = \
+        burst_with_health(a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout,
+                          a.health_every, a.control_path, a.api_key)
+    keyed = {}
+    if a.api_key:
+        alone = latency_summary(idle, 0.0, math.inf, a.timeout)
+        during = latency_summary(keyed_polls, began, began + wall, a.timeout)
+        ratio = (during["p99_s"] / alone["p99_s"]) if during["p99_s"] and alone["p99_s"] else None
+        keyed = dict(keyed_alone=alone, keyed_during_burst=during, keyed_failures=keyed_failures,
+                     keyed_p99_ratio=None if ratio is None else round(ratio, 3), keyed_p99_ratio_goal=a.keyed_p99_ratio)
     worst = max(out.health_s, default=None)
     proxy_s = [lat for _, lat in proxy_polls]
     report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share,
@@ -230,13 +270,15 @@ def main(argv=None) -> int:
                   **({"control_path": a.control_path, "control_failures": control_failures,
                       "control_during_burst": latency_summary(control_polls, began, began + wall, a.health_deadline)}
                      if a.control_path else {}),
-                  foreign_samples=out.samples)
+                  **keyed, foreign_samples=out.samples)
     print(json.dumps(report, indent=2))
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
     bad = out.num_foreign or out.health_failures or proxy_failures or control_failures \
         or (worst is not None and worst > a.health_deadline) \
-        or not out.health_s
+        or not out.health_s \
+        or (a.api_key and (keyed_failures or not keyed.get("keyed_p99_ratio")
+                           or keyed["keyed_p99_ratio"] > a.keyed_p99_ratio))
     return 1 if a.check and bad else 0
 
 

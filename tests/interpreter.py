@@ -30,3 +30,22 @@ def run_module_interpreted(test_file: str, min_passed: int) -> None:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     passed = re.search(r"(\d+) passed", out.stdout)
     assert passed and int(passed.group(1)) >= min_passed, out.stdout[-2000:]
+
+
+def kernels_mark(triton_module):
+    """Skip a kernel test in a CPU process that is not the interpreter's (or without Triton)."""
+    import pytest
+
+    return pytest.mark.skipif(triton_module is None or not kernels_run_here(),
+                              reason="CPU: run by the module's interpreter test in a subprocess")
+
+
+def interpreter_test(test_file: str, min_passed: int) -> None:
+    """The body of a module's ``test_..._under_the_interpreter``: on CPU, its kernel tests again
+    under TRITON_INTERPRET=1; where the kernels run in-process, a skip."""
+    import pytest
+
+    pytest.importorskip("triton")
+    if kernels_run_here():
+        pytest.skip("the kernels' tests run in this process")
+    run_module_interpreted(test_file, min_passed=min_passed)

@@ -33,6 +33,19 @@ def case(rng, lens, heads=8, kv_heads=2, dim=32, block=16, dtype=torch.float32):
     return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
 
 
+def check_against_reference(q, k, v, table, kv_lens, cu, window, softcap, return_lse, **kw):
+    """The batched path against the float64 reference loop: outputs and (when asked) the LSE."""
+    got, lse = cpu_decode.paged_decode(q, k, v, seqused_k=kv_lens, block_table=table, scale=0.3, window_size=window,
+                                       softcap=softcap, return_lse=return_lse, **kw)
+    want, want_lse = paged_attention_ref(q.double(), k.double(), v.double(), cu_seqlens_q=cu, seqused_k=kv_lens,
+                                         block_table=table, scale=0.3, causal=True, window_size=window,
+                                         softcap=softcap, compute_dtype=torch.float64)
+    assert (got.double() - want).abs().max().item() < ATOL
+    if return_lse:
+        assert (lse.double() - want_lse).abs().max().item() < ATOL
+    assert want.std() > 0.1
+
+
 @pytest.mark.parametrize("window,softcap,dtype", [((-1, -1), 0.0, torch.float32), ((20, 0), 0.0, torch.float32),
                                                   ((-1, -1), 5.0, torch.bfloat16), ((7, -1), 0.0, torch.float16)])
 @pytest.mark.parametrize("return_lse", [True, False])  # False: torch's fused SDPA (without a soft cap)
@@ -41,15 +54,7 @@ def test_batched_decode_equals_the_float64_reference(rng, window, softcap, dtype
     q, k, v, table, kv_lens = case(rng, lens, dtype=dtype)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     assert cpu_decode.supports(q, k, cu, 1, None, torch.float32)
-    got, lse = cpu_decode.paged_decode(q, k, v, seqused_k=kv_lens, block_table=table, scale=0.3,
-                                       window_size=window, softcap=softcap, return_lse=return_lse)
-    want, want_lse = paged_attention_ref(q.double(), k.double(), v.double(), cu_seqlens_q=cu, seqused_k=kv_lens,
-                                         block_table=table, scale=0.3, causal=True, window_size=window,
-                                         softcap=softcap, compute_dtype=torch.float64)
-    assert (got.double() - want).abs().max().item() < ATOL
-    if return_lse:
-        assert (lse.double() - want_lse).abs().max().item() < ATOL
-    assert want.std() > 0.1
+    check_against_reference(q, k, v, table, kv_lens, cu, window, softcap, return_lse)
 
 
 def test_the_torch_kernel_takes_the_batched_path_only_for_decode_and_verification(rng, monkeypatch):
@@ -98,13 +103,5 @@ def test_verifying_queries_equal_the_float64_reference(rng, window, softcap, dty
     q = torch.randn(int(cu[-1]), 8, 32, generator=rng)
     assert cpu_decode.supports(q, k, cu, max(q_lens), None, torch.float32)
     assert not cpu_decode.supports(q, k, cu, max(q_lens), None, torch.float32, causal=False)
-    got, lse = cpu_decode.paged_decode(q, k, v, seqused_k=kv_lens, block_table=table, scale=0.3, window_size=window,
-                                       softcap=softcap, return_lse=return_lse, cu_seqlens_q=cu,
-                                       max_seqlen_q=max(q_lens))
-    want, want_lse = paged_attention_ref(q.double(), k.double(), v.double(), cu_seqlens_q=cu, seqused_k=kv_lens,
-                                         block_table=table, scale=0.3, causal=True, window_size=window,
-                                         softcap=softcap, compute_dtype=torch.float64)
-    assert (got.double() - want).abs().max().item() < ATOL
-    if return_lse:
-        assert (lse.double() - want_lse).abs().max().item() < ATOL
-    assert want.std() > 0.1
+    check_against_reference(q, k, v, table, kv_lens, cu, window, softcap, return_lse, cu_seqlens_q=cu,
+                            max_seqlen_q=max(q_lens))

@@ -17,19 +17,15 @@ import torch
 
 from ray_attn.model import fp8 as F8
 from ray_attn.model import fused
-from tests.interpreter import kernels_run_here, run_module_interpreted
+from tests.interpreter import interpreter_test, kernels_mark
 from tests.model.test_fused import EPS, cos_sin, qk_view, rand, ref_rms_norm, ref_rope, ref_silu_mul, ulp_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernels = pytest.mark.skipif(fused.triton is None or not kernels_run_here(),
-                             reason="CPU: run by test_kernels_under_the_interpreter in a subprocess")
+kernels = kernels_mark(fused.triton)
 
 
 def test_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
-    if kernels_run_here():
-        pytest.skip("the kernels' tests run in this process")
-    run_module_interpreted(__file__, min_passed=20)
+    interpreter_test(__file__, min_passed=20)
 
 
 def assert_codes(qa: F8.QuantizedActivation, y: torch.Tensor):

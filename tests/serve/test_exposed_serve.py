@@ -133,3 +133,28 @@ def test_health_answers_without_a_key_on_a_socket(keyed, served):
     with socket.create_connection(("127.0.0.1", port), timeout=scaled(20)) as s:
         s.sendall(b"GET /keyed/health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_a_burst_without_keys_is_all_401_and_the_keyed_client_is_served_through_it(keyed, tmp_path):
+    """scripts/hostile_burst.py --api-key: 200 requests without a key from 20 addresses, each our
+    401, while a client with the key asks one generation after another, alone first and then
+    through the burst -- none of its asks fails.  Its p99 growth is reported (issue 42's 1.2x is a
+    measurement of an idle machine, README "Serving"), not asserted: on a loaded CI box it says
+    nothing."""
+    import subprocess
+    import sys
+
+    from tests.serve.conftest import REPO
+
+    out = tmp_path / "keyed_burst.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "hostile_burst.py"), "--url", keyed, "--api-key", API_KEY,
+         "--requests", "200", "--addresses", "20", "--first-address", "200", "--max-tokens", "2", "--idle-s", "3",
+         "--timeout", str(scaled(60)), "--health-deadline", str(scaled(60)), "--output", str(out)],
+        capture_output=True, text=True, timeout=scaled(180))
+    report = json.loads(out.read_text()) if out.exists() else {}
+    assert report, proc.stdout + proc.stderr
+    assert report.get("ours_401") == 200 and report["foreign"] == 0, report
+    assert report["keyed_failures"] == 0 and report["keyed_alone"]["n"] > 0, report
+    assert report["keyed_during_burst"]["n"] > 0 and report["keyed_p99_ratio"] > 0, report
+    assert API_KEY not in out.read_text()  # the report names no key

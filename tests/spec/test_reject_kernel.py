@@ -12,18 +12,14 @@ import pytest
 import torch
 
 from ray_attn.runtime import spec_decode as S
-from tests.interpreter import kernels_run_here, run_module_interpreted
+from tests.interpreter import interpreter_test, kernels_mark
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernel = pytest.mark.skipif(S.triton is None or not kernels_run_here(),
-                            reason="CPU: run by test_kernel_under_the_interpreter in a subprocess")
+kernel = kernels_mark(S.triton)
 
 
 def test_kernel_under_the_interpreter():
-    pytest.importorskip("triton")
-    if kernels_run_here():
-        pytest.skip("the kernel's tests run in this process")
-    run_module_interpreted(__file__, min_passed=8)
+    interpreter_test(__file__, min_passed=8)
 
 
 def layout(rng, k: np.ndarray, match: float):
