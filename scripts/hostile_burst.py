@@ -101,13 +101,13 @@ async def one_request(client: httpx.AsyncClient, url: str, stream: bool, max_tok
 
 
 def poll_health(url: str, every: float, ready, stop, timeout: float, results, key: str = "",
-                max_tokens: int = 4) -> None:
+                max_tokens: int = 4, generate: bool = False) -> None:
     """GET ``url`` every ``every`` s on a fresh connection until ``stop`` is set; put
     ``(polls, failures)`` on ``results``, a poll being (wall time sent, latency) of a 200.  It
     runs in a process of its own: in the burst's event loop it would wait behind 400 coroutines,
     and what it timed would be this client's loop, not the server (a 2-core CI box saw 2 asks in
-    3.7 s, one of them 2.7 s).  With ``key`` it is an authenticated client instead: each ask is
-    a ``max_tokens`` generation on ``url`` with ``Authorization: Bearer <key>``."""
+    3.7 s, one of them 2.7 s).  ``key`` goes as ``Authorization: Bearer <key>``; with
+    ``generate`` each ask is a ``max_tokens`` generation POSTed to ``url`` instead of a GET."""
     polls, failures = [], 0
     body = {"prompt_token_ids": [1, 2, 3, 4], "max_tokens": max_tokens, "ignore_eos": True}
     ready.set()
@@ -115,7 +115,8 @@ def poll_health(url: str, every: float, ready, stop, timeout: float, results, ke
         sent, t0 = time.time(), time.perf_counter()
         try:
             with httpx.Client(timeout=timeout) as c:  # a fresh connection each time
-                r = (c.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) if key else c.get(url))
+                auth = {"Authorization": f"Bearer {key}"} if key else {}
+                r = c.post(url, json=body, headers=auth) if generate else c.get(url, headers=auth)
             if r.status_code == 200:
                 polls.append((sent, time.perf_counter() - t0))
             else:
@@ -175,7 +176,7 @@ def keyed_alone(url: str, key: str, seconds: float, max_tokens: int, timeout: fl
     ctx = multiprocessing.get_context("spawn")
     stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=poll_health, args=(url + "/v1/generate", 0.0, ready, stop, timeout, results, key,
-                                                 max_tokens), daemon=True)
+                                                 max_tokens, True), daemon=True)
     proc.start()
     if not ready.wait(timeout):
         raise RuntimeError(f"the keyed client did not start within {timeout} s")
@@ -197,12 +198,14 @@ def burst_with_health(url: str, requests: int, addresses: int, first_address: in
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     pollers = []
-    targets = [(url + "/health", "")] + [(proxy_health_url(url), "")] + ([(url + control_path, "")] if control_path
-                                                                        else []) + ([(url + "/v1/generate", key)] if key else [])
-    for target, k in targets:
+    # (url, key, generate): the control route is keyed too when the server is (/stats needs one)
+    targets = [(url + "/health", "", False), (proxy_health_url(url), "", False)] \
+        + ([(url + control_path, key, False)] if control_path else []) \
+        + ([(url + "/v1/generate", key, True)] if key else [])
+    for target, k, gen in targets:
         ready, results = ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=poll_health, args=(target, 0.0 if k else health_every, ready, stop, timeout, results,
-                                                     k, max_tokens), daemon=True)
+        proc = ctx.Process(target=poll_health, args=(target, 0.0 if gen else health_every, ready, stop, timeout,
+                                                     results, k, max_tokens, gen), daemon=True)
         proc.start()
         pollers.append((proc, ready, results))
     try:
