@@ -212,7 +212,7 @@ class LLMEngine:
     def _admit(self, out, plan):
         if out.num_admitted:
             self._note_cached_tokens(out)
-        self.scheduler.admit(out.num_admitted)
+        self.scheduler.admit(out.admitted)
         return plan
 
     def _note_cached_tokens(self, out) -> None:

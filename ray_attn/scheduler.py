@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from ray_attn.config import EngineConfig
 from ray_attn.planner import Planner
@@ -22,8 +23,10 @@ from ray_attn.request import Request
 class SchedulerOutput:
     """One step's proposal, like vLLM's ``SchedulerOutput``.
 
-    ``reqs`` in row order: running requests first, then ``num_admitted`` from the front of the
-    waiting queue (the last ``num_admitted`` of ``reqs``; still waiting until ``admit``).
+    ``reqs`` in row order: running requests first, then ``num_admitted`` from the waiting queue,
+    in its order (the last ``num_admitted`` of ``reqs``, ``admitted``; still waiting until
+    ``admit``).  They are its front but for requests passed over because every adapter slot is
+    in use (``Scheduler.schedule``).
     ``num_new_tokens[i]`` is what ``reqs[i]`` computes this step -- a parallel list rather than
     vLLM's dict by request id, since the planner consumes it in row order and a step should not
     hash every request id twice."""
@@ -31,6 +34,10 @@ class SchedulerOutput:
     reqs: list[Request]
     num_new_tokens: list[int]
     num_admitted: int
+
+    @property
+    def admitted(self) -> list[Request]:
+        return self.reqs[len(self.reqs) - self.num_admitted:]
 
 
 class Scheduler:
@@ -76,7 +83,10 @@ class Scheduler:
             if req.pending:
                 break  # preempted while its token was out: recompute once the token is back
             if req.lora_request is not None and not self._take_lora_slot(req, reqs):
-                break  # every adapter slot is in use: it waits at the head of the queue
+                # Every adapter slot is in use: it waits, first in line for the next slot that
+                # frees, but the requests behind it that need no new slot (the base model, an
+                # adapter already resident) go ahead -- a full set of slots must not stop the queue.
+                continue
             tokens = req.token_ids
             hit = 0
             if planner.enable_prefix_caching:
@@ -109,10 +119,20 @@ class Scheduler:
         req.sched.lora_slot = slot
         return True
 
-    def admit(self, n: int) -> None:
-        """The planner took the step: its ``n`` admissions leave the queue for the running list."""
-        for _ in range(n):
-            self.running.append(self.waiting.popleft())
+    def admit(self, admitted: list[Request] | int) -> None:
+        """The planner took the step: its admissions (``SchedulerOutput.admitted``; an int: that
+        many from the front) leave the queue for the running list."""
+        if isinstance(admitted, int):
+            for _ in range(admitted):
+                self.running.append(self.waiting.popleft())
+            return
+        if all(a is w for a, w in zip(admitted, islice(self.waiting, len(admitted)))):
+            for _ in admitted:  # the usual case: the front of the queue
+                self.waiting.popleft()
+        else:
+            taken = {id(r) for r in admitted}
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+        self.running.extend(admitted)
 
     def preempt_one(self) -> Request:
         """Free the newest running request's blocks and put it at the front of the queue, to be

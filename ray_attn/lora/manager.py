@@ -9,7 +9,8 @@ alike, and a rank that was restarted reads the adapter again from its folder.
 A slot is taken at admission (``Scheduler.schedule``): the adapter's own slot when it is
 resident, else a free one, else the least recently used slot whose adapter no running request
 (and no request admitted before it in the same step) uses.  With every slot busy the request
-waits at the head of the queue until one frees: a step never stalls for a load beyond the load
+waits, first in line for the next slot that frees, while the requests behind it that need no new
+slot are admitted past it (a full set of slots never stops the queue); a step never stalls for a load beyond the load
 itself, which the rank makes at the start of the one step that first needs it (a copy from its
 host LRU, or a read from disk on a miss).
 """

@@ -114,3 +114,27 @@ def test_unload_waits_for_no_request_and_refuses_by_name(engine, lora_models):
     assert engine.remove_lora(30) and 30 not in engine.list_loras()
     with pytest.raises(LoRAAdapterError, match="unknown adapter"):
         engine.remove_lora(30)
+
+
+def test_a_request_waiting_for_a_slot_does_not_hold_up_the_queue_behind_it(engine, lora_models):
+    """One device slot, held by a running request of adapter A: a request of adapter B must wait,
+    but a base-model request and another of A queued behind it are admitted at once; B runs as
+    soon as A's requests finish, and every request gets all its tokens.  (With the queue stopped
+    at B -- the old admission -- the base request would wait for A's whole run.)"""
+    _, adapters = lora_models
+    a, b = LoRARequest("slot_a", 40, adapters["attn"]), LoRARequest("slot_b", 41, adapters["mlp"])
+    long = SamplingParams(max_tokens=12, ignore_eos=True)
+    p = prompts(4)
+    ra = engine.add_request(p[0], long, lora_request=a)
+    engine.step()  # A takes the only slot
+    rb = engine.add_request(p[1], GREEDY, lora_request=b)
+    rbase = engine.add_request(p[2], GREEDY)
+    ra2 = engine.add_request(p[3], GREEDY, lora_request=a)
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert rbase in running and ra2 in running and rb not in running
+    assert [r.request_id for r in engine.scheduler.waiting] == [rb]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rid, n in ((ra, 12), (rb, 3), (rbase, 3), (ra2, 3)):
+        assert len(engine.output(rid).output_token_ids) == n, rid
