@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable
 
 from ray_attn.lora.config import LoRARequest
-from ray_attn.lora.peft_format import LoRAAdapterError, read_adapter
+from ray_attn.lora.peft_format import LoRAAdapterError, check_adapter
 
 
 class LoRAManager:
@@ -59,10 +59,10 @@ class LoRAManager:
             if other.lora_name == req.lora_name:
                 raise LoRAAdapterError(f"lora_request: adapter name {req.lora_name!r} is already loaded with "
                                        f"lora_int_id {other.lora_int_id}")
-        adapter = read_adapter(req.lora_path, req.lora_name, self.model, self.cfg.max_lora_rank)
+        rank, targets = check_adapter(req.lora_path, req.lora_name, self.model, self.cfg.max_lora_rank)
         self.adapters[req.lora_int_id] = req
-        self.ranks[req.lora_int_id] = adapter.rank
-        self.targets[req.lora_int_id] = adapter.target_modules
+        self.ranks[req.lora_int_id] = rank
+        self.targets[req.lora_int_id] = targets
         return req
 
     def by_name(self, name: str) -> LoRARequest | None:

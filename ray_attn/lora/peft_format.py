@@ -175,3 +175,37 @@ def read_adapter(path: str, name: str, model, max_lora_rank: int) -> PeftAdapter
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         adapter.modules[module] = LoRAModule(a, b, float(scaling))
     return adapter
+
+
+# What the check found (rank, target modules) per adapter folder as its files stand: the Serve
+# handler checks an adapter off the engine thread, and the engine's own check of the same files
+# (``LoRAManager.add``, on the loop thread, between two steps) is then a stat of each file
+# instead of a second read of every tensor -- 23 ms of SmolLM2's rank-16 adapter that every
+# stream would wait (scripts/bench_lora_load.py).  A changed file (mtime or size) is read again.
+_CHECKED: dict[tuple, tuple[int, list[str]]] = {}
+_CHECKED_MAX = 256
+
+
+def _file_key(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def check_adapter(path: str, name: str, model, max_lora_rank: int) -> tuple[int, list[str]]:
+    """``read_adapter``'s check, remembered: the adapter's rank and target modules."""
+    try:
+        files = tuple(_file_key(os.path.join(path, f)) for f in (CONFIG_FILE, WEIGHTS_FILE))
+    except OSError:
+        files = None  # missing: read_adapter names what is wrong
+    key = None if files is None else (os.path.realpath(path), files, repr(base_shapes(model)),
+                                      model.num_hidden_layers, max_lora_rank)
+    hit = _CHECKED.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    adapter = read_adapter(path, name, model, max_lora_rank)
+    found = (adapter.rank, adapter.target_modules)
+    if key is not None:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = found
+    return found

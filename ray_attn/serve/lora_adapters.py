@@ -24,7 +24,7 @@ import threading
 from typing import Optional
 
 from ray_attn.lora import LoRAAdapterError, LoRARequest
-from ray_attn.lora.peft_format import read_adapter
+from ray_attn.lora.peft_format import check_adapter
 from ray_attn.serve.auth import resolve_under
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.loop import current_lora
@@ -54,10 +54,11 @@ class ServedAdapters:
 
     def _add(self, name: str, path: str, field: str) -> LoRARequest:
         try:
-            adapter = read_adapter(path, name, self.model, self.lora_config.max_lora_rank)
+            # checked here, off the engine thread; the engine's own check of the same files is
+            # then a stat each (check_adapter remembers), and the ranks read their own shards
+            check_adapter(path, name, self.model, self.lora_config.max_lora_rank)
         except LoRAAdapterError as e:
             raise HTTPError(400, [(field, f"{field}: {e}")]) from None
-        del adapter  # the engine reads it again on its thread (the ranks read their own shards)
         with self._lock:
             if name in self.by_name:
                 raise HTTPError(400, [(field, f"{field}: adapter {name!r} is already loaded")])

@@ -138,3 +138,30 @@ def test_a_request_waiting_for_a_slot_does_not_hold_up_the_queue_behind_it(engin
         engine.step()
     for rid, n in ((ra, 12), (rb, 3), (rbase, 3), (ra2, 3)):
         assert len(engine.output(rid).output_token_ids) == n, rid
+
+
+def test_an_adapter_checked_once_is_not_read_again_until_its_files_change(lora_models, tmp_path, monkeypatch):
+    """check_adapter remembers what read_adapter found for the files as they stand: the engine
+    thread's check after the Serve handler's is a stat, not a read of every tensor; a rewritten
+    file is read again, and a broken one is refused every time (errors are not remembered)."""
+    from ray_attn.lora import peft_format as pf
+    from tests.lora.peft_fixture import tiny_model
+
+    _, adapters = lora_models
+    folder = shutil.copytree(adapters["attn"], tmp_path / "attn")
+    reads = []
+    real = pf.read_adapter
+    monkeypatch.setattr(pf, "read_adapter", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    model = tiny_model()
+    first = pf.check_adapter(str(folder), "x", model, 8)
+    assert pf.check_adapter(str(folder), "x", model, 8) == first and len(reads) == 1
+    assert pf.check_adapter(str(folder), "x", model, 16) == first and len(reads) == 2  # another limit: checked again
+    cfg = json.load(open(folder / "adapter_config.json"))
+    json.dump(cfg | {"lora_alpha": cfg["lora_alpha"] * 2}, open(folder / "adapter_config.json", "w"), indent=2)
+    pf.check_adapter(str(folder), "x", model, 8)
+    assert len(reads) == 3  # the config changed: read again
+    corrupt(str(folder))
+    for _ in range(2):
+        with pytest.raises(LoRAAdapterError, match="not a readable safetensors"):
+            pf.check_adapter(str(folder), "x", model, 8)
+    assert len(reads) == 5

@@ -1,0 +1,152 @@
+"""What loading an adapter costs the requests already streaming: their ITL p99 with and without loads.
+
+Issue 41: loading an adapter while 32 clients stream adds no more than one step's delay to their
+ITL p99.  ``--clients`` requests decode on one engine (base model), every step timed -- each step
+is one token of every stream, so a step's time is their ITL.  Every ``--load-every`` steps a new
+request arrives: in the control run under an adapter already in its slot (the same LoRA work, no
+load), in the load run under an adapter the engine has never seen (its own folder, so it is read
+from disk); a third run, arrivals under the base model, shows what the adapters' compute adds.  What the engine thread does for
+it sits inside the timed step, as in the Serve loop: ``add_lora`` (the driver checks the folder),
+``add_request``, then the step in which the ranks read the adapter into a free slot and the new
+request's prefill runs -- the same prefill the control run has.  The adapters are PEFT folders of
+random A, B on all seven target modules (``bench_lora.write_adapter``).
+
+Reported: the p50 and p99 of the streams' ITL in both runs, the step of the control run's median
+as "one step", and whether p99(load) <= p99(control) + one step.
+
+    python scripts/bench_lora_load.py --checkpoint smollm2 --device cpu     # SmolLM2 on CPU
+    python scripts/bench_lora_load.py                                       # H200: llama-3-8b bf16
+    python scripts/bench_lora_load.py --preset tiny --device cpu --clients 4 --steps 12 --load-every 3   # its test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import benchlib as bl  # noqa: E402
+from bench_lora import write_adapter  # noqa: E402
+from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
+from ray_attn.lora import LoRAConfig, LoRARequest  # noqa: E402
+
+WARMUP = 3  # steps before timing: the streams' prefill and the first decode steps
+
+
+def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arrivals: list, prompt_len: int,
+                  rng) -> tuple[list[float], int]:
+    """Per-step seconds over ``steps`` decode steps of ``clients`` streams; every ``load_every``
+    steps the next of ``arrivals`` (a LoRARequest, or None: the base model) comes in."""
+    from ray_attn.engine import SamplingParams
+
+    vocab = engine.config.model.vocab_size
+    prompt = lambda: rng.integers(0, vocab, prompt_len).tolist()  # noqa: E731
+    streams = [engine.add_request(prompt(), SamplingParams(max_tokens=steps + WARMUP + 2, ignore_eos=True))
+               for _ in range(clients)]
+    for _ in range(WARMUP):
+        engine.step()
+    times, arrived, pending = [], 0, list(arrivals)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        if load_every and i % load_every == load_every - 1 and pending:
+            lr = pending.pop(0)
+            if lr is not None:
+                engine.add_lora(lr)
+            engine.add_request(prompt(), SamplingParams(max_tokens=2, ignore_eos=True), lora_request=lr)
+            arrived += 1
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    for rid in streams:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times, arrived
+
+
+def summary(times: list[float]) -> dict:
+    ms = np.array(times) * 1e3
+    return dict(steps=len(ms), p50_ms=round(float(np.percentile(ms, 50)), 3), p99_ms=round(float(np.percentile(ms, 99)), 3),
+                max_ms=round(float(ms.max()), 3))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODEL_PRESETS))
+    ap.add_argument("--checkpoint", default=None, help='a checkpoint instead of --preset ("smollm2": the embedded GGUF)')
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=200, help="timed decode steps a run")
+    ap.add_argument("--load-every", type=int, default=10, help="steps between two arrivals (loads)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=4, help="device slots (loads evict the least recent)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--json", default=str(bl.RESULTS / "bench_lora_load.json"))
+    a = ap.parse_args(argv)
+    from ray_attn.engine import LLMEngine
+    from ray_attn.runtime import InProcessExecutor
+
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if a.checkpoint:
+        from ray_attn.presets import default_gguf
+
+        source = dict(checkpoint=str(default_gguf()) if a.checkpoint == "smollm2" else a.checkpoint)
+    else:
+        source = dict(model=ModelConfig(**(MODEL_PRESETS[a.preset] | {"dtype": "bfloat16" if cuda else "float32"})))
+    ctx = a.prompt_len + a.steps + WARMUP + 8
+    cfg = EngineConfig(**source, cache=CacheConfig(num_blocks=(a.clients + 4) * -(-ctx // 16) + 64, enable_prefix_caching=False),
+                       parallel=ParallelConfig(device="cuda" if cuda else "cpu", kernel="auto" if cuda else "torch"),
+                       lora_config=LoRAConfig(max_loras=a.max_loras, max_lora_rank=a.rank, max_cpu_loras=a.max_loras),
+                       max_num_seqs=a.clients + 4, max_num_batched_tokens=max(2048, a.prompt_len * 2))
+    engine = LLMEngine(cfg, InProcessExecutor(cfg))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = engine.config.model
+    n_loads = a.steps // max(a.load_every, 1)
+    rng = np.random.default_rng(0)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            adapters = [LoRARequest(f"load{i}", i + 1, write_adapter(f"{tmp}/a{i}", model, a.rank, i))
+                        for i in range(n_loads)]
+            streaming_run(engine, sync, min(a.clients, 4), 6, 0, [], a.prompt_len, rng)  # warm-up: compile, capture
+            base, _ = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [None] * n_loads, a.prompt_len, rng)
+            resident = LoRARequest("resident", n_loads + 1, write_adapter(f"{tmp}/resident", model, a.rank, 999))
+            streaming_run(engine, sync, 1, 2, 1, [resident], a.prompt_len, rng)  # read, and in its slot
+            loads0 = engine.lora.num_loads
+            control, _ = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [resident] * n_loads,
+                                       a.prompt_len, rng)
+            if engine.lora.num_loads != loads0:
+                raise RuntimeError("the resident adapter was loaded again: the control run is not load-free")
+            loaded, arrived = streaming_run(engine, sync, a.clients, a.steps, a.load_every, adapters, a.prompt_len, rng)
+            slot_loads = engine.lora.num_loads - loads0
+    finally:
+        info = engine.executor.infos[0]
+        engine.shutdown()
+    c, lo, b = summary(control), summary(loaded), summary(base)
+    one_step = c["p50_ms"]
+    out = dict(machine=bl.machine(), preset=a.preset, checkpoint=a.checkpoint, kernel=info.get("kernel"),
+               cuda_graphs=info.get("cuda_graphs"), clients=a.clients, steps=a.steps, load_every=a.load_every,
+               rank=a.rank, max_loras=a.max_loras, adapters_loaded=arrived, slot_loads=slot_loads,
+               base_model_arrivals=b, control=c, with_loads=lo, one_step_ms=one_step, p99_added_ms=round(lo["p99_ms"] - c["p99_ms"], 3),
+               goal_met=bool(lo["p99_ms"] <= c["p99_ms"] + one_step))
+    print(f"{a.clients} streams, {a.steps} steps, an arrival every {a.load_every}: ITL p50 / p99 {b['p50_ms']:.1f} / "
+          f"{b['p99_ms']:.1f} ms with base-model arrivals, {c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms with arrivals "
+          f"under a resident adapter (no loads), {lo['p50_ms']:.1f} / {lo['p99_ms']:.1f} ms with {arrived} adapters "
+          f"loaded ({slot_loads} slot loads); p99 +{out['p99_added_ms']:.1f} ms against one step of "
+          f"{one_step:.1f} ms: goal {'met' if out['goal_met'] else 'NOT met'}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
