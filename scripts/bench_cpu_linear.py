@@ -17,7 +17,6 @@ turn, ``--repeats`` times, the best of each.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -99,8 +98,7 @@ def main(argv=None) -> dict:
     bl.print_table(rows, ["rows", "mkl_layers_ms", "onednn_layers_ms", "mkl_head_ms", "onednn_head_ms", "faster",
                           "picked"], f"float32 linears on {meta['vendor'] or 'this CPU'}, {meta['threads']} threads")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(dict(machine=bl.machine(), **meta, rows=rows), indent=1))
+        bl.write_json(a.json, dict(machine=bl.machine(), **meta, rows=rows))
     return dict(meta, rows=rows)
 
 

@@ -22,7 +22,6 @@ as "one step", and whether p99(load) <= p99(control) + one step.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -143,8 +142,7 @@ def main(argv=None) -> dict:
           f"loaded ({slot_loads} slot loads); p99 +{out['p99_added_ms']:.1f} ms against one step of "
           f"{one_step:.1f} ms: goal {'met' if out['goal_met'] else 'NOT met'}")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1))
+        bl.write_json(a.json, out)
     return out
 
 

@@ -253,8 +253,7 @@ def main(argv=None) -> dict:
             line += f", {r['itl_vs_plain']:.2f}x over all steps ({r['tokens_per_step']:.2f} tokens a step)"
         print(line)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        bl.write_json(args.json, out)
     return out
 
 

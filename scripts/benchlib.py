@@ -170,6 +170,14 @@ def machine() -> dict:
     return info
 
 
+def write_json(path, obj) -> Path:
+    """``obj`` as indented JSON at ``path`` (its folder made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=float))
+    return path
+
+
 def save(name: str, rows: list[dict], **meta) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
