@@ -165,6 +165,14 @@ class PrefixAwareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self.decisions["imbalanced"] += 1
             return [two]
         self.decisions["prefix"] += 1
+        if len(holders) == 1 and self._use_replica_queue_len_cache:
+            # Count the request against its holder now: in a burst, the decisions that follow
+            # this one run before the holder's own answer refreshes Serve's cache, and with the
+            # stale length every one of them would find the holder within the threshold (24 of
+            # 24 to one replica, seen in tests/serve/test_routing.py).  The holder's next answer
+            # overwrites the guess with its true length.
+            h = holders[0].replica_id
+            self._replica_queue_len_cache.update(h, (queue[h] or 0) + 1)
         # The holder first; if it refuses (full), the power-of-two pair is the next rank.
         return [holders, two]
 

@@ -215,6 +215,20 @@ def test_a_holder_too_far_ahead_in_queue_loses_the_request(lead, threshold, affi
     asyncio.run(asyncio.wait_for(go(), 30))
 
 
+def test_a_burst_counts_its_own_requests_against_the_holder():
+    """Decisions made before any replica answers (a burst) see the holder's length grow by the
+    requests already sent to it: with threshold 3 the holder takes 4 (leads 0-3), then the rest
+    go by load.  Read from Serve's stale cache alone, all 8 went to the holder."""
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b")]
+        router = make_router(reps, imbalanced_threshold=3)
+        router.on_request_routed(pending([1, 2]), reps[0].replica_id, None)
+        firsts = [ids(await router.choose_replicas(reps, pending([1, 2, 3])))[0] for _ in range(8)]
+        assert firsts[:4] == [["a"]] * 4 and all(f == ["a", "b"] for f in firsts[4:]), firsts
+        assert router.decisions["prefix"] == 4 and router.decisions["imbalanced"] == 4
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
 def test_min_match_blocks_and_forgotten_replicas():
     async def go():
         reps = [FakeReplica("a"), FakeReplica("b")]

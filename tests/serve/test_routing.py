@@ -151,7 +151,10 @@ def test_imbalanced_load_spreads(app_url, rng):
     on_holder = placed.count(holder)
     print(f"\nburst of 24 on one prefix: {on_holder} on its holder, {24 - on_holder} on the other")
     assert 24 - on_holder >= 1, "the holder took everything although it ran far ahead"
-    assert on_holder > threshold, "affinity must hold while the lead is within the threshold"
+    # The router counts the burst's own requests against the holder (router.py), so the holder
+    # takes threshold + 1 before it leads by too much -- one fewer when Serve's cache still holds
+    # the finished warm-up request as in flight there.
+    assert on_holder >= threshold, "affinity must hold while the lead is within the threshold"
 
 
 def test_client_disconnect_through_the_front_aborts_on_the_replica(app_url, rng):
