@@ -33,14 +33,19 @@ except Exception:  # pragma: no cover - CPU machines without triton
     triton = None
 
 
+def seg_starts(num_draft_tokens: np.ndarray) -> np.ndarray:
+    """Each request's first logits row [B]: its 1 + k rows follow the earlier requests'."""
+    seg_len = np.asarray(num_draft_tokens, np.int64) + 1
+    return np.cumsum(seg_len) - seg_len
+
+
 def spec_layout(num_draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For ``num_draft_tokens`` [B]: per logits row (R = B + sum k of them, row after row), the
     first logits row of its request (``seg_first`` [R]); per draft token (D = sum k, row after
     row), the logits row that verifies it (``verify_rows`` [D]: the position before it)."""
     k = np.asarray(num_draft_tokens, np.int64)
-    seg_len = k + 1
-    seg_start = np.cumsum(seg_len) - seg_len
-    seg_first = np.repeat(seg_start, seg_len)
+    seg_start = seg_starts(k)
+    seg_first = np.repeat(seg_start, k + 1)
     D = int(k.sum())
     verify_rows = np.repeat(seg_start, k) + np.arange(D) - np.repeat(np.cumsum(k) - k, k)
     return seg_first, verify_rows

@@ -42,7 +42,7 @@ def test_kernel_equals_the_torch_formulation(seed, match):
     k[0] = 0  # a request with no drafts this step
     target, drafts, seg_first, verify = layout(rng, k, match)
     want = S.reject_drafts(target, torch.from_numpy(verify), drafts, torch.from_numpy(seg_first))
-    seg_start = torch.from_numpy(np.cumsum(k + 1) - (k + 1)).to(DEVICE)
+    seg_start = torch.from_numpy(S.seg_starts(k)).to(DEVICE)
     got = S.reject_drafts_launch(target.to(DEVICE), drafts.to(DEVICE), seg_start, torch.from_numpy(k).to(DEVICE),
                                  int(k.max()))
     assert torch.equal(got.cpu(), want)
