@@ -8,7 +8,10 @@ are the same shape and layout), so one ``apply_token_bitmask_inplace`` serves bo
 
 A matcher's ``accept(token) -> bool`` and ``terminated`` mean the same for both: the grammar is
 complete once it has taken a stop token, and a refused token leaves the matcher ``terminated``
-for masking (the driver ends that request; rank 0 stops filling its row).
+for masking (the driver ends that request; rank 0 stops filling its row).  Speculative decoding
+adds ``accepts(tokens) -> int`` (how many drafts the grammar takes from here, the state left as it
+is), ``try_accept(token) -> bool`` (take one draft, or refuse it and stay) and ``rollback(n)``
+(forget the last n tokens taken: the rejected drafts).
 """
 
 from __future__ import annotations
@@ -39,6 +42,23 @@ class XgrammarMatcher:
     @property
     def terminated(self) -> bool:
         return self.m.is_terminated()
+
+    def accepts(self, tokens) -> int:
+        n = 0
+        for t in tokens:  # xgrammar refuses a token without moving, and takes none once terminated
+            if not self.m.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            self.m.rollback(n)
+        return n
+
+    def try_accept(self, token_id: int) -> bool:
+        return self.m.accept_token(int(token_id))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
 
     _BATCH: list = []  # one xgrammar BatchGrammarMatcher (its thread pool), made on first use
 
@@ -118,21 +138,46 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class GuidanceMatcher:
     backend = "guidance"
-    __slots__ = ("m", "eos", "done")
+    __slots__ = ("m", "eos", "done", "pushed")
 
     def __init__(self, m, eos: frozenset):
         self.m, self.eos, self.done = m, eos, False
+        # per token taken, whether llguidance counted it: an EOS taken once it has stopped (the
+        # grammar could not go on) moves nothing, and its rollback must not count it
+        self.pushed: list[bool] = []
 
     def accept(self, token_id: int) -> bool:
+        counted = not self.m.is_stopped()
         ok = self.m.consume_token(int(token_id))
         # llguidance stops once the grammar cannot go on and allows only EOS then; like
         # xgrammar's, the grammar is complete when it has taken that EOS
         self.done = not ok or int(token_id) in self.eos
+        if ok:
+            self.pushed.append(counted)
+            if len(self.pushed) > 512:  # a rollback reaches back a step's drafts, no further
+                del self.pushed[:256]
         return ok
 
     @property
     def terminated(self) -> bool:
         return self.done or self.m.is_error()
+
+    def accepts(self, tokens) -> int:
+        if self.terminated:
+            return 0
+        return self.m.validate_tokens([int(t) for t in tokens])
+
+    def try_accept(self, token_id: int) -> bool:
+        return self.accepts([token_id]) == 1 and self.accept(token_id)
+
+    def rollback(self, n: int) -> None:
+        if not n:
+            return
+        if n > len(self.pushed) or self.m.is_error():
+            raise RuntimeError(f"guidance matcher: cannot roll back {n} tokens")
+        self.m.rollback(sum(self.pushed[-n:]))
+        del self.pushed[-n:]
+        self.done = False  # nothing is taken after a stop token, so the last n held it if any
 
     _EXECUTOR: list = []  # one llguidance LLExecutor (its thread pool), made on first use
 

@@ -64,7 +64,9 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
     if constrained:
         if grammars is None:
             raise ValueError("a constrained row needs the engine's GrammarSync")
-        grammars.fill(si, constrained, [reqs[i] for i in constrained])
+        grammars.fill(si, constrained, [reqs[i] for i in constrained],
+                      None if history_ends is None else [history_ends[i] - reqs[i].num_prompt_tokens
+                                                         for i in constrained])
     wants = [i for i in rows if reqs[i].params.logprobs is not None]
     if wants:
         si.logprobs = np.full(B, -1, np.int32)

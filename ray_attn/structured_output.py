@@ -222,6 +222,16 @@ class GrammarState:
     def terminated(self) -> bool:
         return self.matcher.terminated
 
+    def accepts(self, tokens) -> int:
+        """How many of ``tokens`` the grammar takes in order from here; the state stays (drafts)."""
+        return self.matcher.accepts(tokens)
+
+    def try_accept(self, token_id: int) -> bool:
+        return self.matcher.try_accept(token_id)
+
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+
 
 def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
     """int32 [len(states), words]: the rows' allowed next tokens, bit ``id % 32`` of word ``id // 32``.
@@ -257,11 +267,13 @@ class GrammarSync:
             self.matchers.discard(request_id)
             self.drops.append(request_id)
 
-    def fill(self, si, rows: list[int], reqs: list) -> None:
+    def fill(self, si, rows: list[int], reqs: list, counts: list[int] | None = None) -> None:
         """Set ``si``'s grammar fields for the constrained sampling ``rows`` (``reqs`` theirs),
         before this step's placeholders are appended: ``grammar_counts`` are the output tokens
         each row's matcher must have taken before its mask (the newest of them is the row's last
-        input token, which rank 0 takes itself when its matcher is one behind)."""
+        input token, which rank 0 takes itself when its matcher is one behind).  ``counts``
+        overrides them: a speculating request has a row per draft position, the j-th after j
+        drafts (spec/decoder.py), and the drafts are no part of the history sent."""
         new, specs, tokenizers = {}, {}, {}
         for r in reqs:
             g = r.grammar
@@ -277,12 +289,15 @@ class GrammarSync:
                 self.specs[g.spec] = None
             # the output so far without the placeholders of tokens still on the ranks (-1);
             # every real id, 0 included, is part of the matcher's history
-            new[r.request_id] = (g.spec, [t for t in r.output_token_ids if t >= 0])
+            out = r.output_token_ids
+            drafts = getattr(r, "num_drafts", 0)
+            new[r.request_id] = (g.spec, [t for t in (out[:len(out) - drafts] if drafts else out) if t >= 0])
             self.matchers.add(r.request_id)
         trim_oldest(self.specs)
         si.grammar_rows = np.array(rows, np.int32)
         si.grammar_keys = [r.request_id for r in reqs]
-        si.grammar_counts = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32)
+        si.grammar_counts = np.array(counts if counts is not None else
+                                     [len(r.token_ids) - r.num_prompt_tokens for r in reqs], np.int32)
         si.grammar_new, si.grammar_specs = new or None, specs or None
         si.grammar_tokenizer = tokenizers or None
         self.take_drops(si)

@@ -14,10 +14,12 @@ that position), and ``accept`` reads a row's emitted tokens, sets the planner ba
 accepted length (``Planner.rollback``) and drops the drafts.  Rank 0 decides what is accepted
 (``runtime/spec_decode.py``).
 
+Constrained rows (structured outputs) speculate too: their drafts are cut to what the grammar
+takes from the request's state (``GrammarState.accepts``), and rank 0 masks each draft position
+with its matcher advanced through the drafts before it, rolling back the rejected ones at the next
+step (``runtime/grammars.py``).
+
 What does not speculate, and why:
-- constrained rows (structured outputs): rank 0's matcher would have to advance through each
-  draft to mask the next position and roll back the rejected ones; not built yet, so they decode
-  one token a step;
 - a prompt's last chunk: its first token is not sampled yet, so there is nothing to continue;
 - rows whose ``max_tokens`` leave no room (k is cut to what is left, minus the bonus token), and
   every row of a step with more than ``disable_by_batch_size`` running requests.
@@ -85,7 +87,7 @@ class SpecDecoder:
         for i, r in enumerate(out.reqs):
             if budget <= 0:
                 break
-            if (out.num_new_tokens[i] != 1 or r.grammar is not None or r.pending or not r.num_output_tokens
+            if (out.num_new_tokens[i] != 1 or r.pending or not r.num_output_tokens
                     or not planner.has_request(r.request_id)
                     or len(r.token_ids) - planner.num_computed_tokens(r.request_id) != 1):
                 continue
@@ -96,6 +98,8 @@ class SpecDecoder:
                 drafts = self.proposer.propose(r.token_array(), room)
             except Exception:  # noqa: BLE001 -- a proposer that fails leaves the row decoding as usual
                 continue
+            if r.grammar is not None and len(drafts):  # only what the grammar takes from here
+                drafts = drafts[:r.grammar.accepts(drafts)]
             if len(drafts):
                 r.append_drafts(drafts)
                 out.num_new_tokens[i] += len(drafts)

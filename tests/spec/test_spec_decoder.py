@@ -55,11 +55,28 @@ def test_a_decoding_row_gets_the_lookup_drafts_within_max_tokens_and_the_budget(
     assert propose(dec, req, n_running=3).num_new_tokens == [1]
 
 
-def test_prefill_rows_and_constrained_rows_get_none():
+class TakesFirst:
+    """A grammar that takes ``n`` of any drafts from where the request is."""
+
+    def __init__(self, n):
+        self.n, self.asked = n, []
+
+    def accepts(self, tokens):
+        self.asked.append(list(tokens))
+        return min(self.n, len(tokens))
+
+
+def test_a_constrained_row_gets_the_drafts_its_grammar_takes():
     dec, planner, req = setup()
-    req.grammar = object()  # a constrained row: rank 0 masks one position a step
+    req.grammar = TakesFirst(0)
     assert propose(dec, req).num_new_tokens == [1] and req.num_drafts == 0
-    req.grammar = None
+    assert req.grammar.asked == [[3, 4, 5]]  # the lookup's drafts, cut to none
+    req.grammar = TakesFirst(2)
+    assert propose(dec, req).num_new_tokens == [3] and req.token_ids[-2:] == [3, 4] and req.num_drafts == 2
+
+
+def test_prefill_rows_get_none():
+    dec, planner, req = setup()
     out = SchedulerOutput([req], [1], 0)
     req.token_ids.append(9)  # two tokens not computed: a chunk of a prefill, not a decode
     dec.propose(out, 1)

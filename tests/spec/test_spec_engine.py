@@ -5,7 +5,7 @@ too, and drafts are accepted) and random ones (drafts rejected) in the same batc
 Greedy tokens are the same token for token; seeded sampling too (the rejection sampler draws
 each position with the non-speculative sampler's own noise, runtime/spec_decode.py); so are
 penalties, logprobs, stops and max_tokens inside an accepted run, n samples of one prompt,
-preemption and structured outputs (whose rows do not speculate)."""
+and preemption.  Structured outputs with speculation: tests/spec/test_spec_grammar.py."""
 
 from __future__ import annotations
 
@@ -212,49 +212,6 @@ def test_disable_by_batch_size():
     assert eng.spec.stats.num_drafts == 0
     eng.generate(ps[:3], SamplingParams(max_tokens=12))
     assert eng.spec.stats.num_drafts > 0
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from tests.tokenizer_fixture import build_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    build_tokenizer(d, MODEL["vocab_size"])
-    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-
-
-def test_constrained_rows_do_not_speculate_and_keep_their_grammar(tok, engines):
-    """Structured outputs: rank 0's matcher masks one position a step, so a constrained row
-    verifies no drafts (spec/decoder.py); the plain rows beside it still do."""
-    import re
-
-    from ray_attn.structured_output import GrammarCompiler, StructuredOutputsParams
-
-    plain, spec = engines
-    for eng in engines:
-        eng.grammar_compiler = GrammarCompiler(tok, MODEL["vocab_size"], [2])
-    bound = SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"(ab ){30}"))
-    p = prompts(1, 0, seed=3)[0]
-    batch = [p, looping_prompt(plain)]
-    params = [bound, SamplingParams(max_tokens=24)]
-    proposed, propose = [], spec.spec.propose
-
-    def recording(out, n):
-        got = propose(out, n)
-        proposed.extend((r.grammar is not None, r.num_drafts) for r in out.reqs)
-        return got
-
-    spec.spec.propose = recording
-    try:
-        want, got = plain.generate(batch, params), spec.generate(batch, params)
-    finally:
-        del spec.spec.propose
-    assert tokens(got) == tokens(want)
-    assert re.fullmatch(r"(ab ){0,30}(ab?)?", tok.decode(got[0].output_token_ids)), tok.decode(got[0].output_token_ids)
-    assert all(n == 0 for constrained, n in proposed if constrained)
-    assert any(n > 0 for constrained, n in proposed if not constrained)
 
 
 def test_tp2_over_ray_gives_the_single_process_greedy_tokens(shared_ray, engines):
