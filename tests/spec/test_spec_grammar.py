@@ -141,8 +141,26 @@ SPECS = [StructuredOutputsParams(regex=r"(ab ){30}"), StructuredOutputsParams(js
          StructuredOutputsParams(regex=r"(xyz|xy z)+")]
 
 
-@pytest.fixture(scope="module")
-def pair():
+def gpu_engine(spec):
+    """The same engine on the GPU in bf16: FlashAttention, CUDA graphs (plain and verifying)."""
+    from ray_attn.engine import LLMEngine
+    from ray_attn.runtime import InProcessExecutor
+    from tests.spec.test_spec_engine import SPEC, config
+
+    cfg = config(SPEC if spec else None)
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"device": "cuda"}),
+                                 "model": cfg.model.model_copy(update={"dtype": "bfloat16"})})
+    return LLMEngine(cfg, InProcessExecutor(cfg))
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def pair(request):
+    if request.param == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        return gpu_engine(False), gpu_engine(True)
     return engine(None), engine()
 
 
