@@ -6,6 +6,8 @@ as three replicas, one per node (``ingress_max_replicas_per_node: 1``).
 - A front replica killed mid-stream: the clients that reconnect (``X-Request-Id`` +
   ``Last-Event-ID``, ``ray_attn.serve.sse_client``) get the fault-free stream, each event
   once; those that do not get a clean end (a closed stream), never a hang.
+- Serve's HTTP proxy killed mid-stream: every connection is cut at once, the fronts and
+  replicas live on, and the clients reconnect through the proxy Serve starts in its place.
 - Losing a node (its raylet killed with every process on it) while it holds a stream
   mid-decode, a stream in chunked prefill and a non-streaming request -- its front replica dies
   with it: each of them is shown, by replica ids, to have been on the lost node and to have
@@ -207,6 +209,44 @@ def test_a_front_replica_killed_mid_stream_loses_no_stream_that_reconnects(app, 
             assert s.reconnects == 0, (i, s.connections)
     assert any(reconnects[i] for i in on_victim) and not all(reconnects[i] for i in on_victim)
     wait_replicas(APP, 2)  # Serve replaces the killed front
+
+
+def proxy_actor() -> dict:
+    """The head's HTTP proxy (``proxy_location: HeadOnly``): its actor's state record."""
+    import ray
+
+    (proxy,) = [a for a in ray._private.state.actors().values()
+                if a["State"] == "ALIVE" and a["ActorClassName"] == "ProxyActor"]
+    return proxy
+
+
+def test_the_proxy_killed_mid_stream_loses_no_stream_that_reconnects(app, clean, time_limit):
+    """Serve's HTTP proxy dies under six streams (its process SIGKILLed): every connection is cut
+    at once while the fronts, the replicas and the progress stores live on.  The controller
+    starts a new proxy on the same port; each client reconnects through it with its id and
+    Last-Event-ID and gets the fault-free stream, each event once."""
+    time_limit(scaled(300))
+    _, url = app
+    live: dict = {}
+    # the new proxy takes seconds to come up: a client retries a refused connection meanwhile
+    kw = {i: {"on_event": (lambda s, i=i: live.__setitem__(i, s)), "max_connections": 200} for i in range(len(STREAMS))}
+    results, threads = run_streams(url, dict(enumerate(STREAMS)), kw)
+    wait_until(lambda: len(live) == len(STREAMS) and all(len(s.events) >= 2 for s in live.values()), 120,
+               "the streams did not start")
+    old = proxy_actor()
+    os.kill(old["Pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(scaled(200))
+    assert not any(t.is_alive() for t in threads), "a stream hung after the proxy was killed"
+    for i in range(len(STREAMS)):
+        s = results[i]
+        assert not isinstance(s, BaseException), f"stream {i}: {s!r}"
+        assert s.done and tokens_of(s.events) == clean[i], f"stream {i}: {s.error} {s.connections}"
+        assert faults(s) == (0, 0), f"stream {i}: events repeated or skipped: {s.ids}"
+        ok = [c for c in s.connections if c.status == 200]
+        # cut mid-stream: a second connection went on after the events of the first
+        assert s.reconnects >= 1 and len(ok) >= 2 and ok[-1].first_event > 0, (i, s.connections)
+    assert proxy_actor()["ActorID"] != old["ActorID"]
 
 
 def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app, clean, time_limit):
