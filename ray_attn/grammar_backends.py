@@ -49,8 +49,7 @@ class XgrammarMatcher:
             if not self.m.accept_token(int(t)):
                 break
             n += 1
-        if n:
-            self.m.rollback(n)
+        self.rollback(n)
         return n
 
     def try_accept(self, token_id: int) -> bool:

@@ -290,8 +290,7 @@ class GrammarSync:
             # the output so far without the placeholders of tokens still on the ranks (-1);
             # every real id, 0 included, is part of the matcher's history
             out = r.output_token_ids
-            drafts = getattr(r, "num_drafts", 0)
-            new[r.request_id] = (g.spec, [t for t in (out[:len(out) - drafts] if drafts else out) if t >= 0])
+            new[r.request_id] = (g.spec, [t for t in out[:len(out) - r.num_drafts] if t >= 0])
             self.matchers.add(r.request_id)
         trim_oldest(self.specs)
         si.grammar_rows = np.array(rows, np.int32)

@@ -126,8 +126,8 @@ class RankGrammars:
     def _newest_tokens(step: StepInput, previous: StepOutput | None) -> np.ndarray:
         """Each constrained row's last input token, from the plan or from step N's output."""
         plan, rows = step.plan, step.sampling.grammar_rows
-        spec = getattr(step, "spec", None)  # a verifying step samples at each draft's position too
-        pos = plan.attn.query_start_loc[rows + 1] - 1 if spec is None else spec.logits_indices[rows]
+        # a verifying step samples at each draft's position too
+        pos = plan.attn.query_start_loc[rows + 1] - 1 if step.spec is None else step.spec.logits_indices[rows]
         tokens = plan.input_token_ids[pos].astype(np.int64)
         holes = np.flatnonzero(tokens < 0)
         if len(holes):

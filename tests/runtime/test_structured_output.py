@@ -213,7 +213,7 @@ def test_rank_grammars_refuse_a_matcher_out_of_step(tok):
     compiler = GrammarCompiler(tok, VOCAB, [EOS_ID])
     spec = SPECS[1]
     req = SimpleNamespace(request_id="r1", grammar=compiler.matcher(compiler.compile(spec), spec),
-                          token_ids=[5, 6, 7], num_prompt_tokens=3, output_token_ids=[])
+                          token_ids=[5, 6, 7], num_prompt_tokens=3, num_drafts=0, output_token_ids=[])
     plan = SimpleNamespace(attn=SimpleNamespace(query_start_loc=np.array([0, 3], np.int32)),
                            input_token_ids=np.array([5, 6, 7], np.int32))
     sync, rank = GrammarSync(), RankGrammars(VOCAB)
@@ -223,7 +223,7 @@ def test_rank_grammars_refuse_a_matcher_out_of_step(tok):
         sync.fill(si, [0], [req])
         if count is not None:
             si.grammar_counts[:] = count
-        return SimpleNamespace(plan=plan, sampling=si, prev_token_index=None, prev_token_rows=None)
+        return SimpleNamespace(plan=plan, sampling=si, prev_token_index=None, prev_token_rows=None, spec=None)
 
     first = rank.bitmask(step(), None)
     assert first.shape == (1, (VOCAB + 31) // 32) and (first != -1).any()  # a real mask
@@ -261,12 +261,13 @@ def test_a_resent_history_keeps_token_0_and_drops_only_placeholders(backend):
     history = [0, 1, 2]  # "abc": the driver's matcher has taken all three
     assert all(driver.accept(t) for t in history)
     req = SimpleNamespace(request_id="r", grammar=driver, token_ids=[5, 6] + [0, 1, -1], num_prompt_tokens=2,
-                          output_token_ids=[0, 1, -1])  # the 2 still on its way from the step before
+                          num_drafts=0, output_token_ids=[0, 1, -1])  # the 2 still on its way from the step before
     si = SamplingInputs()
     GrammarSync().fill(si, [0], [req])
     plan = SimpleNamespace(attn=SimpleNamespace(query_start_loc=np.array([0, 1], np.int32)),
                            input_token_ids=np.array([-1], np.int32))
-    step = SimpleNamespace(plan=plan, sampling=si, prev_token_index=np.array([0]), prev_token_rows=np.array([0]))
+    step = SimpleNamespace(plan=plan, sampling=si, prev_token_index=np.array([0]), prev_token_rows=np.array([0]),
+                           spec=None)
     got = RankGrammars(V).bitmask(step, SimpleNamespace(token_ids=np.array([2])))
     np.testing.assert_array_equal(got, fill_bitmask([driver]))  # only the stop token now
     assert np.flatnonzero(np.unpackbits(got[0].view(np.uint8), bitorder="little")[:V]).tolist() == [4]
@@ -288,10 +289,10 @@ def test_a_grammar_rank_0_let_go_of_is_sent_again():
     for i, spec in enumerate(specs):
         g = compiler.matcher(compiler.compile(spec), spec)
         req = SimpleNamespace(request_id=f"r{i}", grammar=g, token_ids=[5, 6], num_prompt_tokens=2,
-                              output_token_ids=[])
+                              num_drafts=0, output_token_ids=[])
         si = SamplingInputs()
         sync.fill(si, [0], [req])
-        got = rank.bitmask(SimpleNamespace(plan=plan, sampling=si, prev_token_index=None), None)
+        got = rank.bitmask(SimpleNamespace(plan=plan, sampling=si, prev_token_index=None, spec=None), None)
         np.testing.assert_array_equal(got, fill_bitmask([g]))
         sync.drop(req.request_id)
     assert len(rank.compiled) == len(sync.specs) == MAX_COMPILED and list(rank.compiled) == list(sync.specs)
