@@ -162,8 +162,71 @@ def gguf_fields(path: str) -> dict:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer (with its chat template) transformers builds from the GGUF's metadata."""
+    """The tokenizer (with its chat template) transformers builds from the GGUF's metadata.
+
+    transformers builds it by walking the vocabulary and merges in the metadata (~4.5 s for
+    SmolLM2's 49k tokens on two cores), which every Serve replica, demo and script paid again.
+    So the first build is saved (``save_pretrained``) under ``tokenizer_cache_dir()``, keyed by
+    the file's path, size and mtime and transformers' version, and later loads read that folder
+    (~0.2 s).  A cache that cannot be written is skipped, never an error."""
     from transformers import AutoTokenizer
 
+    cached = _cached_tokenizer_dir(path)
+    if cached is not None and os.path.isfile(os.path.join(cached, _COMPLETE)):
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
+        except Exception:  # a damaged entry: rebuilt from the file below
+            pass
     folder, name = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
+    if cached is not None:
+        _save_tokenizer(tok, cached)
+    return tok
+
+
+_COMPLETE = "ray_attn_complete"  # written last: a folder without it is a save that did not finish
+
+
+def tokenizer_cache_dir() -> str | None:
+    """Where converted GGUF tokenizers are kept: ``RAY_ATTN_CACHE_DIR`` (``0`` or empty: no
+    cache), else ``$XDG_CACHE_HOME/ray_attn`` or ``~/.cache/ray_attn``; ``/tokenizers`` below it."""
+    root = os.environ.get("RAY_ATTN_CACHE_DIR")
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "ray_attn")
+    elif root in ("", "0"):
+        return None
+    return os.path.join(root, "tokenizers")
+
+
+def _cached_tokenizer_dir(path: str) -> str | None:
+    import hashlib
+
+    import transformers
+
+    root = tokenizer_cache_dir()
+    if root is None:
+        return None
+    real, size, mtime = _identity(path)
+    key = hashlib.sha256(f"{real}\0{size}\0{mtime}\0{transformers.__version__}".encode()).hexdigest()[:24]
+    return os.path.join(root, f"{os.path.basename(real)}-{key}")
+
+
+def _save_tokenizer(tok, target: str) -> None:
+    """Save into a fresh folder beside ``target``, then rename it into place: a reader never sees
+    half a save, and of two processes saving at once one rename wins and the other is dropped."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(target))
+    except OSError:
+        return
+    try:
+        tok.save_pretrained(tmp)
+        open(os.path.join(tmp, _COMPLETE), "w").close()
+        shutil.rmtree(target, ignore_errors=True)  # an entry without its marker
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)

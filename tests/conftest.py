@@ -1,7 +1,10 @@
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -11,6 +14,12 @@ import torch
 from tests.timescale import TIME_SCALE, scaled
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# GGUF tokenizers are converted once per run and read back after (ray_attn/gguf_file.py): a cache
+# of this run's own, shared by its subprocesses and Ray workers, and gone with it -- a run neither
+# reads nor fills the user's ~/.cache.
+if "RAY_ATTN_CACHE_DIR" not in os.environ:
+    os.environ["RAY_ATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="ray_attn_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["RAY_ATTN_CACHE_DIR"], True)
 # Serve's controller kills an HTTP proxy that is not ready within 5 s, or whose health check takes
 # 10 s (RAY_SERVE_PROXY_*): on a loaded machine a proxy takes longer just to start, and
 # serve.start() then dies with "ProxyActor ... killed by ray.kill ... never ran".  Ray actors

@@ -186,6 +186,55 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
         want.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
+def test_the_tokenizer_is_built_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The first load builds the tokenizer from the metadata and saves it; the next ones read the
+    saved folder -- the same tokenizer, chat template and special tokens -- until the file
+    changes.  A damaged entry is rebuilt; RAY_ATTN_CACHE_DIR=0 turns the cache off."""
+    import os
+    import time
+
+    from ray_attn import gguf_file
+    from tests.tokenizer_fixture import CHATML, build_tokenizer
+
+    build_tokenizer(tmp_path / "tok", 512)
+    want = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"), local_files_only=True)
+    path = write_gguf(tiny_hf("llama", vocab_size=512), tmp_path / "m.gguf", "Q8_0", tokenizer=want, chat_template=CHATML)
+    monkeypatch.setenv("RAY_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    real = transformers.AutoTokenizer.from_pretrained
+    built = []
+
+    def counting(folder, *a, **kw):
+        if kw.get("gguf_file"):
+            built.append(kw["gguf_file"])
+        return real(folder, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    text, msgs = "hello world, café naïve — 日本語 🚀", [{"role": "user", "content": "hello"}]
+
+    def same(tok):
+        assert tok.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False)
+        assert (tok.eos_token_id, tok.bos_token_id, tok.all_special_ids) == \
+            (want.eos_token_id, want.bos_token_id, want.all_special_ids)
+        assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            want.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    for _ in range(2):
+        same(gguf_file.load_tokenizer(str(path)))
+    assert built == ["m.gguf"]  # built once, then read back
+    (entry,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    (entry / "tokenizer.json").write_text("{not json")  # damaged: rebuilt, and saved anew
+    same(gguf_file.load_tokenizer(str(path)))
+    same(gguf_file.load_tokenizer(str(path)))
+    assert built == ["m.gguf"] * 2
+    time.sleep(0.01)
+    os.utime(path)  # the file changed: built again, under a new key
+    same(gguf_file.load_tokenizer(str(path)))
+    assert built == ["m.gguf"] * 3 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+    monkeypatch.setenv("RAY_ATTN_CACHE_DIR", "0")
+    same(gguf_file.load_tokenizer(str(path)))
+    assert built == ["m.gguf"] * 4
+
+
 @pytest.mark.parametrize("model_type,qtype,with_tokenizer", [("llama", "Q8_0", True), ("qwen2", "F16", False),
                                                               ("qwen3", "Q4_0", False)])
 def test_the_config_is_the_one_transformers_reads(tmp_path, model_type, qtype, with_tokenizer):
