@@ -182,7 +182,9 @@ def test_a_rank_that_never_joins_raises_instead_of_hanging(ray_local, monkeypatc
     from ray_attn.runtime import cluster
     from ray_attn.runtime.worker import AttentionWorker
 
-    monkeypatch.setattr(cluster, "STARTUP_TIMEOUT_S", scaled(10))
+    # Long enough for both ranks to start (about 1 s each here, idle) and reach the join, where
+    # the one that never joins holds the group until the deadline.
+    monkeypatch.setattr(cluster, "STARTUP_TIMEOUT_S", scaled(5))
     monkeypatch.setattr(cluster.AttentionCluster, "worker_cls",
                         type("NeverJoinsWorker", (_NeverJoins, AttentionWorker), {}))
     before = ray.available_resources().get("CPU", 0)
