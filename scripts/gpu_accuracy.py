@@ -276,14 +276,16 @@ class PlainRunDrafts:
         return tokens[:0]
 
 
-def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None) -> tuple[list[list[int]], dict, dict]:
+def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None,
+               executor: str = "ray") -> tuple[list[list[int]], dict, dict]:
     from ray_attn.engine import LLMEngine, SamplingParams
+    from ray_attn.runtime import InProcessExecutor
 
     want = None
     if row.spec:  # the plain run first: its tokens are the drafts, then what speculation must equal
         want, _, _ = run_engine(dataclasses.replace(row, spec={}), cfg.model_copy(update={"speculative_config": None}),
-                                prompts, prefix)
-    engine = LLMEngine(cfg)
+                                prompts, prefix, executor=executor)
+    engine = LLMEngine(cfg, InProcessExecutor(cfg) if executor == "in_process" and row.tp == 1 else None)
     if want is not None:
         engine.spec.proposer = PlainRunDrafts(prompts, want, row.spec["num_speculative_tokens"], cfg.model.vocab_size)
     try:
@@ -359,8 +361,10 @@ class Controls:
 class Gate:
     """Checkpoints, prompts and HF controls for one machine; ``run(row)`` scores one row."""
 
-    def __init__(self, gpu: bool, workdir: str, init: str = "alive"):
-        self.gpu, self.workdir, self.init = gpu, workdir, init
+    def __init__(self, gpu: bool, workdir: str, init: str = "alive", executor: str = "ray"):
+        # executor "in_process": TP=1 rows run their rank in this process instead of a Ray actor
+        # (the CPU tests: an actor's start is a third of a tiny row's time there)
+        self.gpu, self.workdir, self.init, self.executor = gpu, workdir, init, executor
         self.size = hf.GPU_SIZE if gpu else hf.CPU_SIZE
         self.window, self.chunk = (384, 512) if gpu else (40, 48)
         # Llama 4's checkpoints: chunk 256 (decode crosses boundaries), and one chunk long enough
@@ -404,7 +408,8 @@ class Gate:
             cfg = engine_config(row, folder, self.gpu, 4096 if row.cache.get("block_size", 16) == 16 else 256)
             adapters = lora.write_adapters(folder, self.workdir) if row.lora else None
             outs, stats, info = run_engine(row, cfg, prompts, self.prompts["_prefix"],
-                                           lora.requests(adapters, len(prompts)) if row.lora else None)
+                                           lora.requests(adapters, len(prompts)) if row.lora else None,
+                                           executor=self.executor)
             c = self.controls
             attn_ref = c.attention(row, cfg)
             if row.lora:

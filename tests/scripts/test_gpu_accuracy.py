@@ -1,5 +1,5 @@
 """The accuracy gate (scripts/gpu_accuracy.py) on CPU: tiny checkpoints written by transformers,
-the engine on Ray CPU actors with the torch kernel.  Both sides compute float32 there, so a
+the engine with the torch kernel (its rank in this process; on Ray CPU actors through the CLI).  Both sides compute float32 there, so a
 correct engine agrees with HF's argmax on (nearly) every token; a gate that passes a broken engine
 is worth nothing, so a row with a wrong RoPE base must fail it."""
 
@@ -19,7 +19,9 @@ import gpu_accuracy as ga  # noqa: E402
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory, shared_ray):
-    return ga.Gate(gpu=False, workdir=str(tmp_path_factory.mktemp("ckpt")))
+    # Each row's rank in this process: the same engine and model, without an actor's start per row.
+    # The rows' path through Ray actors, as the script runs them, is test_cli_writes_the_result_file's.
+    return ga.Gate(gpu=False, workdir=str(tmp_path_factory.mktemp("ckpt")), executor="in_process")
 
 
 def rows(gate, *names):
@@ -118,3 +120,4 @@ def test_cli_writes_the_result_file(tmp_path, shared_ray, monkeypatch, capsys):
     assert [x["row"] for x in saved["rows"]] == ["async_off"] and saved["rows"][0]["passed"]
     assert "1/1 rows passed" in stdout
     assert ray.is_initialized(), "a Ray the script did not start stays up"
+    assert ga.Gate(gpu=False, workdir=str(tmp_path)).executor == "ray"  # the script's rows ran on Ray actors
