@@ -129,23 +129,30 @@ def run(args, loss: str) -> dict:
         for t in threads:
             t.start()
         time.sleep(max(0.0, start + args.loss_at - time.monotonic()))
-        with lock:
-            live = [r for r in records if r.s is not None and not r.s.done and r.s.connections]
         head = sim.cluster.head_node.node_id
+        # --loss-wait-for-hit: a loss that would hit no stream waits (up to that long) for one
+        wait_until = time.monotonic() + args.loss_wait_for_hit
+        while True:
+            with lock:
+                live = [r for r in records if r.s is not None and not r.s.done and r.s.connections]
+            if loss.startswith("worker-node"):
+                on_node: dict[str, int] = {}
+                for r in live:
+                    node = nodes.get(r.s.connections[0].replica)
+                    if node is not None:
+                        on_node[node] = on_node.get(node, 0) + 1
+                victim = max(on_node, key=on_node.get) if on_node else next(iter(nodes.values()))
+                hit = on_node.get(victim, 0)
+            else:  # the head's front replica
+                uid, actor = next((u, a) for u, a in fronts.items() if a["Address"]["NodeID"] == head)
+                hit = sum(r.s.connections[0].front == uid for r in live)
+            if hit or time.monotonic() >= min(wait_until, start + args.duration):
+                break
+            time.sleep(0.02)
+        t_loss = time.monotonic() - start
         if loss.startswith("worker-node"):
-            on_node: dict[str, int] = {}
-            for r in live:
-                node = nodes.get(r.s.connections[0].replica)
-                if node is not None:
-                    on_node[node] = on_node.get(node, 0) + 1
-            victim = max(on_node, key=on_node.get) if on_node else next(iter(nodes.values()))
-            hit = on_node.get(victim, 0)
-            t_loss = time.monotonic() - start
             sim.remove(sim.node_of(victim))
-        else:  # the head's front replica
-            uid, actor = next((u, a) for u, a in fronts.items() if a["Address"]["NodeID"] == head)
-            hit = sum(r.s.connections[0].front == uid for r in live)
-            t_loss = time.monotonic() - start
+        else:
             os.kill(actor["Pid"], signal.SIGKILL)
         for t in threads:
             t.join(stretched(300))
@@ -153,10 +160,20 @@ def run(args, loss: str) -> dict:
               f"checking against fault-free answers", flush=True)
 
         want: dict[tuple[int, int], list[int]] = {}
+
+        def ask(c: httpx.Client, r: Record) -> None:
+            b = dict(body(r.client, r.turn), stream=False)
+            want[(r.client, r.turn)] = c.post(url + "/v1/generate", json=b).json()["token_ids"]
+
         with httpx.Client(timeout=stretched(120)) as c:
-            for r in records:
-                b = dict(body(r.client, r.turn), stream=False)
-                want[(r.client, r.turn)] = c.post(url + "/v1/generate", json=b).json()["token_ids"]
+            if args.check_clients <= 1:
+                for r in records:
+                    ask(c, r)
+            else:  # the same requests, several at a time (--check-clients)
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(args.check_clients) as pool:
+                    list(pool.map(lambda r: ask(c, r), records))
         from ray_attn.serve import progress_store
 
         logs = {r.s.request_id: progress_store.find("bench", r.s.request_id) for r in records}
@@ -233,6 +250,11 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     ap.add_argument("--loss-at", type=float, default=10.0, help="seconds into the load")
+    ap.add_argument("--loss-wait-for-hit", type=float, default=0.0,
+                    help="seconds the loss may wait past --loss-at (within --duration) for a stream on its "
+                         "victim to hit (default 0: the loss falls at --loss-at, hit or not)")
+    ap.add_argument("--check-clients", type=int, default=1,
+                    help="requests in flight while asking the fault-free answers (default 1: one at a time)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated, of {', '.join(LOSSES)}")
     ap.add_argument("--output", default=str(RESULTS / "bench_node_loss.json"))
@@ -242,8 +264,10 @@ def main(argv=None) -> int:
     bad = [x for x in losses if x not in LOSSES]
     if bad or not losses:
         ap.error(f"--losses: {bad or 'none'}: each must be one of {', '.join(LOSSES)}")
-    if a.nodes < 2:
-        ap.error("--nodes: at least 2 (one is lost)")
+    if a.nodes < (2 if any(x.startswith("worker-node") for x in losses) else 1):
+        ap.error("--nodes: at least 2 (one is lost); 1 with only --losses head-front")
+    if a.loss_wait_for_hit < 0 or a.check_clients < 1:
+        ap.error("--loss-wait-for-hit must be >= 0 and --check-clients >= 1")
     if not 0 < a.loss_at < a.duration:
         ap.error("--loss-at: must fall within --duration")
     rows = [run(a, loss) for loss in losses]

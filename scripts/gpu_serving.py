@@ -128,11 +128,12 @@ class Suite:
         d = self.args.deadline_s
         return d is not None and time.perf_counter() - self.t0 > d - margin_s
 
-    def save(self) -> None:
+    def save(self, final: bool = False) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.out, indent=1, default=float) + "\n")
         png = self.path.with_suffix(".png")
-        plot_latency_vs_rate(self.out["configs"], png, f"{self.args.preset}, TP={self.args.tp}")
+        if final or not self.args.final_plot_only:
+            plot_latency_vs_rate(self.out["configs"], png, f"{self.args.preset}, TP={self.args.tp}")
         if self.args.mirror_dir:
             for p in (self.path, png):
                 if p.exists():
@@ -303,8 +304,9 @@ class Suite:
             step("decode_64x4k", lambda: self.decode(engine, 64, 4096))
             if first and a.tp == 1 and a.capacity:
                 n_cap = max(2, round(256 * a.scale))
-                in_len = min(4096, engine.config.model.max_position_embeddings - 129)
-                step("kv_capacity", lambda: self.capacity(engine, n_cap, in_len))
+                out_len = a.capacity_output_len
+                in_len = min(a.capacity_input_len, engine.config.model.max_position_embeddings - out_len - 1)
+                step("kv_capacity", lambda: self.capacity(engine, n_cap, in_len, out_len))
             for key in [f"random_rate_{r}" for r in RATES] + ["prefix_repetition_rate_inf"]:
                 step(key, lambda w=works[key]: self.serve(engine, w))
             if first and a.budget_sweep:
@@ -335,8 +337,8 @@ class Suite:
                                                         met=eff >= GOALS["tp_efficiency_64x4k"])
         self.save()
 
-    def capacity(self, engine, n: int, input_len: int) -> dict:
-        r = measure_capacity(engine, n, input_len, 128, seed=self.seed("kv_capacity"))
+    def capacity(self, engine, n: int, input_len: int, output_len: int = 128) -> dict:
+        r = measure_capacity(engine, n, input_len, output_len, seed=self.seed("kv_capacity"))
         print_capacity(r)
         path = Path(self.args.result_dir) / "kv_capacity.json"
         path.write_text(json.dumps(r, indent=1, default=float) + "\n")
@@ -363,6 +365,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated workload names to run; the rest are marked skipped")
     p.add_argument("--no-capacity", dest="capacity", action="store_false", help="skip kv_capacity")
+    p.add_argument("--capacity-input-len", type=int, default=4096,
+                   help="kv_capacity's prompt length (at most the model's context less the output)")
+    p.add_argument("--capacity-output-len", type=int, default=128, help="kv_capacity's output tokens")
     p.add_argument("--budget-sweep", default="2048",
                    help="token budgets for the random_rate_16 sweep on the first config ('' for none)")
     p.add_argument("--no-tp1-baseline", dest="tp1_baseline", action="store_false",
@@ -371,6 +376,8 @@ def parser() -> argparse.ArgumentParser:
                    "after _{preset} for presets other than llama-3-8b / tiny)")
     p.add_argument("--result-dir", default=str(RESULTS))
     p.add_argument("--mirror-dir", default=None, help="also copy the results here after each workload ($OUT)")
+    p.add_argument("--final-plot-only", action="store_true",
+                   help="draw the .png once, at the end, not after every workload (the JSON is still saved after each)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no workload after this many seconds (the rest are marked skipped)")
     return p
@@ -398,6 +405,8 @@ def main(argv=None) -> int:
             a.suffix = f"_{a.preset}{a.suffix}"
     if a.tp < 1 or not a.scale > 0 or any(b < 1 for b in a.budget_sweep):
         p.error("--tp must be >= 1, --scale > 0 and every --budget-sweep value >= 1")
+    if a.capacity_input_len < 1 or a.capacity_output_len < 1:
+        p.error("--capacity-input-len and --capacity-output-len must be >= 1")
     if a.tp > 1 and a.executor != "ray":
         p.error("--tp > 1 needs --executor ray")
     dtypes = [d for d in a.kv_dtypes.split(",") if d]
@@ -421,7 +430,7 @@ def main(argv=None) -> int:
         suite.run_config(d, first=i == 0, weights=wt)
     suite.out["fp8_weights_goals"] = fp8_weights_goals(suite.out["configs"])
     suite.out["total_s"] = time.perf_counter() - t0
-    suite.save()
+    suite.save(final=True)
     for conf in suite.out["configs"]:
         for k, g in conf.get("goals", {}).items():
             print(f"{conf['name']:>10} {k:<45} {g['value']:.3f} (goal {g['goal']}) {'met' if g['met'] else 'MISSED'}")

@@ -43,8 +43,11 @@ def run(*args, timeout=scaled(120)) -> subprocess.CompletedProcess:
 
 def run_here(capsys, *args) -> subprocess.CompletedProcess:
     """The script's main in this process: replicas on the run's Ray (``shared_ray``) instead of a
-    Ray the subprocess starts (~10 s on two cores).  The CLI itself (exit status, messages on
-    stderr) is run as a subprocess by the tests of bad input above and below."""
+    Ray the subprocess starts (~10 s on two cores), and no interpreter start and imports (~2 s a
+    run) for the refused inputs.  Its return value is the exit status (``sys.exit(main())``);
+    what it prints to stdout and stderr is captured.  The CLI itself (exit status 0 and 2,
+    messages on stderr) is run as a subprocess by ``test_in_process_output_...``,
+    ``test_the_cli_exits_2_...`` and the killed run."""
     sys.path.insert(0, str(SCRIPT.parent))
     import batch_generate
 
@@ -81,13 +84,24 @@ def test_in_process_output_in_input_order_equals_generate(tmp_path):
     (json.dumps({"prompt_token_ids": [1] * 1000, "max_tokens": 1100}),
      ":2: max_tokens: prompt of 1000 tokens + max_tokens=1100 exceeds the model's 2048-token context"),
 ])
-def test_bad_line_stops_before_any_work_naming_line_and_field(tmp_path, line, needle):
+def test_bad_line_stops_before_any_work_naming_line_and_field(tmp_path, line, needle, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text('{"prompt_token_ids": [1, 2, 3]}\n' + line + "\n")
-    proc = run("--input", inp, "--output", out, "--executor", "in_process")
+    proc = run_here(capsys, "--input", inp, "--output", out, "--executor", "in_process")
     assert proc.returncode == 2
     assert needle in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_the_cli_exits_2_naming_line_and_field_on_stderr(tmp_path):
+    """One refused input through the command line: its exit status and stderr (the cases above
+    call main in this process)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt_token_ids": [1], "colour": 1}\n')
+    proc = run("--input", inp, "--output", out, "--executor", "in_process")
+    assert proc.returncode == 2
+    assert ":2: colour: unknown field" in proc.stderr, proc.stderr
+    assert not proc.stdout and not out.exists()
 
 
 # ------------------------------------------------------------------- several engines, resuming
@@ -146,7 +160,7 @@ def test_resume_keeps_finished_records_and_redoes_the_rest(tmp_path, shared_ray,
     assert [r["token_ids"] for i, r in enumerate(rows) if i != 7] == [w for i, w in enumerate(want) if i != 7]
 
 
-def test_a_killed_run_resumes_where_it_stopped(tmp_path):
+def test_a_killed_run_resumes_where_it_stopped(tmp_path, capsys):
     """Kill -9 a resumable run (one in-process engine, no Ray) once a few lines are out: every
     line written survives, and --resume finishes the rest with the engine's tokens."""
     import os
@@ -172,7 +186,7 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     before = out.read_text()
     written = before[:before.rfind("\n") + 1].count("\n")
     assert 3 <= written < len(bodies), "the kill must land mid-run"
-    again = run("--input", inp, "--output", out, "--executor", "in_process", "--resume")
+    again = run_here(capsys, "--input", inp, "--output", out, "--executor", "in_process", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["skipped"] == written
     assert out.read_text().startswith(before[:before.rfind("\n") + 1])
@@ -185,12 +199,12 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     ("not json\n", ['{"prompt_token_ids": [1]}'], "out.jsonl:1: not a result line"),
     ('{"id": "x"}\n', ['{"prompt_token_ids": [1]}'], "out.jsonl:1: not a result line"),
 ])
-def test_resume_refuses_ambiguous_input_and_foreign_output(tmp_path, existing, lines, needle):
+def test_resume_refuses_ambiguous_input_and_foreign_output(tmp_path, existing, lines, needle, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     if existing is not None:
         out.write_text(existing)
-    proc = run("--input", inp, "--output", out, "--executor", "in_process", "--resume")
+    proc = run_here(capsys, "--input", inp, "--output", out, "--executor", "in_process", "--resume")
     assert proc.returncode == 2
     assert needle in proc.stderr, proc.stderr
     assert out.read_text() == existing if existing is not None else not out.exists()

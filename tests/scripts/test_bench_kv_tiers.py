@@ -1,4 +1,6 @@
-"""scripts/bench_kv_tiers.py at a tiny size on CPU, each part in a subprocess: the JSON's shape,
+"""scripts/bench_kv_tiers.py at a tiny size on CPU, its main called here (no interpreter start and
+imports per run; the share and breakeven parts on the run's Ray, ``shared_ray``, with a node store
+of the script's own making, as in a Ray of its own): the JSON's shape,
 greedy tokens identical between the runs of a part, and the tiers hit where they should be (the
 device cache is capped below the working set, so the tier-off runs recompute what the tier-on
 runs copy back or fetch).  The report renders the section from what the script wrote."""
@@ -8,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.timescale import scaled
+from tests.timescale import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--users", "6", "--turns", "2", "--doc-tokens", "64", "--question-tokens", "8", "--answer-tokens", "4",
@@ -21,10 +22,55 @@ TINY = ["--users", "6", "--turns", "2", "--doc-tokens", "64", "--question-tokens
 
 
 def run_script(out: Path, *args) -> str:
-    cmd = [sys.executable, "scripts/bench_kv_tiers.py", *TINY, "--output", str(out), *args]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(400))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
+    """The script's main in this process (it returns 0 or raises); what it printed.  It sets
+    torch's thread count (``--threads``, 1): this process's is put back after."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_kv_tiers
+
+    threads, text = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            assert bench_kv_tiers.main([*TINY, "--output", str(out), *args]) == 0
+    except BaseException:
+        print(text.getvalue()[-3000:])  # shown with the failure
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    return text.getvalue()
+
+
+def kill_node_store() -> None:
+    """This node's KV store, if any, killed and forgotten: the next ``node_store`` call makes one
+    with the caller's capacity (an earlier test's store would have its own; this one's would be
+    found by a later test)."""
+    import ray
+
+    from ray_attn.runtime import kv_store
+
+    name = kv_store.store_name(ray.get_runtime_context().get_node_id())
+    kv_store.forget_store(name)
+    try:
+        ray.kill(ray.get_actor(name, namespace=kv_store.STORE_NAMESPACE))
+    except ValueError:
+        return
+
+    def gone():
+        try:
+            ray.get_actor(name, namespace=kv_store.STORE_NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    assert wait_for(gone, 30), f"store {name} still registered after ray.kill"
+
+
+@pytest.fixture
+def own_node_store(shared_ray):
+    kill_node_store()
+    yield
+    kill_node_store()
 
 
 def rows_of(data: dict, part: str) -> dict:
@@ -74,8 +120,8 @@ def test_host_and_copy_parts(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_share_and_breakeven_parts(tmp_path):
-    """Starts a Ray of its own (the stores are actors)."""
+def test_share_and_breakeven_parts(tmp_path, own_node_store):
+    """On the run's Ray (the stores are actors)."""
     out = tmp_path / "kv.json"
     stdout = run_script(out, "--part", "share,breakeven", "--share-min-tokens", "16",
                         "--breakeven-blocks", "1,4", "--reps", "1")

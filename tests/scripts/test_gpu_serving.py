@@ -43,8 +43,12 @@ def run(script: str, *args) -> None:
 def suite(tmp_path_factory, shared_ray):
     out = tmp_path_factory.mktemp("serving")
     mirror = tmp_path_factory.mktemp("mirror")
-    run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--scale", "0.01", "--num-blocks", 2048,
-        "--budget-sweep", "2048,4096",
+    # Every count at its floor (--scale 0.005: 2 prompts a workload, 5 at rate inf, 10 prefix
+    # repetitions); kv_capacity at 2 x (496 + 16) tokens instead of 2 x (3967 + 128): its figures
+    # are tested on their own below, here it must run and land in the JSON and the mirror.  The
+    # .png is drawn once, at the end, not after each workload.
+    run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--scale", "0.005", "--num-blocks", 2048,
+        "--budget-sweep", "2048,4096", "--capacity-input-len", 496, "--capacity-output-len", 16, "--final-plot-only",
         "--kv-dtypes", "auto", "--result-dir", out, "--mirror-dir", mirror)
     return out, mirror, json.loads((out / "serving_h200_cpu.json").read_text())
 
@@ -103,6 +107,7 @@ def test_offline_prefill_decode_capacity_and_goals(suite):
     cap = w["kv_capacity"]
     assert cap == json.loads((out / "kv_capacity.json").read_text())
     assert 1 <= cap["peak_running"] <= cap["num_requests"]
+    assert (cap["input_len"], cap["output_len"]) == (496, 16)  # the flags reached the workload
     assert set(conf["goals"]) == GOALS
     for g in conf["goals"].values():
         assert {"value", "goal", "met"} <= g.keys()
