@@ -4,8 +4,6 @@ for a placement group that can never be placed."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from ray_attn.cli import main
@@ -49,45 +47,107 @@ def test_cuda_on_a_cluster_without_gpus_fails_at_once(capsys):
     assert "parallel.device='cuda' needs 3 GPU(s)" in capsys.readouterr().err
 
 
-@contextlib.contextmanager
-def serving(*argv: str):
-    """``ray-attn serve ARGV`` in a subprocess on a free port, until it answers /v1/models; yields
-    the base URL.  SIGINT at the end: the CLI shuts Serve and its own Ray cluster down."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+class Serving:
+    """``ray-attn serve ARGV`` in a subprocess on a free port (its own Ray cluster), started at
+    once; ``url()`` waits until it answers /v1/models.  ``interrupt`` + ``stop``: SIGINT, and the
+    CLI shuts Serve and its own Ray cluster down.  Its output goes to a file (read when it dies):
+    a pipe nobody reads while the other server's test runs could fill and stall it."""
 
-    import httpx
+    def __init__(self, log_path, *argv: str):
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
 
-    from tests.serve.conftest import free_port
+        from tests.serve.conftest import free_port
 
-    port = free_port()
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-               RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "ray_attn.cli", "serve", *argv, "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+        self.port = free_port()
+        repo = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ray_attn.cli", "serve", *argv, "--port", str(self.port)],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def url(self) -> str:
+        import time
+
+        import httpx
+
         deadline = time.monotonic() + scaled(300)
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=scaled(5)).status_code == 200:
-                    break
+                if httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=scaled(5)).status_code == 200:
+                    return f"http://127.0.0.1:{self.port}/v1"
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(1)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+
+    def interrupt(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.interrupt()
         try:
-            proc.wait(scaled(90))
+            self.proc.wait(scaled(90))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def tiny_qwen3_folder(folder):
+    """A tiny random Qwen3 as transformers writes it, with the test tokenizer and its chat
+    template in the folder; the HF model and the tokenizer as loaded from there."""
+    import transformers
+
+    from tests.model.test_families import reinit
+    from tests.tokenizer_fixture import EOS_ID, build_tokenizer
+
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, eos_token_id=EOS_ID,
+        bos_token_id=None)).eval()
+    reinit(hf, seed=6, norm_offset=False)
+    hf.save_pretrained(str(folder))
+    build_tokenizer(folder, 512)
+    return hf, transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def cli_servers(tmp_path_factory):
+    """Both tests' ``ray-attn serve`` subprocesses, each with its own Ray, launched before either
+    is waited on: their start-ups (mostly Ray's and Serve's, bound by waiting) overlap instead of
+    running one after the other.  Each test waits for its own server, so a server that fails to
+    start fails its own test with its output."""
+    root = tmp_path_factory.mktemp("cli_serve")
+    folder = root / "tiny-qwen3"
+    hf, tok = tiny_qwen3_folder(folder)
+    (root / "gguf").mkdir()
+    gguf = tiny_chat_gguf(root / "gguf")
+    servers = {"folder": Serving(root / "folder.log", str(folder), "--device", "cpu", "--tp", "1",
+                                 "--max-num-seqs", "4"),
+               "gguf": Serving(root / "gguf.log", str(gguf), "--device", "cpu", "--tp", "2", "--max-num-seqs", "4")}
+    try:
+        yield {"folder": (servers["folder"], hf, tok), "gguf": (servers["gguf"], gguf)}
+    finally:
+        for s in servers.values():  # both SIGINTs first: the two shutdowns overlap as well
+            s.interrupt()
+        for s in servers.values():
+            s.stop()
 
 
 def chat_matches_hf(url, model_id, tok, hf, eos_id, max_model_len):
@@ -114,26 +174,14 @@ def chat_matches_hf(url, model_id, tok, hf, eos_id, max_model_len):
 
 
 @pytest.mark.slow
-def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(tmp_path):
+def test_serve_a_transformers_checkpoint_folder_with_the_openai_client(cli_servers):
     """``ray-attn serve FOLDER``: the folder alone gives the shapes (config.json), the EOS and the
     tokenizer with its chat template; a chat completion through the openai client is HF's greedy
     continuation of the templated prompt."""
-    import transformers
+    from tests.tokenizer_fixture import EOS_ID
 
-    from tests.model.test_families import reinit
-    from tests.tokenizer_fixture import EOS_ID, build_tokenizer
-
-    folder = tmp_path / "tiny-qwen3"
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, eos_token_id=EOS_ID,
-        bos_token_id=None)).eval()
-    reinit(hf, seed=6, norm_offset=False)
-    hf.save_pretrained(str(folder))
-    build_tokenizer(folder, 512)
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    with serving(str(folder), "--device", "cpu", "--tp", "1", "--max-num-seqs", "4") as url:
-        chat_matches_hf(url, "tiny-qwen3", tok, hf, EOS_ID, 512)
+    server, hf, tok = cli_servers["folder"]
+    chat_matches_hf(server.url(), "tiny-qwen3", tok, hf, EOS_ID, 512)
 
 
 def tiny_chat_gguf(folder):
@@ -150,7 +198,7 @@ def tiny_chat_gguf(folder):
 
 
 @pytest.mark.slow
-def test_serve_a_gguf_file_with_the_openai_client(tmp_path):
+def test_serve_a_gguf_file_with_the_openai_client(cli_servers):
     """``ray-attn serve x.gguf`` at TP=2: config, EOS, tokenizer and chat template all from the
     file's metadata; the answer is HF transformers' greedy one on the same GGUF."""
     import torch
@@ -159,11 +207,10 @@ def test_serve_a_gguf_file_with_the_openai_client(tmp_path):
     from ray_attn.gguf_file import load_tokenizer
     from tests.tokenizer_fixture import EOS_ID
 
-    path = tiny_chat_gguf(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+    server, path = cli_servers["gguf"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
-    with serving(str(path), "--device", "cpu", "--tp", "2", "--max-num-seqs", "4") as url:
-        chat_matches_hf(url, "tiny-chat.gguf", load_tokenizer(str(path)), hf, EOS_ID, 512)
+    chat_matches_hf(server.url(), "tiny-chat.gguf", load_tokenizer(str(path)), hf, EOS_ID, 512)
 
 
 def test_serve_config_of_a_gguf_and_of_no_checkpoint(tmp_path):

@@ -66,6 +66,7 @@ def ray_session(shared_ray):
 @pytest.fixture(scope="package")
 def served(ray_session, tmp_path_factory):
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from ray_attn.serve.app import build_app
     from tests.serve.helpers import engine_config
@@ -85,8 +86,9 @@ def served(ray_session, tmp_path_factory):
     port = free_port()
     t0 = time.perf_counter()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="ray_attn", route_prefix="/", blocking=False)
-    serve.run(build_app(plain), name="plain", route_prefix="/plain", blocking=False)
+    # Both apps at once (serve.run waits for its app to run before the next one is deployed).
+    serve.run_many([RunTarget(build_app(args), name="ray_attn", route_prefix="/"),
+                    RunTarget(build_app(plain), name="plain", route_prefix="/plain")])
     print(f"\nServe apps up in {time.perf_counter() - t0:.1f}s on port {port}")
     try:
         yield Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/plain", args, str(tok_dir))

@@ -1,7 +1,7 @@
 """A replica lost under a request: the front sends it to the other replica, and a stream goes
 on where it stopped (``resume_requests``, ``ray_attn/serve/resume.py``).
 
-Two replicas (TP=1, the engine in the replica process) behind the front.  Each test runs a
+Four replicas (TP=1, the engine in the replica process) behind the front.  Each test runs a
 request once without a fault, then again killing -- with ``ray.kill`` -- the replica that
 answers it after a few events, and compares what the client received: every token once, in
 order, the same text and finish, under one id.  With ``max_request_attempts: 1`` (resumption
@@ -25,9 +25,17 @@ APP, ROUTE = "resume", "/resume"
 OFF_APP, OFF_ROUTE = "resume_off", "/resume-off"
 
 
+# More replicas than a fault needs: each test kills one, and while Serve replaces it the next
+# tests' faults still find another replica running to resume on (with two, every other test
+# waited for a whole replica start; with three, every third).  That every killed replica was
+# replaced is checked once all tests have killed theirs (the fixture's teardown).
+REPLICAS = 4
+
+
 @pytest.fixture(scope="module")
 def resume_urls(served):
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from ray_attn.serve.app import build_app
     from tests.serve.helpers import engine_config
@@ -36,16 +44,23 @@ def resume_urls(served):
                 tokenizer=served.tokenizer_dir, served_model_name=MODEL_ID,
                 engine=engine_config(tp=1, max_num_seqs=4, eos=True).model_dump(mode="json"),
                 resume_requests=True, health_check_timeout_s=scaled(10.0))
-    serve.run(build_app(dict(base, num_replicas=2)), name=APP, route_prefix=ROUTE, blocking=False)
-    serve.run(build_app(dict(base, num_replicas=1, max_request_attempts=1)), name=OFF_APP,
-              route_prefix=OFF_ROUTE, blocking=False)
-    wait_running(APP, 2)
+    # Both apps at once: serve.run waits for its app to run before the next one is deployed.
+    serve.run_many([RunTarget(build_app(dict(base, num_replicas=REPLICAS)), name=APP, route_prefix=ROUTE),
+                    RunTarget(build_app(dict(base, num_replicas=1, max_request_attempts=1)), name=OFF_APP,
+                              route_prefix=OFF_ROUTE)])
+    wait_running(APP, REPLICAS)
     wait_running(OFF_APP, 1)
     try:
         yield served.url + ROUTE, served.url + OFF_ROUTE
     finally:
-        serve.delete(APP)
-        serve.delete(OFF_APP)
+        serve.delete(OFF_APP, _blocking=False)  # its shutdown overlaps the wait below
+        try:
+            wait_running(APP, REPLICAS)  # every replica killed under a test was replaced
+        finally:
+            serve.delete(APP, _blocking=False)
+            deadline = time.monotonic() + scaled(60)
+            while {APP, OFF_APP} & set(serve.status().applications) and time.monotonic() < deadline:
+                time.sleep(0.2)
 
 
 def wait_running(app: str, replicas: int) -> None:
@@ -102,7 +117,6 @@ def test_generate_stream_resumes_with_every_token_once(resume_urls, sampling):
     assert "".join(e["text"] or "" for e in faulted[:-1]) == "".join(e["text"] or "" for e in clean[:-1])
     assert len({e["id"] for e in faulted[:-1]}) == 1
     assert faulted[-2]["finished"] and faulted[-2]["finish_reason"] == clean[-2]["finish_reason"] == "length"
-    wait_running(APP, 2)
 
 
 @pytest.mark.parametrize("path,body", [
@@ -129,7 +143,6 @@ def test_openai_stream_resumes_to_the_fault_free_answer(resume_urls, path, body)
     want = [e["usage"] for e in clean if isinstance(e, dict) and e.get("usage")]
     assert len(usage) == 1 and usage[0]["completion_tokens"] == want[0]["completion_tokens"]
     assert usage[0]["prompt_tokens"] == want[0]["prompt_tokens"]
-    wait_running(APP, 2)
 
 
 def test_non_streaming_request_is_retried_on_the_other_replica(resume_urls):
@@ -152,7 +165,6 @@ def test_non_streaming_request_is_retried_on_the_other_replica(resume_urls):
     assert r.status_code == 200, r.text
     assert r.json()["token_ids"] == clean.json()["token_ids"]
     assert r.headers["x-replica-id"] != victim, "the request ended before its replica was killed"
-    wait_running(APP, 2)
 
 
 def replica_actors(app: str) -> dict:
@@ -166,14 +178,18 @@ def replica_actors(app: str) -> dict:
 
 def wait_busy_replica(actors: dict) -> str:
     """The unique id of the replica with a request in hand (asked of each replica actor: /stats
-    would be routed to the idle one)."""
+    would be routed to the idle one).  A replica Serve is still starting in place of one an
+    earlier test killed answers once it is up: it is asked again only when it has answered."""
     import ray
 
     deadline = time.monotonic() + scaled(60)
+    asks = {uid: actor.get_num_ongoing_requests.remote() for uid, actor in actors.items()}
     while time.monotonic() < deadline:
-        for uid, actor in actors.items():
-            if ray.get(actor.get_num_ongoing_requests.remote(), timeout=scaled(10)) > 0:
+        ready, _ = ray.wait(list(asks.values()), num_returns=1, timeout=0.05)
+        for uid in [u for u, ref in asks.items() if ref in ready]:
+            if ray.get(asks[uid]) > 0:
                 return uid
+            asks[uid] = actors[uid].get_num_ongoing_requests.remote()
     raise TimeoutError("no replica took the request")
 
 

@@ -37,13 +37,31 @@ def time_limit():
     signal.signal(signal.SIGALRM, old)
 
 
+# The autoscaled app of test_autoscaled_replicas_each_reserve_their_own_placement_group: each
+# replica's bundles are unlike any other test app's.
+AUTOSCALED_BUNDLES = [{"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}]
+
+
+def autoscaled_args() -> dict:
+    from tests.serve.helpers import engine_config
+
+    return {"engine": engine_config(tp=2).model_dump(mode="json"), "replica_num_cpus": 0.25,
+            "autoscaling_config": {"min_replicas": 2, "max_replicas": 3, "upscale_delay_s": 5,
+                                   "downscale_delay_s": 60}}
+
+
 @pytest.fixture(scope="module")
 def app_url(ray_session):
-    """The YAML's app, deployed by its own import_path and args next to any other test app."""
+    """The YAML's app, deployed by its own import_path and args next to any other test app, and
+    the autoscaled app of the last test beside it: deployed together, their starts overlap
+    (serve.run waits for its app to run before it returns)."""
     import ray
     from ray import serve
     from ray._common.utils import import_attr
+    from ray.serve.api import RunTarget
     from ray.serve.context import _get_global_client
+
+    from ray_attn.serve.app import build_app
 
     data = yaml.safe_load(YAML.read_text())
     (app,) = data["applications"]
@@ -52,13 +70,18 @@ def app_url(ray_session):
         serve.start(http_options={"host": data["http_options"]["host"], "port": free_port()})
     port = ray.get(_get_global_client()._controller.get_http_config.remote()).port
     t0 = time.perf_counter()
-    serve.run(import_attr(app["import_path"])(app["args"]), name="replicas", route_prefix=ROUTE,
-              blocking=False)
-    print(f"\n2 replicas behind the prefix-aware router up in {time.perf_counter() - t0:.1f}s")
+    serve.run_many([RunTarget(import_attr(app["import_path"])(app["args"]), name="replicas", route_prefix=ROUTE),
+                    RunTarget(build_app(autoscaled_args()), name="autoscaled", route_prefix="/autoscaled")])
+    print(f"\n2 replicas behind the prefix-aware router and 2 autoscaled TP=2 ones up in "
+          f"{time.perf_counter() - t0:.1f}s")
     try:
         yield f"http://127.0.0.1:{port}{ROUTE}", app["args"]
     finally:
-        serve.delete("replicas")
+        serve.delete("replicas", _blocking=False)
+        serve.delete("autoscaled", _blocking=False)
+        deadline = time.monotonic() + scaled(60)
+        while {"replicas", "autoscaled"} & set(serve.status().applications) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if started:
             serve.shutdown()
 
@@ -201,32 +224,20 @@ def test_autoscaled_replicas_each_reserve_their_own_placement_group(app_url):
     """autoscaling_config reaches Serve (min_replicas=2 starts two), and each replica reserves its
     own STRICT_PACK group: its bundle plus one per TP rank, all in use."""
     import ray
-    from ray import serve
-
-    from ray_attn.serve.app import build_app
-    from tests.serve.helpers import engine_config
 
     url = app_url[0].removesuffix(ROUTE) + "/autoscaled"
-    args = {"engine": engine_config(tp=2).model_dump(mode="json"), "replica_num_cpus": 0.25,
-            "autoscaling_config": {"min_replicas": 2, "max_replicas": 3, "upscale_delay_s": 5,
-                                   "downscale_delay_s": 60}}
-    bundles = [{"CPU": 0.25}, {"CPU": 0.5}, {"CPU": 0.5}]  # unlike any other test app's
-    serve.run(build_app(args), name="autoscaled", route_prefix="/autoscaled", blocking=False)
-    try:
-        pgs = [pg for pg in ray.util.placement_group_table().values()
-               if pg["state"] == "CREATED" and pg["strategy"] == "STRICT_PACK"
-               and list(pg["bundles"].values()) == bundles]
-        assert len(pgs) == 2, ray.util.placement_group_table()
-        avail = ray.available_resources()
-        for pg in pgs:
-            for i in range(3):
-                assert avail.get(f"CPU_group_{i}_{pg['placement_group_id']}", 0.0) == 0.0
-        placed = set()
-        with httpx.Client(base_url=url, timeout=scaled(60)) as c:
-            for i in range(16):  # default router, idle replicas: both answer (2**-15 chance not)
-                r = c.post("/v1/generate", json={"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 1})
-                assert r.status_code == 200, r.text
-                placed.add(r.headers["x-replica-id"])
-        assert len(placed) == 2
-    finally:
-        serve.delete("autoscaled")
+    pgs = [pg for pg in ray.util.placement_group_table().values()
+           if pg["state"] == "CREATED" and pg["strategy"] == "STRICT_PACK"
+           and list(pg["bundles"].values()) == AUTOSCALED_BUNDLES]
+    assert len(pgs) == 2, ray.util.placement_group_table()
+    avail = ray.available_resources()
+    for pg in pgs:
+        for i in range(3):
+            assert avail.get(f"CPU_group_{i}_{pg['placement_group_id']}", 0.0) == 0.0
+    placed = set()
+    with httpx.Client(base_url=url, timeout=scaled(60)) as c:
+        for i in range(16):  # default router, idle replicas: both answer (2**-15 chance not)
+            r = c.post("/v1/generate", json={"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            placed.add(r.headers["x-replica-id"])
+    assert len(placed) == 2

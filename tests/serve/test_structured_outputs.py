@@ -81,22 +81,31 @@ def test_streamed_structured_output_equals_the_whole(served):
 
 
 def test_vllm_fields_regex_choice_grammar_and_json_object(served):
-    for seed in range(4):
-        common = dict(prompt="the quick brown fox", max_tokens=40, temperature=1.0, seed=seed)
-        r = post(served, "/v1/completions", **common, structured_outputs={"regex": r"[a-c]{2,4}-\d{2}"})
-        assert re.fullmatch(r"[a-c]{2,4}-\d{2}", r["choices"][0]["text"])
-        r = post(served, "/v1/completions", **common, guided_choice=["yes", "no", "maybe"])
-        assert r["choices"][0]["text"] in ("yes", "no", "maybe")
-        r = post(served, "/v1/completions", **common, structured_outputs={"grammar": 'root ::= ("ab" | "cd")+ "!"'})
-        assert re.fullmatch(r"(ab|cd)+!", r["choices"][0]["text"])
-        r = post(served, "/v1/completions", **dict(common, max_tokens=96),
-                 guided_json=SCHEMAS[0])
-        jsonschema.validate(json.loads(r["choices"][0]["text"]), SCHEMAS[0])
-        r = post(served, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=96,
-                 temperature=1.0, seed=seed, response_format={"type": "json_object"})
-        c = r["choices"][0]
-        if c["finish_reason"] == "stop":  # an unbounded object may run out of tokens
-            assert isinstance(json.loads(c["message"]["content"]), dict)
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The four seeds' clients at once (4 requests in flight: within the app's max_num_seqs, so
+    # none queues or is refused); each checks its own answers, and .result() raises what failed.
+    with ThreadPoolExecutor(4) as pool:
+        for f in [pool.submit(vllm_fields_for_seed, served, seed) for seed in range(4)]:
+            f.result()
+
+
+def vllm_fields_for_seed(served, seed: int) -> None:
+    common = dict(prompt="the quick brown fox", max_tokens=40, temperature=1.0, seed=seed)
+    r = post(served, "/v1/completions", **common, structured_outputs={"regex": r"[a-c]{2,4}-\d{2}"})
+    assert re.fullmatch(r"[a-c]{2,4}-\d{2}", r["choices"][0]["text"])
+    r = post(served, "/v1/completions", **common, guided_choice=["yes", "no", "maybe"])
+    assert r["choices"][0]["text"] in ("yes", "no", "maybe")
+    r = post(served, "/v1/completions", **common, structured_outputs={"grammar": 'root ::= ("ab" | "cd")+ "!"'})
+    assert re.fullmatch(r"(ab|cd)+!", r["choices"][0]["text"])
+    r = post(served, "/v1/completions", **dict(common, max_tokens=96),
+             guided_json=SCHEMAS[0])
+    jsonschema.validate(json.loads(r["choices"][0]["text"]), SCHEMAS[0])
+    r = post(served, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=96,
+             temperature=1.0, seed=seed, response_format={"type": "json_object"})
+    c = r["choices"][0]
+    if c["finish_reason"] == "stop":  # an unbounded object may run out of tokens
+        assert isinstance(json.loads(c["message"]["content"]), dict)
 
 
 def test_openai_sdk_parse_with_a_pydantic_model(served):

@@ -46,14 +46,20 @@ def test_required_always_returns_calls_that_validate(served, seed):
     """One call (parallel_tool_calls false) always ends and parses.  With parallel calls the array
     is unbounded, as in vLLM, and a random model may fill max_tokens with calls: such a choice ends
     by length with no calls; every other one parses and validates."""
-    out = chat(served, tool_choice="required", temperature=1.0, seed=seed, n=3, parallel_tool_calls=False)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # both asks at once: 6 sequences, within the app's bounds
+        single = pool.submit(chat, served, tool_choice="required", temperature=1.0, seed=seed, n=3,
+                             parallel_tool_calls=False)
+        parallel = pool.submit(chat, served, tool_choice="required", temperature=1.0, seed=seed, n=3, max_tokens=128)
+        out, par = single.result(), parallel.result()
     for c in out["choices"]:
         assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
         [(name, args)] = calls_of(c)
         jsonschema.validate(args, SCHEMAS[name])
         assert all(x["id"].startswith("chatcmpl-tool-") and x["type"] == "function"
                    for x in c["message"]["tool_calls"])
-    for c in chat(served, tool_choice="required", temperature=1.0, seed=seed, n=3, max_tokens=128)["choices"]:
+    for c in par["choices"]:
         if c["finish_reason"] == "length":
             assert "tool_calls" not in c["message"]
             continue
@@ -63,9 +69,12 @@ def test_required_always_returns_calls_that_validate(served, seed):
 
 
 def test_named_function_is_called(served):
-    for seed in range(6):
-        out = chat(served, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                   temperature=1.0, seed=seed)
+    from concurrent.futures import ThreadPoolExecutor
+
+    forced = {"type": "function", "function": {"name": "get_time"}}
+    with ThreadPoolExecutor(6) as pool:  # the six asks at once: within the app's bounds (8 in flight)
+        outs = list(pool.map(lambda seed: chat(served, tool_choice=forced, temperature=1.0, seed=seed), range(6)))
+    for out in outs:
         [(name, args)] = calls_of(out["choices"][0])
         assert name == "get_time"
         jsonschema.validate(args, TIME)
