@@ -44,13 +44,14 @@ def chat_prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def make_engine(path: str, tp: int, executor: str, batch: int):
+def make_engine(path: str, tp: int, executor: str, batch: int, dtype: str = "float32"):
     from ray_attn.config import CacheConfig, EngineConfig, ParallelConfig
     from ray_attn.engine import LLMEngine, SamplingParams
     from ray_attn.runtime import InProcessExecutor
 
     # No prefix caching: the repeats send the same prompts, and a cached prefill is not HF's work.
-    cfg = EngineConfig(checkpoint=path, cache=CacheConfig(num_blocks=256, enable_prefix_caching=False),
+    cfg = EngineConfig(checkpoint=path, model={"dtype": dtype},
+                       cache=CacheConfig(num_blocks=256, enable_prefix_caching=False),
                        parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
                        max_num_seqs=max(8, batch), max_num_batched_tokens=1024)
     eng = LLMEngine(cfg, InProcessExecutor(cfg) if executor == "in_process" else None)
@@ -100,6 +101,8 @@ def main(argv=None):
     a.add_argument("--threads", type=int, default=None, help="torch threads for HF (default: torch's own)")
     a.add_argument("--our-threads", type=int, default=None, help="RAY_ATTN_CPU_THREADS for our ranks")
     a.add_argument("--repeats", type=int, default=3)
+    a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="both sides' weights and compute (default float32: the dequantized weights exactly)")
     args = a.parse_args(argv)
     if args.our_threads:
         os.environ["RAY_ATTN_CPU_THREADS"] = str(args.our_threads)
@@ -113,12 +116,12 @@ def main(argv=None):
     tok = load_tokenizer(path)
     folder, name = os.path.split(path)
     hf_threads = torch.get_num_threads()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, args.dtype)).eval()
     hf.generation_config.eos_token_id = None  # no early stop: every request makes max_tokens, as ours (ignore_eos)
     import statistics
 
     rows = []
-    eng = make_engine(path, args.tp, args.executor, max(args.batch))
+    eng = make_engine(path, args.tp, args.executor, max(args.batch), args.dtype)
     our_threads = torch.get_num_threads()  # what the in-process rank set (RAY_ATTN_CPU_THREADS or its share)
     try:
         for batch in args.batch:
@@ -138,13 +141,13 @@ def main(argv=None):
             print(rows[-1], flush=True)
     finally:
         eng.shutdown()
-    meta = dict(checkpoint=os.path.basename(path), tp=args.tp, executor=args.executor, hf_threads=hf_threads,
+    meta = dict(checkpoint=os.path.basename(path), dtype=args.dtype, tp=args.tp, executor=args.executor, hf_threads=hf_threads,
                 our_threads=our_threads if args.executor == "in_process" else os.environ.get("RAY_ATTN_CPU_THREADS"),
                 repeats=args.repeats,
                 cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__)
-    out = bl.save("bench_cpu_vs_hf", rows, **meta)
+    out = bl.save("bench_cpu_vs_hf" + ("" if args.dtype == "float32" else "_bf16"), rows, **meta)
     bl.print_table(rows, ["batch", "max_tokens", "ours_tok_s", "hf_tok_s", "speedup", "median_speedup", "tokens"],
-                   f"CPU greedy decode, {meta['checkpoint']} float32 (ours: TP={args.tp}, {args.executor})")
+                   f"CPU greedy decode, {meta['checkpoint']} {args.dtype} (ours: TP={args.tp}, {args.executor})")
     print(f"wrote {out}")
 
 

@@ -71,12 +71,15 @@ def evaluate(lm, task_dir: Path, tasks=(MC, GEN)) -> dict:
 
 # -- the two backends --------------------------------------------------------------------------------
 def hf_model(path: str):
-    """HF transformers' own reading of the GGUF: the model in float32 and the tokenizer."""
+    """HF transformers' own reading of the GGUF: the model in float32 and the tokenizer (transformers'
+    build from the metadata, saved once per run or machine by ``gguf_file.load_tokenizer``)."""
     import torch
     import transformers
 
+    from ray_attn.gguf_file import load_tokenizer
+
     folder, name = os.path.split(os.path.abspath(path))
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok = load_tokenizer(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return model, tok
 
