@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -165,15 +166,9 @@ def run(args, loss: str) -> dict:
             b = dict(body(r.client, r.turn), stream=False)
             want[(r.client, r.turn)] = c.post(url + "/v1/generate", json=b).json()["token_ids"]
 
-        with httpx.Client(timeout=stretched(120)) as c:
-            if args.check_clients <= 1:
-                for r in records:
-                    ask(c, r)
-            else:  # the same requests, several at a time (--check-clients)
-                from concurrent.futures import ThreadPoolExecutor
-
-                with ThreadPoolExecutor(args.check_clients) as pool:
-                    list(pool.map(lambda r: ask(c, r), records))
+        # --check-clients at a time (1: one after the other)
+        with httpx.Client(timeout=stretched(120)) as c, ThreadPoolExecutor(args.check_clients) as pool:
+            list(pool.map(lambda r: ask(c, r), records))
         from ray_attn.serve import progress_store
 
         logs = {r.s.request_id: progress_store.find("bench", r.s.request_id) for r in records}

@@ -140,3 +140,17 @@ def openai_text(events) -> dict[int, dict]:
             if ch.get("finish_reason"):
                 o["finish"], o["stop"] = ch["finish_reason"], ch.get("stop_reason")
     return out
+
+
+def wait_deleted(*apps: str, timeout: float = 60.0) -> None:
+    """Until none of ``apps`` is listed by Serve any more (``timeout`` scaled): for apps deleted
+    with ``serve.delete(name, _blocking=False)``, so that their shutdowns overlap."""
+    import time
+
+    from ray import serve
+
+    from tests.timescale import scaled
+
+    deadline = time.monotonic() + scaled(timeout)
+    while set(apps) & set(serve.status().applications) and time.monotonic() < deadline:
+        time.sleep(0.2)

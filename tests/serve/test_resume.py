@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import LIMITS, MODEL_ID
-from tests.serve.helpers import openai_text, sse_events, tokens_of
+from tests.serve.helpers import openai_text, sse_events, tokens_of, wait_deleted
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
@@ -58,9 +58,7 @@ def resume_urls(served):
             wait_running(APP, REPLICAS)  # every replica killed under a test was replaced
         finally:
             serve.delete(APP, _blocking=False)
-            deadline = time.monotonic() + scaled(60)
-            while {APP, OFF_APP} & set(serve.status().applications) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_deleted(APP, OFF_APP)
 
 
 def wait_running(app: str, replicas: int) -> None:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.serve.conftest import free_port
+from tests.serve.helpers import wait_deleted
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
@@ -79,9 +80,7 @@ def app_url(ray_session):
     finally:
         serve.delete("replicas", _blocking=False)
         serve.delete("autoscaled", _blocking=False)
-        deadline = time.monotonic() + scaled(60)
-        while {"replicas", "autoscaled"} & set(serve.status().applications) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_deleted("replicas", "autoscaled")
         if started:
             serve.shutdown()
 
