@@ -21,19 +21,7 @@ import gpu_accuracy as ga  # noqa: E402
 def gate(tmp_path_factory, shared_ray):
     # Each row's rank in this process: the same engine and model, without an actor's start per row.
     # The rows' path through Ray actors, as the script runs them, is test_cli_writes_the_result_file's.
-    # One torch thread for those ranks (RAY_ATTN_CPU_THREADS, read by the rank) and for HF's
-    # references here: the models are tiny, and beside another busy process two OpenMP threads
-    # wait on each other (a CPU hog made the rows several times slower); put back after.
-    import torch
-
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_ATTN_CPU_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield ga.Gate(gpu=False, workdir=str(tmp_path_factory.mktemp("ckpt")), executor="in_process")
-        finally:
-            torch.set_num_threads(threads)
+    return ga.Gate(gpu=False, workdir=str(tmp_path_factory.mktemp("ckpt")), executor="in_process")
 
 
 def rows(gate, *names):
