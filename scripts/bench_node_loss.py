@@ -134,8 +134,11 @@ def run(args, loss: str) -> dict:
         # --loss-wait-for-hit: a loss that would hit no stream waits (up to that long) for one
         wait_until = time.monotonic() + args.loss_wait_for_hit
         while True:
+            # a stream counts as under the loss only while most of its tokens are still to come: one
+            # about to end may finish between this count and the kill, with nothing left to resume
             with lock:
-                live = [r for r in records if r.s is not None and not r.s.done and r.s.connections]
+                live = [r for r in records if r.s is not None and not r.s.done and r.s.connections
+                        and len(r.tokens) < MAX_TOKENS // 2]
             if loss.startswith("worker-node"):
                 on_node: dict[str, int] = {}
                 for r in live:
@@ -143,10 +146,11 @@ def run(args, loss: str) -> dict:
                     if node is not None:
                         on_node[node] = on_node.get(node, 0) + 1
                 victim = max(on_node, key=on_node.get) if on_node else next(iter(nodes.values()))
-                hit = on_node.get(victim, 0)
+                under = [r for r in live if nodes.get(r.s.connections[0].replica) == victim]
             else:  # the head's front replica
                 uid, actor = next((u, a) for u, a in fronts.items() if a["Address"]["NodeID"] == head)
-                hit = sum(r.s.connections[0].front == uid for r in live)
+                under = [r for r in live if r.s.connections[0].front == uid]
+            hit = len(under)
             if hit or time.monotonic() >= min(wait_until, start + args.duration):
                 break
             time.sleep(0.02)
@@ -172,12 +176,20 @@ def run(args, loss: str) -> dict:
         from ray_attn.serve import progress_store
 
         logs = {r.s.request_id: progress_store.find("bench", r.s.request_id) for r in records}
-        return summarize(records, want, t_loss, args, loss, hit, logs)
+        return summarize(records, want, t_loss, args, loss, under, logs)
     finally:
         simcluster.stop_cluster(sim)
 
 
-def summarize(records, want, t_loss, args, loss, hit, logs) -> dict:
+def crossed(r: Record, log) -> bool:
+    """Whether the stream went on past a loss: a reconnection, a retried answer, or (the client
+    cannot see it) a replica lost under it."""
+    return r.s.reconnects > 0 or any(c.attempt not in (None, "1") for c in r.s.connections) \
+        or (log is not None and len(log.replicas) > 1)
+
+
+def summarize(records, want, t_loss, args, loss, under, logs) -> dict:
+    """The row; ``under`` are the streams live on the lost node or front when it was lost."""
     ok = lost = dup = gap = resumed = 0
     examples = []
     gaps_after_loss = []
@@ -192,16 +204,12 @@ def summarize(records, want, t_loss, args, loss, hit, logs) -> dict:
             examples.append({"request_id": r.s.request_id, "done": r.s.done, "error": (r.s.error or "")[:300],
                              "connections": [c.__dict__ for c in r.s.connections],
                              "tokens": len(r.tokens), "want": len(want[(r.client, r.turn)])})
-        # a reconnection, a retried answer, or (the client cannot see it) a replica lost under it
-        rec = logs.get(r.s.request_id)
-        crossed = r.s.reconnects > 0 or any(c.attempt not in (None, "1") for c in r.s.connections) \
-            or (rec is not None and len(rec.replicas) > 1)
         interrupted = r.times and r.times[0] < t_loss and (r.times[-1] > t_loss)
         if interrupted:
             after = [b for a, b in zip(r.times, r.times[1:]) if b > t_loss]
             if after:
                 gaps_after_loss.append(max(b - a for a, b in zip(r.times, r.times[1:]) if b > t_loss))
-        resumed += bool(crossed)
+        resumed += crossed(r, logs.get(r.s.request_id))
     bins = [0] * (int(args.duration) + 30)
     for r in records:
         for t in r.times:
@@ -211,7 +219,10 @@ def summarize(records, want, t_loss, args, loss, hit, logs) -> dict:
     gaps_after_loss.sort()
     return {
         "loss": loss, "nodes": args.nodes, "replicas_per_node": args.replicas_per_node, "clients": args.clients,
-        "max_tokens": MAX_TOKENS, "loss_at_s": round(t_loss, 2), "streams_hit": hit, "requests": len(records),
+        "max_tokens": MAX_TOKENS, "loss_at_s": round(t_loss, 2), "streams_hit": len(under),
+        # of those, the ones the loss cut (not done when it came): each must have been resumed
+        "streams_hit_resumed": sum(crossed(r, logs.get(r.s.request_id)) for r in under),
+        "requests": len(records),
         "completed_as_fault_free": ok, "requests_lost": lost, "requests_resumed": resumed,
         "tokens_duplicated": dup, "tokens_missing": gap,
         "longest_silence_after_loss_s": {"median": round(gaps_after_loss[len(gaps_after_loss) // 2], 2),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.timescale import TIME_SCALE, scaled
+from tests.timescale import TIME_SCALE, busy_cpus, scaled
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # GGUF tokenizers are converted once per run and read back after (ray_attn/gguf_file.py): a cache
@@ -35,8 +35,11 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # Torch's OpenMP threads spin-wait on each other, and beside a CPU hog one descheduled thread
 # stalls the rest: a 256-token prefill took 1.0 s with 2 threads against 0.05 s with 1 on a loaded
 # 2-core box (scripts/bench_kv_tiers.py).  On a busy machine every rank -- in this process or an
-# actor, which inherits the variable -- and this process compute on one thread.
-if TIME_SCALE > 1.5:
+# actor, which inherits the variable -- and this process compute on one thread.  Busy: slow (the
+# time scale), or half a core or more taken by others when the run starts -- a hog started with
+# the run leaves the scale at 1 (its one core free) yet made the gate's in-process rows 10x
+# slower on two threads.  Set once, before any test has run torch, and kept for the run.
+if "RAY_ATTN_CPU_THREADS" not in os.environ and (TIME_SCALE > 1.5 or busy_cpus() >= 0.5):
     os.environ.setdefault("RAY_ATTN_CPU_THREADS", "1")
     torch.set_num_threads(1)
 
