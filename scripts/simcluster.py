@@ -91,7 +91,10 @@ def kill_pids(pids) -> None:
 
 
 def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node: int = 1,
-                  front_cpus: float = 0.0) -> SimCluster:
+                  front_cpus: float = 0.0, gcs_storage_path: str | None = None) -> SimCluster:
+    """``gcs_storage_path``: the GCS keeps its tables in RocksDB there (Ray's
+    ``RAY_gcs_storage=rocksdb``), so a GCS that dies and is started again finds the cluster as it
+    was -- the role an external Redis plays in Ray's GCS fault tolerance.  Default: in memory."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -103,7 +106,8 @@ def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": HEAD_CPUS, "resources": {FRONT_RESOURCE: 1}, "include_dashboard": False,
-        "_system_config": FAST_NODE_FAILURE})
+        "_system_config": dict(FAST_NODE_FAILURE, **(
+            {"gcs_storage": "rocksdb", "gcs_storage_path": gcs_storage_path} if gcs_storage_path else {}))})
     sim = SimCluster(cluster, replica_cpus, replicas_per_node, front_cpus=front_cpus)
     try:
         for _ in range(num_replica_nodes):

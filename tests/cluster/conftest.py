@@ -31,10 +31,15 @@ class SharedSim:
 
     def __init__(self):
         self.sim: SimCluster | None = None
+        self.gcs_storage_path: str | None = None
         self.restore_shared_ray = False
 
-    def get(self, workers: int = 2) -> SimCluster:
-        """The cluster with (at least) ``workers`` worker nodes alive."""
+    def get(self, workers: int = 2, gcs_storage_path: str | None = None) -> SimCluster:
+        """The cluster with (at least) ``workers`` worker nodes alive; ``gcs_storage_path``: its
+        GCS's tables on disk there (``simcluster.start_cluster``) -- a cluster started without it
+        is replaced."""
+        if self.sim is not None and self.gcs_storage_path != gcs_storage_path:
+            self.discard()
         if self.sim is None:
             from tests import shared_ray
 
@@ -42,7 +47,9 @@ class SharedSim:
             if shared_ray.is_ours():
                 shared_ray.shutdown()
                 self.restore_shared_ray = True
-            self.sim = start_cluster(num_replica_nodes=workers, replica_cpus=REPLICA_CPUS, front_cpus=FRONT_CPUS)
+            self.sim = start_cluster(num_replica_nodes=workers, replica_cpus=REPLICA_CPUS, front_cpus=FRONT_CPUS,
+                                     gcs_storage_path=gcs_storage_path)
+            self.gcs_storage_path = gcs_storage_path
         while len(self.sim.workers) < workers:
             self.sim.add_replica_node()
         return self.sim
