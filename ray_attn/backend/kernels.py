@@ -125,7 +125,8 @@ class TorchKernel(Kernel):
                 q, k_cache, v_cache, seqused_k=seqused_k, block_table=block_table, scale=scale,
                 window_size=window_size, softcap=softcap, k_descale=_scalar(k_descale),
                 v_descale=_scalar(v_descale), out=out, return_lse=return_lse,
-                cu_seqlens_q=cu_seqlens_q if max_seqlen_q > 1 else None, max_seqlen_q=max_seqlen_q)
+                cu_seqlens_q=cu_seqlens_q if max_seqlen_q > 1 else None, max_seqlen_q=max_seqlen_q,
+                plans=scheduler_metadata if isinstance(scheduler_metadata, dict) and not q.is_cuda else None)
             return lse if return_lse else None
         _, lse = paged_attention_ref(
             q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
@@ -134,6 +135,15 @@ class TorchKernel(Kernel):
             k_descale=_scalar(k_descale), v_descale=_scalar(v_descale), out=out,
             compute_dtype=compute)
         return lse if return_lse else None
+
+    # The step's plan here is a cache for ``cpu_decode``'s gather indices and masks: the
+    # metadata object keeps it (``FlashAttentionImpl._scheduler_metadata``), so the ~15 small
+    # ops that derive them run once a step, not once per layer.  CPU only: a CUDA graph's
+    # metadata outlives its step.
+    uses_scheduler_metadata = True
+
+    def scheduler_metadata(self, **kwargs):
+        return {}
 
 
 def _scalar(x) -> float:
