@@ -39,6 +39,25 @@ def mkl(x, w):
     return F.linear(x, w)
 
 
+def packed(lib: str, W: dict, head, m: int):
+    """``lib`` with every weight packed ahead for ``m`` rows (what Inductor's CPU freezing
+    does): MKL's ``cblas_sgemm_pack`` (``torch.ops.mkl._mkl_linear``) or oneDNN's blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight``).  Returns (the call, weights as it takes them)."""
+    if lib == "mkl_packed":
+        def pack(w):
+            return (torch.ops.mkl._mkl_reorder_linear_weight(w, m), w)
+
+        def call(x, pw):
+            return torch.ops.mkl._mkl_linear(x, pw[0], pw[1], None, m)
+    else:
+        def pack(w):
+            return torch.ops.mkldnn._reorder_linear_weight(w, m)
+
+        def call(x, pw):
+            return torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
+    return call, {n: [pack(w) for w in ws] for n, ws in W.items()}, pack(head)
+
+
 def shapes(a) -> dict[str, tuple[int, int]]:
     return {"qkv": ((a.heads + 2 * a.kv_heads) * a.head_dim, a.hidden), "o": (a.hidden, a.heads * a.head_dim),
             "gate_up": (2 * a.intermediate, a.hidden), "down": (a.hidden, a.intermediate)}
@@ -66,6 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--packed", action="store_true",
+                    help="also time the weights packed ahead for the rows (MKL's and oneDNN's own layouts)")
     ap.add_argument("--json", default=str(bl.RESULTS / "bench_cpu_linear.json"))
     a = ap.parse_args(argv)
     if not gemv.CPU_ONEDNN:
@@ -80,14 +101,16 @@ def main(argv=None) -> dict:
         xs = {n: torch.randn(m, K, generator=g) for n, (_, K) in shapes(a).items()}
         xh = torch.randn(m, a.hidden, generator=g)
 
-        def layers(fn):
-            return lambda: [fn(xs[n], W[n][i]) for i in range(a.layers) for n in W]
-
         t = {}
+        libs = [("onednn", onednn, W, head), ("mkl", mkl, W, head)]
+        if a.packed:
+            libs += [(lib, *packed(lib, W, head, m)) for lib in ("mkl_packed", "onednn_packed")]
         for _ in range(2):  # in turn, so that a neighbour's burst falls on both alike
-            for lib, fn in (("onednn", onednn), ("mkl", mkl)):
-                t[f"{lib}_layers_ms"] = min(t.get(f"{lib}_layers_ms", 1e9), best_ms(layers(fn), a.repeats))
-                t[f"{lib}_head_ms"] = min(t.get(f"{lib}_head_ms", 1e9), best_ms(lambda: fn(xh, head), a.repeats))
+            for lib, fn, ws, hw in libs:
+                run = lambda fn=fn, ws=ws: [fn(xs[n], ws[n][i]) for i in range(a.layers) for n in ws]  # noqa: E731
+                t[f"{lib}_layers_ms"] = min(t.get(f"{lib}_layers_ms", 1e9), best_ms(run, a.repeats))
+                t[f"{lib}_head_ms"] = min(t.get(f"{lib}_head_ms", 1e9),
+                                          best_ms(lambda fn=fn, hw=hw: fn(xh, hw), a.repeats))
         picked = "onednn" if gemv.use_onednn(xh, head) else "mkl"
         faster = "onednn" if t["onednn_layers_ms"] + t["onednn_head_ms"] < t["mkl_layers_ms"] + t["mkl_head_ms"] \
             else "mkl"
@@ -95,8 +118,9 @@ def main(argv=None) -> dict:
         print(rows[-1], flush=True)
     meta = dict(shapes=shapes(a), vocab=a.vocab, layers=a.layers, threads=torch.get_num_threads(),
                 vendor=gemv._cpu_vendor(), mkl_max_rows=gemv.CPU_MKL_MAX_ROWS)
-    bl.print_table(rows, ["rows", "mkl_layers_ms", "onednn_layers_ms", "mkl_head_ms", "onednn_head_ms", "faster",
-                          "picked"], f"float32 linears on {meta['vendor'] or 'this CPU'}, {meta['threads']} threads")
+    extra = ["mkl_packed_layers_ms", "onednn_packed_layers_ms", "mkl_packed_head_ms", "onednn_packed_head_ms"]
+    bl.print_table(rows, ["rows", "mkl_layers_ms", "onednn_layers_ms", "mkl_head_ms", "onednn_head_ms",
+                          *(extra if a.packed else []), "faster", "picked"], f"float32 linears on {meta['vendor'] or 'this CPU'}, {meta['threads']} threads")
     if a.json:
         bl.write_json(a.json, dict(machine=bl.machine(), **meta, rows=rows))
     return dict(meta, rows=rows)

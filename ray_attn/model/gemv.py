@@ -171,5 +171,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if use_gemv(x, w):
         return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
     if use_onednn(x, w):
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, onednn_weight(w), bias, "none", [], "")
     return F.linear(x, w, bias)
+
+
+# oneDNN's matmul reads a weight in its own blocked layout; handed a plain one, it reorders it on
+# every call.  Packed once (``_reorder_linear_weight``, Inductor's CPU freezing does the same), all
+# 30 SmolLM2 layers' linears took 21.8 / 24.9 / 30.9 ms at 4 / 8 / 16 rows against 30.6 / 32.8 /
+# 38.8 plain, on 2 Intel Xeon cores -- whichever row count the layout was packed for
+# (``python scripts/bench_cpu_linear.py --packed``).  The packed copy is made on the first call
+# that needs it (a batch-1 server never pays its memory) and again whenever the weight changes in
+# place (a reload bumps its version counter).  RAY_ATTN_CPU_PACK=0 turns it off (A/B switch).
+PACK = os.environ.get("RAY_ATTN_CPU_PACK", "1") != "0"
+PACK_ROWS = 8  # the layout's row hint: any row count runs on it, at the speeds above
+_PACKED = "_ray_attn_onednn_packed"
+
+
+def onednn_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as oneDNN's matmul reads it fastest: packed once per version of ``w``; ``w`` itself
+    where it cannot be tracked (an inference tensor keeps no version) or packing is off."""
+    if not PACK or w.is_inference():
+        return w
+    version = w._version
+    cached = w.__dict__.get(_PACKED)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+    setattr(w, _PACKED, (version, packed))
+    return packed

@@ -44,6 +44,22 @@ def test_cpu_float32_is_onednn_or_mkl_within_float64_and_other_dtypes_exactly_f_
     assert not G.use_onednn(x, w.t().contiguous().t())  # a strided weight: F.linear
 
 
+@pytest.mark.skipif(not G.CPU_ONEDNN or not G.PACK, reason="oneDNN's matmul (and packing) only")
+def test_cpu_packed_weight_follows_the_weight_when_it_changes_in_place():
+    """The oneDNN path reads a packed copy of the weight, made once: a weight loaded in place
+    after it (a reload, a test that copies new values in) must not be answered from the stale copy."""
+    m = G.CPU_MKL_MAX_ROWS + 2
+    x, w, b = inputs(m, 33, 70, torch.float32, "cpu", True)
+    assert G.use_onednn(x, w)
+    first = G.linear(x, w, b)
+    assert G.onednn_weight(w) is G.onednn_weight(w)  # packed once
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    want = F.linear(x.double(), w.double(), b.double())
+    assert (G.linear(x, w, b).double() - want).abs().max().item() < 1e-5
+    assert (first.double() - want).abs().max().item() > 1e-2  # the new weight does change it
+
+
 def test_cpu_linear_rule_is_the_vendors_and_the_env_forces_it():
     """Intel keeps up to 3 rows on MKL, others run oneDNN at every size, RAY_ATTN_CPU_ONEDNN=1 is
     oneDNN everywhere (=0 turns CPU_ONEDNN off instead); the rule, not a timing, so every process
