@@ -2,7 +2,8 @@
 """Prefix-aware routing against Serve's default router, on one local cluster, in one run.
 
 Both routers serve the same request list on the same 2-replica app (``--config``, by default
-``deploy/serve_config.replicas.yaml``), one after the other, each on fresh replicas (cold caches):
+``deploy/serve_config.replicas.yaml``), measured one after the other, each on fresh replicas (cold
+caches); the routers' apps deploy together, each on its own route (``startup_s`` is that joint start):
 
 * workload: ``--prefixes`` random prompt prefixes of ``--prefix-blocks`` full KV blocks, each
   request one of them plus a random tail, ``--requests`` requests from ``--clients`` concurrent
@@ -133,44 +134,59 @@ def wait_healthy(url: str, timeout: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def run_router(router: str, app_args: dict, bodies: list[dict], args, port: int, metrics_port: int) -> dict:
+def deploy(routers: list[str], app_args: dict, port: int) -> tuple[dict, float]:
+    """Every router's app at once (``serve.run_many``: their replicas start together), each on
+    its own route; measured in turn after (``run_router``), an idle app's replicas cost nothing.
+    Returns each router's URL and the seconds until all answered ``/health``."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from ray_attn.serve.app import build_app
 
-    cfg = copy.deepcopy(app_args)
-    cfg["request_router"] = router
-    url = f"http://127.0.0.1:{port}/bench"
     t0 = time.perf_counter()
-    serve.run(build_app(cfg), name=f"bench_{router}", route_prefix="/bench", blocking=False)
-    wait_healthy(url)
-    startup = time.perf_counter() - t0
-    try:
-        # Warm both replicas' first-call paths with prompts shorter than a block (no cache entries).
-        warm = [{"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 2} for i in range(8)]
-        _, _, seen, warm_errors, _ = asyncio.run(drive(url, warm, 8, stretched(args.request_timeout)))
-        assert not warm_errors, warm_errors
-        wall, lat, placed, errors, tokens = asyncio.run(drive(url, bodies, args.clients,
-                                                             stretched(args.request_timeout)))
-        replicas = set(placed) | set(seen)
-        before = {r: [0.0, 0.0] for r in replicas}  # fresh replicas: the warm-up hit nothing
-        after = settled(metrics_port, replicas)
-        hits = sum(after[r][0] - before[r][0] for r in replicas)
-        queries = sum(after[r][1] - before[r][1] for r in replicas)
-        per_replica = {r: {"requests": placed[r], "prefix_cache_hit_rate": round(after[r][0] / after[r][1], 4)
-                           if after[r][1] else None} for r in sorted(replicas)}
-    finally:
-        serve.delete(f"bench_{router}")
+    targets, urls = [], {}
+    for router in routers:
+        cfg = copy.deepcopy(app_args)
+        cfg["request_router"] = router
+        targets.append(RunTarget(build_app(cfg), name=f"bench_{router}", route_prefix=f"/bench_{router}"))
+        urls[router] = f"http://127.0.0.1:{port}/bench_{router}"
+    serve.run_many(targets, wait_for_applications_running=False)
+    for url in urls.values():
+        wait_healthy(url)
+    return urls, time.perf_counter() - t0
+
+
+def run_router(router: str, url: str, bodies: list[dict], args, startup: float) -> dict:
+    """The workload through one router's app; the cache figures are added by ``add_hits`` once
+    the replicas' metrics settle (one wait for every router's replicas, not one each)."""
+    # Warm both replicas' first-call paths with prompts shorter than a block (no cache entries).
+    warm = [{"prompt_token_ids": [1 + i, 2, 3], "max_tokens": 2} for i in range(8)]
+    _, _, seen, warm_errors, _ = asyncio.run(drive(url, warm, 8, stretched(args.request_timeout)))
+    assert not warm_errors, warm_errors
+    wall, lat, placed, errors, tokens = asyncio.run(drive(url, bodies, args.clients,
+                                                         stretched(args.request_timeout)))
     done = len(lat)
     return {
         "router": router, "requests": len(bodies), "completed": done, "errors": dict(errors),
-        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
-        "prefix_cache_hits": int(hits), "prefix_cache_queries": int(queries),
         "requests_per_s": round(done / wall, 2), "tokens_per_s": round(tokens / wall, 1),
         "wall_s": round(wall, 2), "p50_latency_s": round(percentile(lat, 0.5) or 0, 3),
         "p99_latency_s": round(percentile(lat, 0.99) or 0, 3), "startup_s": round(startup, 1),
-        "per_replica": per_replica,
+        "per_replica": {r: {"requests": placed[r]} for r in sorted(set(placed) | set(seen))},
     }
+
+
+def add_hits(rows: list[dict], metrics_port: int) -> None:
+    """Each row's prefix-cache hits and queries, from its replicas' settled counters (fresh
+    replicas: everything counted is this workload's; the warm-up's prompts hit nothing)."""
+    after = settled(metrics_port, {r for row in rows for r in row["per_replica"]})
+    for row in rows:
+        reps = row["per_replica"]
+        hits = sum(after[r][0] for r in reps)
+        queries = sum(after[r][1] for r in reps)
+        for r, v in reps.items():
+            v["prefix_cache_hit_rate"] = round(after[r][0] / after[r][1], 4) if after[r][1] else None
+        row.update(prefix_cache_hit_rate=round(hits / queries, 4) if queries else None,
+                   prefix_cache_hits=int(hits), prefix_cache_queries=int(queries))
 
 
 def main(argv=None) -> int:
@@ -223,11 +239,18 @@ def main(argv=None) -> int:
     metrics_port = ray._private.worker.global_worker.node.metrics_export_port
     rows = []
     try:
+        urls, startup = deploy(routers, app_args, port)
         for repeat in range(args.repeats):
-            for router in routers:
-                row = dict(run_router(router, app_args, bodies, args, port, metrics_port), repeat=repeat)
+            if repeat:  # fresh replicas again: the first repeat's cache entries would be hits
+                for router in routers:
+                    serve.delete(f"bench_{router}")
+                urls, startup = deploy(routers, app_args, port)
+            done = [dict(run_router(router, urls[router], bodies, args, startup), repeat=repeat)
+                    for router in routers]
+            add_hits(done, metrics_port)
+            for row in done:
                 print(json.dumps(row), flush=True)
-                rows.append(row)
+            rows += done
     finally:
         serve.shutdown()
         if started:

@@ -120,14 +120,14 @@ def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node
 
 
 def stop_cluster(sim: SimCluster) -> None:
+    """Every process of every node killed, Serve's with them: ``serve.shutdown()`` first would
+    wait for each replica to stop gracefully (seconds, for a cluster about to go).  Serve drops
+    its handle to this cluster's controller by itself when a later session starts."""
     import ray
 
     try:
-        from ray import serve
-
-        serve.shutdown()
-    finally:
         ray.shutdown()
+    finally:
         sim.cluster.shutdown()
 
 
