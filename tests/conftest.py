@@ -26,6 +26,9 @@ if "RAY_ATTN_CACHE_DIR" not in os.environ:
 # inherit these from the process that starts the cluster, and scripts under test from us.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(round(scaled(30))))
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", str(round(scaled(30))))
+# and checks a proxy every 10 s: a test that kills one (tests/cluster) waited that long for its
+# replacement.  Every 2 s costs a cheap actor call each time.
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
 # Ray starts its workers at niceness 15; beside a CPU hog at 0 each gets a few percent of a core,
 # and a test's actors (Serve replicas, stores, ranks before they renice: runtime/worker.py
