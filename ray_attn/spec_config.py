@@ -23,10 +23,11 @@ from ray_attn.model_config import ModelConfig, _Strict
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults for prompt lookup when neither bound is given ("arbitrarily chosen", it says).
 DEFAULT_PROMPT_LOOKUP = 5
-# disable_by_batch_size="auto" on CPU: the largest batch at which n-gram speculation still paid in
-# scripts/bench_spec_decode.py's sweep on SmolLM2-135M (benchmarks/results/bench_spec_decode.json,
-# ``break_even_batch``; README "Speculative decoding").  A CPU step's cost grows with its tokens
-# almost from the first, so verifying k drafts per row soon costs more than the accepted ones save.
+# disable_by_batch_size="auto" on CPU: the largest batch at which n-gram speculation clearly paid in
+# scripts/bench_spec_decode.py's sweep on SmolLM2-135M (README "Speculative decoding").  A CPU
+# step's cost grows with its tokens almost from the first, so verifying k drafts per row soon costs
+# more than the accepted ones save.  Since oneDNN's weights are packed (2026-12-05) batches 8 and 16
+# still gain 3-7% (the JSON's ``break_even_batch`` says 16): within two runs' noise, so 4 stays.
 CPU_DISABLE_BY_BATCH_SIZE = 4
 # On a GPU a decode step is weight-bound up to large batches and a 1+k query costs little more
 # (scripts/bench_spec_verify.py measures it on the H200): no limit until that sweep gives one.
