@@ -227,13 +227,15 @@ class FlashAttentionImpl:
         return output
 
     def _scheduler_metadata(self, m: FlashAttentionMetadata, qkv_dtype):
-        """FA3's tile/split plan, built once per step and per layer shape (the seed's builder
-        does it once per step; layers with different windows need their own)."""
+        """The kernel's plan for the step, built once per step and per layer shape (the seed's
+        builder does it once per step; layers with different windows need their own): FA3's
+        tile/split plan, or the torch kernel's cache of gather indices and masks (CPU)."""
         if not self.kernel.uses_scheduler_metadata:
             return None
         if m.scheduler_metadata is None:
             m.scheduler_metadata = {}  # the step's metadata object is shared by every layer
-        key = (self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window,
+        # the kernel's name too: its plan is its own (FA3's tile plan, the torch kernel's cache)
+        key = (self.kernel.name, self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window,
                self.logits_soft_cap > 0, qkv_dtype)
         if key not in m.scheduler_metadata:
             m.scheduler_metadata[key] = self.kernel.scheduler_metadata(

@@ -105,3 +105,32 @@ def test_verifying_queries_equal_the_float64_reference(rng, window, softcap, dty
     assert not cpu_decode.supports(q, k, cu, max(q_lens), None, torch.float32, causal=False)
     check_against_reference(q, k, v, table, kv_lens, cu, window, softcap, return_lse, cu_seqlens_q=cu,
                             max_seqlen_q=max(q_lens))
+
+
+def test_a_steps_plan_is_built_once_and_serves_every_layer(rng, monkeypatch):
+    """Through ``TorchKernel``: two layers of one step (one ``plans`` dict, as the step's
+    metadata keeps it) build the gather indices and masks once and give what a fresh plan
+    gives; another step's lengths (a new dict) get their own plan, not the first step's."""
+    lens = [37, 5, 64, 18]
+    q, k, v, table, kv_lens = case(rng, lens)
+    built = []
+    real = cpu_decode._build_plan
+    monkeypatch.setattr(cpu_decode, "_build_plan", lambda *a: built.append(a) or real(*a))
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    kernel, plans = TorchKernel(), TorchKernel().scheduler_metadata()
+
+    def layer(lengths, plans):
+        out = torch.empty_like(q)
+        kernel.varlen_paged(q, k, v, out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=lengths,
+                            max_seqlen_k=int(lengths.max()), block_table=table, scale=0.3, causal=True,
+                            scheduler_metadata=plans)
+        return out
+
+    first, second = layer(kv_lens, plans), layer(kv_lens, plans)
+    assert len(built) == 1 and len(plans) == 1
+    assert torch.equal(first, second)
+    assert torch.allclose(first, layer(kv_lens, None), atol=ATOL)
+    shorter = kv_lens - 3  # the next step's metadata: its own plans
+    want = layer(shorter, None)
+    assert torch.allclose(layer(shorter, TorchKernel().scheduler_metadata()), want, atol=ATOL)
+    assert not torch.allclose(want, first, atol=1e-3)
