@@ -55,17 +55,12 @@ class SharedSim:
         return self.sim
 
     def discard(self) -> None:
-        """Stop the cluster outright: every process of every node is killed, Serve's with them.
-        (``serve.shutdown()`` first waits for replicas to stop gracefully: over 20 s once the
-        nodes of some are gone and Serve retries their replacements.)"""
-        import ray
-
+        """Stop the cluster outright (``stop_cluster``: every process of every node killed,
+        Serve's with them, no graceful wait -- over 20 s once the nodes of some replicas are gone
+        and Serve retries their replacements)."""
         if self.sim is not None:
             sim, self.sim = self.sim, None
-            try:
-                ray.shutdown()
-            finally:
-                sim.cluster.shutdown()
+            stop_cluster(sim)
 
 
 @pytest.fixture(scope="package")
