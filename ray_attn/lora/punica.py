@@ -9,19 +9,24 @@ product.  Tokens of the base model have slot -1 and are not touched.
 
 Which tokens each slot has travels as a step's metadata (``LoRAStepMeta``, built once per step
 on the rank from the plan's per-row slots): the tokens sorted by slot and each slot's start in
-that order (SGMV's segments).  On CUDA the two Triton kernels read it on the device, with a
-grid fixed by the token count and ``max_loras`` -- programs of an empty segment return at
-once -- so a decode step replays from a CUDA graph whatever its adapters: the slot is an input,
+that order (SGMV's segments).  On CUDA the Triton kernels (a shrink and an expand, or for steps
+of few tokens one fused kernel, as ``tuning.py`` picks per device and shape) read it on the
+device, with a grid fixed by the token count and ``max_loras`` -- programs of an empty segment
+return at once -- so a decode step replays from a CUDA graph whatever its adapters: the slot is an input,
 never a branch.  On CPU (and for the tests' reference) a loop over the slots present runs the same
 math in torch.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.lora import tuning
+from ray_attn.lora.tuning import KernelConfig
 
 try:
     import triton
@@ -32,15 +37,18 @@ except Exception:  # pragma: no cover - machines without triton
 BLOCK_M = 16  # tl.dot's smallest tile
 # Split-K for the shrink at decode sizes: with a handful of tokens the grid has one program per
 # (slot, 16 tokens, 64 columns of S), and each would walk all of K (4,096-14,336) alone -- one SM
-# reading A serially, ~10x longer than the expand.  Up to MAX_SPLIT programs each take a slice of
-# K (SPLIT_MIN_K at least) and write a float32 partial of S; the expand sums the partials as it
-# loads S, so the result is deterministic (no atomics) and no extra kernel runs.
-MAX_SPLIT, SPLIT_MIN_K, SPLIT_MAX_TOKENS = 32, 512, 64
+# reading A serially, ~10x longer than the expand.  Up to ``max_split`` programs each take a slice
+# of K (``split_min_k`` at least) and write a float32 partial of S; the expand sums the partials as
+# it loads S, so the result is deterministic (no atomics) and no extra kernel runs.  The settings
+# are per device and shape (``tuning.py``).
+MAX_SPLIT, SPLIT_MAX_TOKENS = tuning.MAX_SPLIT, tuning.SPLIT_MAX_TOKENS
 
 
-def split_k(num_tokens: int, K: int) -> int:
+def split_k(num_tokens: int, K: int, cfg: KernelConfig = tuning.DEFAULT) -> int:
     """How many K-slices the shrink of ``num_tokens`` tokens runs in (1: none)."""
-    return 1 if num_tokens > SPLIT_MAX_TOKENS else max(1, min(MAX_SPLIT, K // SPLIT_MIN_K))
+    if num_tokens > SPLIT_MAX_TOKENS:
+        return 1
+    return max(1, min(cfg.max_split, K // cfg.split_min_k))
 
 
 def scratch_elems(capacity: int, width: int) -> int:
@@ -143,46 +151,106 @@ if triton is not None:
             tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def expand_block(offsets: tuple[int, ...]) -> int | None:
-    """The widest expand tile (64, 32 or 16 columns) that no part boundary cuts; None: none."""
-    for bn in (64, 32, 16):
+    @triton.jit
+    def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, K, N, off1, off2, x_stride, a_slot_stride,
+                      a_row_stride, b_slot_stride, b_row_stride, y_stride, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        # one program: BLOCK_N columns of y for one slot's tokens.  It computes the shrink of the
+        # one part its columns lie in (R rows of A, from L2 after the first program reads them) and
+        # expands it at once: one launch where two would run, for steps of few tokens per slot.
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
+        begin = tl.load(start_ptr + slot)
+        end = tl.load(start_ptr + slot + 1)
+        if begin < end:
+            n0 = pid_n * BLOCK_N
+            rn = n0 + tl.arange(0, BLOCK_N)
+            nmask = rn < N
+            part = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)
+            rr = tl.arange(0, R)
+            rk = tl.arange(0, BLOCK_K)
+            a_rows = a_ptr + slot.to(tl.int64) * a_slot_stride + (part * R + rr)[None, :] * a_row_stride
+            bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + rn[None, :] * b_row_stride + rr[:, None],
+                         mask=nmask[None, :], other=0.0)
+            for m0 in range(begin, end, BLOCK_M):
+                rm = m0 + tl.arange(0, BLOCK_M)
+                mmask = rm < end
+                tok = tl.load(sorted_ptr + rm, mask=mmask, other=0).to(tl.int64)
+                s = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+                for k in range(0, K, BLOCK_K):
+                    kmask = (k + rk) < K
+                    xt = tl.load(x_ptr + tok[:, None] * x_stride + (k + rk)[None, :],
+                                 mask=mmask[:, None] & kmask[None, :], other=0.0)
+                    at = tl.load(a_rows + (k + rk)[:, None], mask=kmask[:, None], other=0.0)
+                    s += tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
+                acc = tl.dot(s.to(bt.dtype), bt, input_precision=PRECISION)
+                ptrs = y_ptr + tok[:, None] * y_stride + rn[None, :]
+                mask = mmask[:, None] & nmask[None, :]
+                y = tl.load(ptrs, mask=mask, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def expand_block(offsets: tuple[int, ...], widest: int = 64) -> int | None:
+    """The widest tile of columns (a power of two, ``widest`` down to 16) that no part boundary
+    cuts; None: none."""
+    bn = widest
+    while bn >= 16:
         if all(o % bn == 0 for o in offsets):
             return bn
+        bn //= 2
     return None
 
 
 def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int, ...],
                 rank: int, sorted_tokens: torch.Tensor, seg_start: torch.Tensor,
-                shrunk: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
-    """``lora_reference``'s update with the two kernels (in place on ``y``).  ``shrunk``: a
-    float32 scratch of at least ``split_k(T, K) * T * P*R`` elements (``scratch_elems``); ``rank``
-    (the slots' padded R) a power of two >= 16."""
+                shrunk: torch.Tensor | None = None, block_n: int | None = None,
+                config: KernelConfig | None = None) -> torch.Tensor:
+    """``lora_reference``'s update with the kernels (in place on ``y``).  ``shrunk``: a float32
+    scratch of at least ``split_k(T, K) * T * P*R`` elements (``scratch_elems``; the fused kernel
+    needs none); ``rank`` (the slots' padded R) a power of two >= 16; ``config``: the launch
+    settings (default: the device's tuned ones for this shape, ``tuning.py``)."""
     T, K = x.shape
     L, RT, _ = a.shape
     N = y.shape[1]
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("lora_triton: x, y, A and B need unit stride in their last dim")
-    split = split_k(T, K)
+    if config is None:
+        config = tuning.config_for(_device_name(x.device) if x.is_cuda else None, T, K, N, len(offsets), rank)
+    bn = block_n or expand_block(offsets[1:], config.block_n)
+    if bn is None:
+        raise ValueError(f"lora_triton: part offsets {offsets} are not multiples of 16")
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    off = list(offsets[1:]) + [N] * (3 - len(offsets))
+    if config.fused:
+        _fused_kernel[(triton.cdiv(N, bn), L)](
+            x, a, b, y, sorted_tokens, seg_start, K, N, off[0], off[1], x.stride(0), a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn,
+            BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(K))), PRECISION=precision,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        return y
+    split = split_k(T, K, config)
     if shrunk is None:
         shrunk = torch.empty(split * T * RT, dtype=torch.float32, device=x.device)
     if shrunk.dtype != torch.float32 or shrunk.numel() < split * T * RT:
         raise ValueError(f"lora_triton: the scratch needs {split * T * RT} float32 elements, got "
                          f"{shrunk.numel()} {shrunk.dtype}")
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     mblocks = triton.cdiv(T, BLOCK_M)
     bn_shrink = min(64, triton.next_power_of_2(RT))
-    block_k = 64 if K >= 64 else 16
+    block_k = config.block_k if K >= config.block_k else 16
     k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k  # slices whole tiles of K
     _shrink_kernel[(mblocks, triton.cdiv(RT, bn_shrink), L * split)](
         x, a, shrunk, sorted_tokens, seg_start, K, RT, x.stride(0), a.stride(0), a.stride(1), RT, T * RT, k_per,
-        SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=block_k, PRECISION=precision)
-    bn = block_n or expand_block(offsets[1:])
-    if bn is None:
-        raise ValueError(f"lora_triton: part offsets {offsets} are not multiples of 16")
-    off = list(offsets[1:]) + [N] * (3 - len(offsets))
+        SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     _expand_kernel[(mblocks, triton.cdiv(N, bn), L)](
         shrunk, b, y, sorted_tokens, seg_start, N, off[0], off[1], RT, T * RT, b.stride(0), b.stride(1),
-        y.stride(0), SPLIT=split, R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn, PRECISION=precision)
+        y.stride(0), SPLIT=split, R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn, PRECISION=precision,
+        num_warps=config.expand_warps)
     return y
 
 

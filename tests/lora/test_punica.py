@@ -76,7 +76,10 @@ def test_expand_block_never_straddles_a_part():
 
 def test_split_k_splits_decode_steps_over_long_k_only():
     assert [P.split_k(T, K) for T, K, *_ in SPLIT_CASES] == [2, 4]
-    assert P.split_k(64, 14336) == 28 and P.split_k(1, 1 << 16) == P.MAX_SPLIT and P.split_k(65, 14336) == 1 and P.split_k(1, 511) == 1
+    assert P.split_k(64, 14336) == 28 and P.split_k(1, 1 << 16) == P.tuning.DEFAULT.max_split
+    assert P.split_k(65, 14336) == 1 and P.split_k(1, 511) == 1
+    wide = P.KernelConfig(split_min_k=128, max_split=64, block_k=128)
+    assert P.split_k(1, 4096, wide) == 32 and P.split_k(1, 14336, wide) == P.MAX_SPLIT
     assert all(P.split_k(T, K) == 1 for T, K, *_ in CASES)
 
 
@@ -84,7 +87,7 @@ def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     if kernels_run_here():
         pytest.skip("the kernels' own tests run in this process")
-    run_module_interpreted(__file__, min_passed=len(CASES) + len(SPLIT_CASES))
+    run_module_interpreted(__file__, min_passed=len(CASES) + len(SPLIT_CASES) + 3 * len(CONFIGS))
 
 
 @pytest.mark.parametrize("case", CASES + SPLIT_CASES)
@@ -100,10 +103,33 @@ def test_triton_matches_reference(case):
     assert (got.double() - want).abs().max() < 1e-4
 
 
+# launch settings the tuner may pick: the fused kernel (small and large K tiles), and a wide split
+CONFIGS = [P.KernelConfig(fused=True, block_k=64, block_n=32), P.KernelConfig(fused=True, block_k=256, block_n=128),
+           P.KernelConfig(split_min_k=128, max_split=64, block_k=128, block_n=128, num_warps=2, num_stages=2)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["fused_k64", "fused_k256", "split128"])
+@pytest.mark.parametrize("case", [(70, 130, (32, 16, 16), 16, 3), CASES[1], SPLIT_CASES[0]])
+def test_triton_configs_match_reference(case, config):
+    """Every setting computes the same update (a fused kernel that read another part's A rows, or
+    skipped a slot's tokens past its first 16 -- the first case has ~21 a slot -- would not)."""""
+    pytest.importorskip("triton")
+    if not INTERPRETED:
+        pytest.skip("run with TRITON_INTERPRET=1 (or on a GPU: the bf16 test)")
+    T, K, rows, R, L = case
+    x, y, a, b, offsets, slots = inputs(T, K, rows, R, L, base_share=0.1)
+    order, start = P.step_meta(slots, L)
+    got = P.lora_triton(x, y.clone(), a, b, offsets, R, torch.from_numpy(order), torch.from_numpy(start),
+                        config=config)
+    want = float64_loop(x, y, a, b, offsets, R, slots)
+    assert (got.double() - want).abs().max() < 1e-4
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None] + CONFIGS)
 @pytest.mark.parametrize("case", CASES + SPLIT_CASES + [(64, 4096, (4096, 1024, 1024), 16, 8), (1, 14336, (4096,), 16, 8),
                                   (65, 4096, (4096, 1024, 1024), 16, 8)])
-def test_gpu_bf16_matches_float64(case):
+def test_gpu_bf16_matches_float64(case, config):
     """bf16 in and out, float32 accumulation: S is rounded to bf16 once before the expand (as
     vLLM's expand does; 2^-8 of each |B_r S_r| term) and y once after the add (2^-8 of |y'|), so
     |err| <= 2^-8 (sum_r |B_r| |S_r| + |y'|), with 5% and 1e-4 for the float32 sums.  The bound is
@@ -111,7 +137,8 @@ def test_gpu_bf16_matches_float64(case):
     T, K, rows, R, L = case
     x, y, a, b, offsets, slots = inputs(T, K, rows, R, L, torch.bfloat16, "cuda")
     order, start = P.step_meta(slots, L)
-    got = P.lora_triton(x, y.clone(), a, b, offsets, R, torch.from_numpy(order).cuda(), torch.from_numpy(start).cuda())
+    got = P.lora_triton(x, y.clone(), a, b, offsets, R, torch.from_numpy(order).cuda(), torch.from_numpy(start).cuda(),
+                        config=config)
     want = float64_loop(x.cpu(), y.cpu(), a.cpu(), b.cpu(), offsets, R, slots)
     terms = float64_loop(x.cpu(), y.cpu(), a.cpu(), b.cpu(), offsets, R, slots, magnitude=True)
     tol = 1.05 * 2 ** -8 * (terms + want.abs()) + 1e-4

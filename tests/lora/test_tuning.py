@@ -1,0 +1,38 @@
+"""The LoRA kernels' tuned launch settings (ray_attn/lora/tuning.py): a table written by the
+tuner reads back as it was, a step takes the setting of the smallest tuned size that covers it,
+and a device or shape never tuned gets the defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_attn.lora import tuning
+from ray_attn.lora.tuning import KernelConfig
+
+
+def test_a_written_table_reads_back_and_covers_each_step_by_the_next_tuned_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    key = tuning.shape_key(4096, 6144, 3, 16)
+    small, mid, big = KernelConfig(fused=True, block_k=256), KernelConfig(block_n=128), KernelConfig(max_split=8)
+    path = tuning.write_table("NVIDIA H200", {key: {1: small, 16: mid, 64: big}}, {"layers": 32}, folder=tmp_path)
+    assert path.name == "NVIDIA_H200.json" and json.loads(path.read_text())["layers"] == 32
+    got = [tuning.config_for("NVIDIA H200", t, 4096, 6144, 3, 16) for t in (1, 2, 16, 17, 64, 500)]
+    assert got == [small, mid, mid, big, big, big]
+    # another shape, another rank or a device never tuned: the defaults
+    assert tuning.config_for("NVIDIA H200", 1, 4096, 6144, 3, 32) == tuning.DEFAULT
+    assert tuning.config_for("NVIDIA H100 80GB HBM3", 1, 4096, 6144, 3, 16) == tuning.DEFAULT
+    assert tuning.config_for(None, 1, 4096, 6144, 3, 16) == tuning.DEFAULT
+    tuning.device_table.cache_clear()
+
+
+@pytest.mark.parametrize("bad", [dict(block_k=48), dict(block_n=8), dict(max_split=0), dict(max_split=65),
+                                 dict(split_min_k=64, block_k=128)])
+def test_a_config_the_kernels_cannot_run_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        KernelConfig(**bad)
+
+
+def test_unknown_keys_in_a_table_are_ignored():
+    assert KernelConfig.from_json({"fused": True, "future_knob": 3}) == KernelConfig(fused=True)
