@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/ray-attn demo

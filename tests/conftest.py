@@ -42,9 +42,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # time scale), or half a core or more taken by others when the run starts -- a hog started with
 # the run leaves the scale at 1 (its one core free) yet made the gate's in-process rows 10x
 # slower on two threads.  Set once, before any test has run torch, and kept for the run.
-# Under pytest-xdist, as many workers as cores share them: one thread each from the start.
-_XDIST_FULL = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1)
-if "RAY_ATTN_CPU_THREADS" not in os.environ and (_XDIST_FULL or TIME_SCALE > 1.5 or busy_cpus() >= 0.5):
+if "RAY_ATTN_CPU_THREADS" not in os.environ and (TIME_SCALE > 1.5 or busy_cpus() >= 0.5):
     os.environ.setdefault("RAY_ATTN_CPU_THREADS", "1")
     torch.set_num_threads(1)
 
@@ -55,26 +53,7 @@ def pytest_report_header(config):
             f"CPU threads per rank: {threads}")
 
 
-# Packages whose tests share a package-scoped fixture (a Serve app, a simulated cluster): one
-# xdist worker runs each, so the fixture is set up once.  Every other test file is a group of its own.
-SHARED_FIXTURE_PACKAGES = ("serve", "cluster")
-
-
-def xdist_group(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
-    parts = path.split("/")
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] in SHARED_FIXTURE_PACKAGES:
-        return parts[1]
-    return path
-
-
 def pytest_collection_modifyitems(config, items):
-    if getattr(config.option, "dist", "no") != "no":
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item.nodeid)))
-        # the longest groups first, so that no worker is left with one alone at the end
-        first = {name: i for i, name in enumerate(SHARED_FIXTURE_PACKAGES)}
-        items.sort(key=lambda it: first.get(xdist_group(it.nodeid), len(first)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
