@@ -182,10 +182,10 @@ def run(args, loss: str) -> dict:
 
 
 def crossed(r: Record, log) -> bool:
-    """Whether the stream went on past a loss: a reconnection, a retried answer, or (the client
-    cannot see it) a replica lost under it."""
+    """Whether the stream went on past a loss: a reconnection, a retried answer, or a replica lost
+    under it that its front replaced (the stream's resume comment, or the front's log)."""
     return r.s.reconnects > 0 or any(c.attempt not in (None, "1") for c in r.s.connections) \
-        or (log is not None and len(log.replicas) > 1)
+        or len(r.s.replicas) > 1 or (log is not None and len(log.replicas) > 1)
 
 
 def summarize(records, want, t_loss, args, loss, under, logs) -> dict:

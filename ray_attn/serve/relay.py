@@ -39,6 +39,7 @@ log = logging.getLogger("ray.serve")
 REPLICA_HEADER = b"x-replica-id"
 FRONT_HEADER = b"x-ray-attn-front"      # the front replica that answered
 ATTEMPT_HEADER = b"x-ray-attn-attempt"  # which attempt's replica began the answer (1: the first)
+REPLICA_COMMENT = b": replica %s from event %d\n\n"  # a stream resumed on another replica, mid-stream
 
 
 async def send_error(send, status: int, field_name: str, detail: str, headers=()) -> None:
@@ -158,6 +159,11 @@ class RelayedResponse(Response):
                         if started:  # a resumed stream: the client has its headers already
                             if message.get("status") != 200 or not _is_event_stream(message):
                                 raise _NotResumed(f"the next replica answered {message.get('status')}")
+                            if replica and stream and not ids.pending:
+                                # an SSE comment (clients skip it, no id): the stream goes on from
+                                # another replica -- the one sign of it a client can see
+                                await send({"type": "http.response.body", "more_body": True,
+                                            "body": REPLICA_COMMENT % (replica, ids.next)})
                             continue
                         started = True
                         stream = _is_event_stream(message) and message.get("status") == 200
@@ -283,5 +289,5 @@ def new_epoch(after: int = 0) -> int:
     return max(time.time_ns(), after + 1)
 
 
-__all__ = ["ATTEMPT_HEADER", "FRONT_HEADER", "REPLICA_HEADER", "RelayedResponse", "StreamJournal", "new_epoch",
+__all__ = ["ATTEMPT_HEADER", "FRONT_HEADER", "REPLICA_COMMENT", "REPLICA_HEADER", "RelayedResponse", "StreamJournal", "new_epoch",
            "send_error"]

@@ -159,6 +159,11 @@ class EventIds:
         rest, self._rest = self._rest, b""
         return rest
 
+    @property
+    def pending(self) -> bool:
+        """Part of an event is held back (a body ended mid-event): nothing may be sent between."""
+        return bool(self._rest)
+
 
 __all__ = ["ChoiceProgress", "EXTENSION", "EventIds", "NOT_RESUMABLE", "Resume", "ResumeContext", "StreamProgress",
            "choice_progress", "context", "progress_line"]

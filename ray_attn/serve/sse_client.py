@@ -32,6 +32,9 @@ class Connection:
     attempt: Optional[str]
     first_event: int  # the id of its first event (-1: none came)
     error: Optional[str] = None
+    # (replica, first event id) for each replica the front resumed the stream on, mid-connection
+    # (relay.REPLICA_COMMENT): a replica lost under the stream that the client never saw cut
+    resumed_on: list = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +49,16 @@ class ResumableStream:
     @property
     def reconnects(self) -> int:
         return max(0, len(self.connections) - 1)
+
+    @property
+    def replicas(self) -> list:
+        """Every replica that served the stream, in order (from headers and resume comments)."""
+        out = []
+        for c in self.connections:
+            for r in ([c.replica] if c.replica else []) + [r for r, _ in c.resumed_on]:
+                if not out or out[-1] != r:
+                    out.append(r)
+        return out
 
     @property
     def last_id(self) -> Optional[int]:
@@ -98,6 +111,9 @@ def _read(r: httpx.Response, s: ResumableStream, conn: Connection, on_event) -> 
     for line in r.iter_lines():
         if line.startswith("id: "):
             event_id = int(line[4:])
+        elif line.startswith(": replica "):  # relay.REPLICA_COMMENT
+            replica, _, first = line[len(": replica "):].partition(" from event ")
+            conn.resumed_on.append((replica, int(first) if first.isdigit() else None))
         elif line.startswith("data: "):
             data = line[6:]
             s.events.append(data if data == "[DONE]" else json.loads(data))

@@ -95,10 +95,11 @@ def float64_logprobs(engine: dict, tokens: list[int]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------- streams (resume tests)
-def sse_events(url: str, body: dict, on_event=None, timeout: float = 120.0):
+def sse_events(url: str, body: dict, on_event=None, timeout: float = 120.0, resumed: list | None = None):
     """POST ``body`` as a stream; its data events (``[DONE]`` as the string), and the replica that
     began it (``x-replica-id``).  ``on_event(n, replica)`` runs after the n-th event; no progress
-    line of the front (``ray_attn/serve/resume.py``) may reach the client."""
+    line of the front (``ray_attn/serve/resume.py``) may reach the client.  ``resumed`` collects
+    (replica, first event id) of each replica the front resumed the stream on (its SSE comment)."""
     import json
 
     import httpx
@@ -108,6 +109,11 @@ def sse_events(url: str, body: dict, on_event=None, timeout: float = 120.0):
         assert r.status_code == 200, r.read()
         replica = r.headers.get("x-replica-id")
         for line in r.iter_lines():
+            if line.startswith(": replica "):  # relay.REPLICA_COMMENT
+                name, _, first = line[len(": replica "):].partition(" from event ")
+                if resumed is not None:
+                    resumed.append((name, int(first)))
+                continue
             assert not line.startswith(":"), f"a progress line reached the client: {line!r}"
             if not line.startswith("data: "):
                 continue

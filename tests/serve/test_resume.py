@@ -82,14 +82,14 @@ def kill_replica(app: str, unique_id: str) -> None:
     ray.kill(actor, no_restart=True)
 
 
-def stream(url: str, path: str, body: dict, kill_after: int | None = None, app: str = APP):
+def stream(url: str, path: str, body: dict, kill_after: int | None = None, app: str = APP, resumed=None):
     """The data events of one streamed request (``[DONE]`` last), and the replica that began it;
     with ``kill_after``, that replica is killed once so many events arrived."""
     def kill(n: int, replica: str) -> None:
         if n == kill_after:
             kill_replica(app, replica)
 
-    return sse_events(url + path, body, kill, timeout=scaled(120))
+    return sse_events(url + path, body, kill, timeout=scaled(120), resumed=resumed)
 
 
 def generate_body(**kw) -> dict:
@@ -102,8 +102,11 @@ def test_generate_stream_resumes_with_every_token_once(resume_urls, sampling):
     url, _ = resume_urls
     body = generate_body(**sampling)
     clean, _ = stream(url, "/v1/generate", body)
-    faulted, victim = stream(url, "/v1/generate", body, kill_after=4)
+    resumed = []
+    faulted, victim = stream(url, "/v1/generate", body, kill_after=4, resumed=resumed)
     assert faulted[-1] == "[DONE]" and clean[-1] == "[DONE]"
+    # the client is told, in an SSE comment, that another replica carries the stream on
+    assert len(resumed) == 1 and resumed[0][0] != victim and resumed[0][1] >= 4, (resumed, victim)
     got, want = tokens_of(faulted), tokens_of(clean)
     assert len(got) == len(want) == body["max_tokens"]
     assert got == want
