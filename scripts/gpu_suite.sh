@@ -24,6 +24,8 @@
 # concurrency-1 ITL (NO_SERVING=1 skips it) and accuracy rows (ACCURACY_ROWS, result
 # gpu_accuracy_fusion.json, --update: two calls fill it).
 # lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table) and the lora accuracy row.
+# lora_tune: the LoRA kernels' launch settings tuned in CUDA graphs (bench_lora_kernels.py --write,
+# TUNE_BUDGET_S), written to ray_attn/lora/configs/ and $OUT, then bench_lora with them.
 # defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
 # scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
 # rows of the features changed; real_model (issue 38): SmolLM2 from .gg1/ + .gg2/ (the GGUF in two
@@ -159,6 +161,13 @@ if [[ $stage == real_model ]]; then
 fi
 if [[ $stage == spec ]]; then  # issue 40: what verifying k drafts costs (k = 0..8; batch 1 and where it stops paying)
   bench scripts/bench_spec_verify.py --batch ${SPEC_BATCHES:-1 8 32 64}
+fi
+if [[ $stage == lora_tune ]]; then
+  step timeout 420 python3 scripts/bench_lora_kernels.py --write --budget-s "${TUNE_BUDGET_S:-300}" \
+    --out benchmarks/results/bench_lora_kernels.json
+  [[ -n ${OUT:-} ]] && cp ray_attn/lora/configs/*.json benchmarks/results/bench_lora_kernels.json "$OUT"/ 2>/dev/null
+  step timeout "${BENCH_TIMEOUT_S:-150}" python3 scripts/bench_lora.py --out benchmarks/results/bench_lora.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_lora.json "$log" "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, engine vs peft) and the gate's lora row
   step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/lora/test_punica.py tests/lora/test_lora_gpu.py
