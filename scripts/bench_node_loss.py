@@ -63,6 +63,7 @@ class Record:
         self.client, self.turn = client, turn
         self.times: list[float] = []
         self.s = None
+        self.start = 0.0  # the load's start (time.monotonic()): times are seconds after it
 
     @property
     def tokens(self) -> list[int]:
@@ -86,6 +87,7 @@ def client_loop(url, client, stop_at, start, records, lock, reconnect: bool):
     turn = 0
     while time.monotonic() < stop_at:
         rec = Record(client, turn)
+        rec.start = start
         with lock:
             records.append(rec)
         rec.s = stream(url + "/v1/generate", body(client, turn), reconnect=reconnect, timeout=stretched(120),
@@ -156,9 +158,13 @@ def run(args, loss: str) -> dict:
             time.sleep(0.02)
         t_loss = time.monotonic() - start
         if loss.startswith("worker-node"):
-            sim.remove(sim.node_of(victim))
+            killed = sim.remove(sim.node_of(victim))
+            gone_at = time.monotonic()  # its processes are dead by now
+            print(f"  lost node {victim[:8]} ({len(killed)} processes killed), its replicas "
+                  f"{sorted(u for u, n in nodes.items() if n == victim)}", flush=True)
         else:
             os.kill(actor["Pid"], signal.SIGKILL)
+            gone_at = time.monotonic()
         for t in threads:
             t.join(stretched(300))
         print(f"  loss at {t_loss:.1f}s under {hit} streams; {len(records)} requests sent; "
@@ -176,7 +182,7 @@ def run(args, loss: str) -> dict:
         from ray_attn.serve import progress_store
 
         logs = {r.s.request_id: progress_store.find("bench", r.s.request_id) for r in records}
-        return summarize(records, want, t_loss, args, loss, under, logs)
+        return summarize(records, want, t_loss, args, loss, under, logs, gone_at - start)
     finally:
         simcluster.stop_cluster(sim)
 
@@ -188,8 +194,18 @@ def crossed(r: Record, log) -> bool:
         or len(r.s.replicas) > 1 or (log is not None and len(log.replicas) > 1)
 
 
-def summarize(records, want, t_loss, args, loss, under, logs) -> dict:
-    """The row; ``under`` are the streams live on the lost node or front when it was lost."""
+def ended_first(r: Record, log) -> bool:
+    """Done, on the one replica its front's log names, though that replica was lost under it: its
+    tokens were all made before the replica died (a dead replica makes none) and reached the
+    client after -- the front and the client, among 32 streams on two cores, relay them seconds
+    behind the engine.  Not a stream the loss cut."""
+    return not crossed(r, log) and r.s.done and r.s.error is None and (log is None or len(log.replicas) <= 1)
+
+
+def summarize(records, want, t_loss, args, loss, under, logs, t_gone=None) -> dict:
+    """The row; ``under`` are the streams live on the lost node or front when its loss began,
+    ``t_gone`` when its processes were dead (removing a node takes a moment: a stream under it
+    may end meanwhile, with nothing to resume)."""
     ok = lost = dup = gap = resumed = 0
     examples = []
     gaps_after_loss = []
@@ -222,12 +238,24 @@ def summarize(records, want, t_loss, args, loss, under, logs) -> dict:
         "max_tokens": MAX_TOKENS, "loss_at_s": round(t_loss, 2), "streams_hit": len(under),
         # of those, the ones the loss cut (not done when it came): each must have been resumed
         "streams_hit_resumed": sum(crossed(r, logs.get(r.s.request_id)) for r in under),
+        # the others: made all their tokens before the loss, delivered after it (ended_first)
+        "streams_hit_ended_first": sum(ended_first(r, logs.get(r.s.request_id)) for r in under),
+        "loss_took_s": round(t_gone - t_loss, 2) if t_gone is not None else None,
         "requests": len(records),
         "completed_as_fault_free": ok, "requests_lost": lost, "requests_resumed": resumed,
         "tokens_duplicated": dup, "tokens_missing": gap,
         "longest_silence_after_loss_s": {"median": round(gaps_after_loss[len(gaps_after_loss) // 2], 2),
                                          "max": round(gaps_after_loss[-1], 2)} if gaps_after_loss else None,
-        "lost_examples": examples[:3], "events_per_s_series": bins[:end + 1],
+        "lost_examples": examples[:3],
+        # streams under the loss that show no crossing and did not end first: what they saw (none, or a bug)
+        "hit_uncrossed_examples": [{"request_id": r.s.request_id, "tokens": len(r.tokens), "done": r.s.done,
+                                    "first_event_s": round(r.times[0], 2) if r.times else None,
+                                    "last_event_s": round(r.times[-1], 2) if r.times else None,
+                                    "connections": [c.__dict__ for c in r.s.connections],
+                                    "log_replicas": list(getattr(logs.get(r.s.request_id), "replicas", None) or [])}
+                                   for r in under if not crossed(r, logs.get(r.s.request_id))
+                                   and not ended_first(r, logs.get(r.s.request_id))][:4],
+        "events_per_s_series": bins[:end + 1],
     }
 
 

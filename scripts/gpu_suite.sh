@@ -23,7 +23,8 @@
 # against our kernels (bench_fusion), the verify cost of drafts; fusion_rows: the bf16/FP8
 # concurrency-1 ITL (NO_SERVING=1 skips it) and accuracy rows (ACCURACY_ROWS, result
 # gpu_accuracy_fusion.json, --update: two calls fill it).
-# lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table) and the lora accuracy row.
+# lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table), the lora accuracy row and
+# the adapter loads under 32 streams (bench_lora_load; NO_LOAD=1 skips it).
 # lora_tune: the LoRA kernels' launch settings tuned in CUDA graphs (bench_lora_kernels.py --write,
 # TUNE_BUDGET_S), written to ray_attn/lora/configs/ and $OUT, then bench_lora with them.
 # defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
@@ -174,6 +175,9 @@ if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, e
   step timeout "${BENCH_TIMEOUT_S:-200}" python3 scripts/bench_lora.py --out benchmarks/results/bench_lora.json
   step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _lora --rows "${ACCURACY_ROWS:-lora}"
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_lora.json benchmarks/results/bench_lora.json "$log" "$OUT"/ 2>/dev/null
+  [[ -z ${NO_LOAD:-} ]] && step timeout "${LOAD_TIMEOUT_S:-200}" python3 scripts/bench_lora_load.py \
+    --json benchmarks/results/bench_lora_load_cuda.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_lora_load_cuda.json "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and

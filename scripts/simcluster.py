@@ -44,15 +44,17 @@ class SimCluster:
         self.cluster.wait_for_nodes()
         return node
 
-    def remove(self, node) -> None:
+    def remove(self, node) -> list[int]:
         """Kill the node's raylet and every process on it, as a crashed machine would go.
         ``remove_node`` kills the node's own daemons; the workers under its raylet (replicas,
         ranks) would only exit once they notice, seconds later, and a replica could meanwhile
         finish the very work whose loss a test means to cause -- so they are killed too."""
-        under = [pid for _, proc in node.live_processes() for pid in descendants(proc.pid)]
+        under = {pid for _, proc in node.live_processes() for pid in descendants(proc.pid)}
+        under |= set(actor_pids(node.node_id))  # and by the GCS's actor table, whatever their parent
         self.cluster.remove_node(node, allow_graceful=False)
         kill_pids(under)
         self.workers.remove(node)
+        return sorted(under)
 
     def node_of(self, node_id: str):
         for n in self.workers:
@@ -80,6 +82,22 @@ def descendants(pid: int) -> list[int]:
         found += kids
         todo += kids
     return found
+
+
+def actor_pids(node_id: str) -> list[int]:
+    """The processes of every live actor on the node (the GCS's actor table)."""
+    import ray
+
+    return [a["Pid"] for a in ray._private.state.actors().values()
+            if a["State"] == "ALIVE" and a["Address"]["NodeID"] == node_id and a.get("Pid")]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child stays in /proc until its parent reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def kill_pids(pids) -> None:
