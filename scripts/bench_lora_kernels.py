@@ -69,7 +69,9 @@ class Case:
         self.b = [mk(adapters, self.N, rank, scale=0.01) for _ in range(layers)]
         slots = torch.full((T,), -1) if empty else torch.arange(T) % min(T, adapters)
         order, start = punica.step_meta(slots.numpy(), adapters)
-        self.sorted = torch.from_numpy(order).to(device)
+        padded = torch.zeros(T, dtype=torch.int32)  # a fixed-size buffer, as the engine's (never empty)
+        padded[:len(order)] = torch.from_numpy(order)
+        self.sorted = padded.to(device)
         self.start = torch.from_numpy(start).to(device)
         self.scratch = torch.empty(punica.scratch_elems(T, P * rank), dtype=torch.float32, device=device)
 
