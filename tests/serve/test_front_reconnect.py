@@ -96,9 +96,15 @@ def stores_of(nodes: dict[str, FakeStore], me: str) -> ProgressStores:
     return s
 
 
-def numbered(body: bytes) -> list[tuple[int, str]]:
+def numbered(body: bytes, resumed: list | None = None) -> list[tuple[int, str]]:
+    """The numbered events of a relayed body; ``resumed`` collects its replica comments
+    (``relay.REPLICA_COMMENT``: the stream went on from another replica), which carry no id."""
     out = []
     for block in body.decode().split("\n\n")[:-1]:
+        if block.startswith(": replica "):
+            if resumed is not None:
+                resumed.append(block)
+            continue
         lines = block.split("\n")
         assert lines[0].startswith("id: ") and lines[1].startswith("data: "), block
         out.append((int(lines[0][4:]), lines[1][6:]))
@@ -226,10 +232,13 @@ def test_a_replica_lost_after_the_headers_before_the_first_event_is_sent_again_a
     replicas = Replicas([START, RuntimeError("replica died in prefill")], script(TOKENS))
     sent = run_relay(RelayedResponse(replicas, routed(), 1, 3, retry_delay_s=0))
     assert [m["type"] for m in sent].count("http.response.start") == 1
-    events = numbered(body_of(sent))
+    resumed = []
+    events = numbered(body_of(sent), resumed)
     assert [json.loads(d)["token_ids"][0] for _, d in events if d.startswith("{")] == TOKENS
     assert events[-1][1] == "[DONE]"
     assert [r.resume for r in replicas.asked] == [None, None]
+    # the client is told that another replica took it, from the stream's first event
+    assert len(resumed) == 1 and resumed[0].endswith(" from event 0"), resumed
 
 
 # ------------------------------------------------------------------------- the front's answers
