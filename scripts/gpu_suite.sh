@@ -26,7 +26,7 @@
 # lora (issue 41): the LoRA GPU tests, bench_lora (cost and kernel table), the lora accuracy row and
 # the adapter loads under 32 streams (bench_lora_load; NO_LOAD=1 skips it).
 # lora_tune: the LoRA kernels' launch settings tuned in CUDA graphs (bench_lora_kernels.py --write,
-# TUNE_BUDGET_S), written to ray_attn/lora/configs/ and $OUT, then bench_lora with them.
+# TUNE_BUDGET_S, TUNE_ARGS), written to ray_attn/lora/configs/ and $OUT, then bench_lora with them.
 # defects (issue 37): the grammar and GGUF wheels from .whl/ (stage them with
 # scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
 # rows of the features changed; real_model (issue 38): SmolLM2 from .gg1/ + .gg2/ (the GGUF in two
@@ -165,7 +165,7 @@ if [[ $stage == spec ]]; then  # issue 40: what verifying k drafts costs (k = 0.
 fi
 if [[ $stage == lora_tune ]]; then
   step timeout 420 python3 scripts/bench_lora_kernels.py --write --budget-s "${TUNE_BUDGET_S:-300}" \
-    --out benchmarks/results/bench_lora_kernels.json
+    --out benchmarks/results/bench_lora_kernels.json ${TUNE_ARGS:-}
   [[ -n ${OUT:-} ]] && cp ray_attn/lora/configs/*.json benchmarks/results/bench_lora_kernels.json "$OUT"/ 2>/dev/null
   step timeout "${BENCH_TIMEOUT_S:-150}" python3 scripts/bench_lora.py --out benchmarks/results/bench_lora.json
   [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_lora.json "$log" "$OUT"/ 2>/dev/null
