@@ -36,3 +36,18 @@ def test_a_config_the_kernels_cannot_run_is_refused_by_name(bad):
 
 def test_unknown_keys_in_a_table_are_ignored():
     assert KernelConfig.from_json({"fused": True, "future_knob": 3}) == KernelConfig(fused=True)
+
+
+def test_every_shipped_table_loads_and_covers_the_llama_3_8b_projections():
+    """The tables in ray_attn/lora/configs (written by scripts/bench_lora_kernels.py on a GPU):
+    each setting valid, and the H200's covering the four projections it was tuned on."""
+    paths = sorted(tuning.CONFIG_DIR.glob("*.json"))
+    assert paths, "no tuned table is shipped"
+    for path in paths:
+        device = json.loads(path.read_text())["device"]
+        assert tuning.file_name(device) == path.name
+        table = tuning.device_table(device)
+        assert table and all(isinstance(c, KernelConfig) for by_t in table.values() for c in by_t.values())
+    h200 = tuning.device_table("NVIDIA H200")
+    assert {tuning.shape_key(K, N, P, 16) for K, N, P in
+            [(4096, 6144, 3), (4096, 4096, 1), (4096, 28672, 2), (14336, 4096, 1)]} <= set(h200)
