@@ -49,8 +49,9 @@ class SimCluster:
         ``remove_node`` kills the node's own daemons; the workers under its raylet (replicas,
         ranks) would only exit once they notice, seconds later, and a replica could meanwhile
         finish the very work whose loss a test means to cause -- so they are killed too."""
+        # (not also the GCS's actor table: reading it here delays the kill by a GCS round trip,
+        # and a test that kills a node holding a stream in prefill then finds it past prefill)
         under = {pid for _, proc in node.live_processes() for pid in descendants(proc.pid)}
-        under |= set(actor_pids(node.node_id))  # and by the GCS's actor table, whatever their parent
         self.cluster.remove_node(node, allow_graceful=False)
         kill_pids(under)
         self.workers.remove(node)
@@ -82,14 +83,6 @@ def descendants(pid: int) -> list[int]:
         found += kids
         todo += kids
     return found
-
-
-def actor_pids(node_id: str) -> list[int]:
-    """The processes of every live actor on the node (the GCS's actor table)."""
-    import ray
-
-    return [a["Pid"] for a in ray._private.state.actors().values()
-            if a["State"] == "ALIVE" and a["Address"]["NodeID"] == node_id and a.get("Pid")]
 
 
 def running(pid: int) -> bool:
