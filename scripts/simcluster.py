@@ -85,14 +85,6 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a killed child stays in /proc until its parent reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def kill_pids(pids) -> None:
     for pid in pids:
         try:
