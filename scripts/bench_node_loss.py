@@ -63,7 +63,6 @@ class Record:
         self.client, self.turn = client, turn
         self.times: list[float] = []
         self.s = None
-        self.start = 0.0  # the load's start (time.monotonic()): times are seconds after it
 
     @property
     def tokens(self) -> list[int]:
@@ -87,7 +86,6 @@ def client_loop(url, client, stop_at, start, records, lock, reconnect: bool):
     turn = 0
     while time.monotonic() < stop_at:
         rec = Record(client, turn)
-        rec.start = start
         with lock:
             records.append(rec)
         rec.s = stream(url + "/v1/generate", body(client, turn), reconnect=reconnect, timeout=stretched(120),
@@ -204,8 +202,7 @@ def ended_first(r: Record, log) -> bool:
 
 def summarize(records, want, t_loss, args, loss, under, logs, t_gone=None) -> dict:
     """The row; ``under`` are the streams live on the lost node or front when its loss began,
-    ``t_gone`` when its processes were dead (removing a node takes a moment: a stream under it
-    may end meanwhile, with nothing to resume)."""
+    ``t_gone`` when its processes were dead (``loss_took_s``)."""
     ok = lost = dup = gap = resumed = 0
     examples = []
     gaps_after_loss = []

@@ -111,9 +111,8 @@ def _read(r: httpx.Response, s: ResumableStream, conn: Connection, on_event) -> 
     for line in r.iter_lines():
         if line.startswith("id: "):
             event_id = int(line[4:])
-        elif line.startswith(": replica "):  # relay.REPLICA_COMMENT
-            replica, _, first = line[len(": replica "):].partition(" from event ")
-            conn.resumed_on.append((replica, int(first) if first.isdigit() else None))
+        elif (moved := replica_comment(line)) is not None:
+            conn.resumed_on.append(moved)
         elif line.startswith("data: "):
             data = line[6:]
             s.events.append(data if data == "[DONE]" else json.loads(data))
@@ -131,6 +130,14 @@ def _read(r: httpx.Response, s: ResumableStream, conn: Connection, on_event) -> 
                 return
 
 
+def replica_comment(line: str) -> Optional[tuple]:
+    """(replica, first event id) of a ``relay.REPLICA_COMMENT`` line; None for any other line."""
+    if not line.startswith(": replica "):
+        return None
+    replica, _, first = line[len(": replica "):].partition(" from event ")
+    return replica, int(first) if first.isdigit() else None
+
+
 def faults(s: ResumableStream) -> tuple[int, int]:
     """(events repeated, events skipped) by their ids, over every connection."""
     dup = gap = 0
@@ -146,4 +153,4 @@ def faults(s: ResumableStream) -> tuple[int, int]:
     return dup, gap
 
 
-__all__ = ["Connection", "ResumableStream", "faults", "stream"]
+__all__ = ["Connection", "ResumableStream", "faults", "replica_comment", "stream"]

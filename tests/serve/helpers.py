@@ -104,15 +104,17 @@ def sse_events(url: str, body: dict, on_event=None, timeout: float = 120.0, resu
 
     import httpx
 
+    from ray_attn.serve.sse_client import replica_comment
+
     events = []
     with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=body) as r:
         assert r.status_code == 200, r.read()
         replica = r.headers.get("x-replica-id")
         for line in r.iter_lines():
-            if line.startswith(": replica "):  # relay.REPLICA_COMMENT
-                name, _, first = line[len(": replica "):].partition(" from event ")
+            moved = replica_comment(line)
+            if moved is not None:
                 if resumed is not None:
-                    resumed.append((name, int(first)))
+                    resumed.append(moved)
                 continue
             assert not line.startswith(":"), f"a progress line reached the client: {line!r}"
             if not line.startswith("data: "):

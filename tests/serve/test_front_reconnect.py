@@ -23,6 +23,7 @@ from ray_attn.serve.ingress import RoutedHTTPRequest
 from ray_attn.serve.progress_store import GAP, OK, STALE, ProgressLog, ProgressStores, Superseded, Write, _Batcher
 from ray_attn.serve.relay import RelayedResponse, StreamJournal, new_epoch
 from ray_attn.serve.resume import EventIds, Resume, choice_progress, progress_line
+from ray_attn.serve.sse_client import replica_comment
 
 START = {"type": "http.response.start", "status": 200,
          "headers": [(b"content-type", b"text/event-stream"), (b"x-replica-id", b"r1")]}
@@ -101,9 +102,10 @@ def numbered(body: bytes, resumed: list | None = None) -> list[tuple[int, str]]:
     (``relay.REPLICA_COMMENT``: the stream went on from another replica), which carry no id."""
     out = []
     for block in body.decode().split("\n\n")[:-1]:
-        if block.startswith(": replica "):
+        moved = replica_comment(block)
+        if moved is not None:
             if resumed is not None:
-                resumed.append(block)
+                resumed.append(moved)
             continue
         lines = block.split("\n")
         assert lines[0].startswith("id: ") and lines[1].startswith("data: "), block
@@ -238,7 +240,7 @@ def test_a_replica_lost_after_the_headers_before_the_first_event_is_sent_again_a
     assert events[-1][1] == "[DONE]"
     assert [r.resume for r in replicas.asked] == [None, None]
     # the client is told that another replica took it, from the stream's first event
-    assert len(resumed) == 1 and resumed[0].endswith(" from event 0"), resumed
+    assert len(resumed) == 1 and resumed[0] == ("r1", 0), resumed
 
 
 # ------------------------------------------------------------------------- the front's answers
