@@ -13,6 +13,7 @@ projections as HF Llama does is served with no code of its own.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import OrderedDict
 
@@ -41,6 +42,18 @@ class LoRAStepContext:
         self.seg_start = self.meta[2 * capacity:]
         self.active = False  # any token of the step has an adapter (CPU skips the math when not)
         self.shrunk = None  # the shrink's float32 scratch (flat), grown to punica.scratch_elems(capacity, widest P*R)
+        # RAY_ATTN_LORA_OVERLAP=0 runs the shrink on the main stream (to measure what the overlap saves)
+        self.overlap = self.cuda and os.environ.get("RAY_ATTN_LORA_OVERLAP", "1") != "0"
+        self._side = None
+
+    def side_stream(self):
+        """The stream the shrinks overlap the base GEMMs on while a graph is captured (None: no
+        overlap; eager steps would pay an event pair a projection on the host for it)."""
+        if not (self.overlap and torch.cuda.is_current_stream_capturing()):
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def set_step(self, row_slots: np.ndarray | None, query_lens: np.ndarray, num_tokens: int, put) -> None:
         if num_tokens > self.capacity:
@@ -76,18 +89,39 @@ class LoRALinear:
         self.bounds = list(self.offsets) + [N]
         self.row_parallel = isinstance(module, RowParallelLinear)
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, base) -> torch.Tensor:
+        """``base()`` (the layer's own product of x, [T, N]) plus each token's adapter update."""
         ctx = self.ctx
-        if ctx.cuda and punica.use_triton(x, self.offsets):
-            x = x if x.stride(1) == 1 else x.contiguous()
-            need = punica.scratch_elems(ctx.capacity, self.a.shape[1])
-            if ctx.shrunk is None or ctx.shrunk.numel() < need:  # the first forward sizes it, before any capture
-                ctx.shrunk = torch.empty(need, dtype=torch.float32, device=x.device)
-            return punica.lora_triton(x, y, self.a, self.b, self.offsets, self.rank, ctx.sorted_tokens,
-                                      ctx.seg_start, ctx.shrunk)
-        if not ctx.active:
-            return y
-        return punica.lora_reference(x, y, self.a, self.b, self.offsets, self.rank, ctx.token_slots)
+        if not (ctx.cuda and punica.use_triton(x, self.offsets)):
+            y = base()
+            if not ctx.active:
+                return y
+            return punica.lora_reference(x, y, self.a, self.b, self.offsets, self.rank, ctx.token_slots)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        need = punica.scratch_elems(ctx.capacity, self.a.shape[1])
+        if ctx.shrunk is None or ctx.shrunk.numel() < need:  # the first forward sizes it, before any capture
+            ctx.shrunk = torch.empty(need, dtype=torch.float32, device=x.device)
+        launch = punica.plan_launch(x, self.a, self.b.shape[1], self.offsets, self.rank)
+        args = (ctx.sorted_tokens, ctx.seg_start)
+        if launch.config.fused:
+            return punica.fused(launch, x, base(), self.a, self.b, self.offsets, self.rank, *args)
+        # The shrink needs only x, so it runs on a side stream while the base GEMM runs: at decode
+        # sizes both are latency-bound, and the shrink's few microseconds a projection (7 a layer)
+        # leave the critical path.  The join before the expand orders it after both (a graph
+        # captures the fork and join as edges).
+        side = ctx.side_stream()
+        if side is None:
+            punica.shrink(launch, x, self.a, ctx.shrunk, *args)
+            y = base()
+        else:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                punica.shrink(launch, x, self.a, ctx.shrunk, *args)
+            y = base()
+            main.wait_stream(side)
+        punica.check_strides(x, y, self.a, self.b)
+        return punica.expand(launch, ctx.shrunk, self.b, y, self.offsets, self.rank, *args)
 
     def local(self, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of one part's full A [r, in] and B [out, r]."""

@@ -20,6 +20,7 @@ math in torch.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -206,6 +207,80 @@ def expand_block(offsets: tuple[int, ...], widest: int = 64) -> int | None:
     return None
 
 
+class Launch(NamedTuple):
+    """One projection's launch settings for a step: the tuned config, the expand's column tile and
+    the shrink's K-split."""
+    config: KernelConfig
+    block_n: int
+    split: int
+
+
+def plan_launch(x: torch.Tensor, a: torch.Tensor, N: int, offsets: tuple[int, ...], rank: int,
+                block_n: int | None = None, config: KernelConfig | None = None) -> Launch:
+    """The settings ``lora_triton`` (or ``shrink`` then ``expand``) runs x's step with."""
+    T, K = x.shape
+    if config is None:
+        config = tuning.config_for(_device_name(x.device) if x.is_cuda else None, T, K, N, len(offsets), rank)
+    bn = block_n or expand_block(offsets[1:], config.block_n)
+    if bn is None:
+        raise ValueError(f"lora_triton: part offsets {offsets} are not multiples of 16")
+    return Launch(config, bn, 1 if config.fused else split_k(T, K, config))
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def shrink(launch: Launch, x: torch.Tensor, a: torch.Tensor, shrunk: torch.Tensor, sorted_tokens: torch.Tensor,
+           seg_start: torch.Tensor) -> None:
+    """``S = x A[slot]^T`` into ``shrunk`` (``launch.split`` float32 partials of [T, P*R])."""
+    T, K = x.shape
+    L, RT, _ = a.shape
+    cfg, split = launch.config, launch.split
+    if shrunk.dtype != torch.float32 or shrunk.numel() < split * T * RT:
+        raise ValueError(f"lora_triton: the scratch needs {split * T * RT} float32 elements, got "
+                         f"{shrunk.numel()} {shrunk.dtype}")
+    bn_shrink = min(64, triton.next_power_of_2(RT))
+    block_k = cfg.block_k if K >= cfg.block_k else 16
+    k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k  # slices whole tiles of K
+    _shrink_kernel[(triton.cdiv(T, BLOCK_M), triton.cdiv(RT, bn_shrink), L * split)](
+        x, a, shrunk, sorted_tokens, seg_start, K, RT, x.stride(0), a.stride(0), a.stride(1), RT, T * RT, k_per,
+        SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=block_k, PRECISION=_precision(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def expand(launch: Launch, shrunk: torch.Tensor, b: torch.Tensor, y: torch.Tensor, offsets: tuple[int, ...],
+           rank: int, sorted_tokens: torch.Tensor, seg_start: torch.Tensor) -> torch.Tensor:
+    """``y += S B[slot]^T`` (in place), S summed over the shrink's partials."""
+    T, N = y.shape
+    L, RT = b.shape[0], len(offsets) * rank
+    off = list(offsets[1:]) + [N] * (3 - len(offsets))
+    _expand_kernel[(triton.cdiv(T, BLOCK_M), triton.cdiv(N, launch.block_n), L)](
+        shrunk, b, y, sorted_tokens, seg_start, N, off[0], off[1], RT, T * RT, b.stride(0), b.stride(1),
+        y.stride(0), SPLIT=launch.split, R=rank, BLOCK_M=BLOCK_M, BLOCK_N=launch.block_n,
+        PRECISION=_precision(y), num_warps=launch.config.expand_warps)
+    return y
+
+
+def fused(launch: Launch, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+          offsets: tuple[int, ...], rank: int, sorted_tokens: torch.Tensor, seg_start: torch.Tensor) -> torch.Tensor:
+    """Shrink and expand in one kernel (in place on ``y``)."""
+    K, N, L = x.shape[1], y.shape[1], a.shape[0]
+    cfg, bn = launch.config, launch.block_n
+    off = list(offsets[1:]) + [N] * (3 - len(offsets))
+    _fused_kernel[(triton.cdiv(N, bn), L)](
+        x, a, b, y, sorted_tokens, seg_start, K, N, off[0], off[1], x.stride(0), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn,
+        BLOCK_K=min(cfg.block_k, max(16, triton.next_power_of_2(K))), PRECISION=_precision(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def check_strides(x: torch.Tensor, y: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> None:
+    if x.stride(1) != 1 or (y is not None and y.stride(1) != 1) or a.stride(2) != 1 or b.stride(2) != 1:
+        raise ValueError("lora_triton: x, y, A and B need unit stride in their last dim")
+
+
 def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int, ...],
                 rank: int, sorted_tokens: torch.Tensor, seg_start: torch.Tensor,
                 shrunk: torch.Tensor | None = None, block_n: int | None = None,
@@ -214,44 +289,14 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
     scratch of at least ``split_k(T, K) * T * P*R`` elements (``scratch_elems``; the fused kernel
     needs none); ``rank`` (the slots' padded R) a power of two >= 16; ``config``: the launch
     settings (default: the device's tuned ones for this shape, ``tuning.py``)."""
-    T, K = x.shape
-    L, RT, _ = a.shape
-    N = y.shape[1]
-    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
-        raise ValueError("lora_triton: x, y, A and B need unit stride in their last dim")
-    if config is None:
-        config = tuning.config_for(_device_name(x.device) if x.is_cuda else None, T, K, N, len(offsets), rank)
-    bn = block_n or expand_block(offsets[1:], config.block_n)
-    if bn is None:
-        raise ValueError(f"lora_triton: part offsets {offsets} are not multiples of 16")
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    off = list(offsets[1:]) + [N] * (3 - len(offsets))
-    if config.fused:
-        _fused_kernel[(triton.cdiv(N, bn), L)](
-            x, a, b, y, sorted_tokens, seg_start, K, N, off[0], off[1], x.stride(0), a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1), y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn,
-            BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(K))), PRECISION=precision,
-            num_warps=config.num_warps, num_stages=config.num_stages)
-        return y
-    split = split_k(T, K, config)
+    check_strides(x, y, a, b)
+    launch = plan_launch(x, a, y.shape[1], offsets, rank, block_n, config)
+    if launch.config.fused:
+        return fused(launch, x, y, a, b, offsets, rank, sorted_tokens, seg_start)
     if shrunk is None:
-        shrunk = torch.empty(split * T * RT, dtype=torch.float32, device=x.device)
-    if shrunk.dtype != torch.float32 or shrunk.numel() < split * T * RT:
-        raise ValueError(f"lora_triton: the scratch needs {split * T * RT} float32 elements, got "
-                         f"{shrunk.numel()} {shrunk.dtype}")
-    mblocks = triton.cdiv(T, BLOCK_M)
-    bn_shrink = min(64, triton.next_power_of_2(RT))
-    block_k = config.block_k if K >= config.block_k else 16
-    k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k  # slices whole tiles of K
-    _shrink_kernel[(mblocks, triton.cdiv(RT, bn_shrink), L * split)](
-        x, a, shrunk, sorted_tokens, seg_start, K, RT, x.stride(0), a.stride(0), a.stride(1), RT, T * RT, k_per,
-        SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=bn_shrink, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    _expand_kernel[(mblocks, triton.cdiv(N, bn), L)](
-        shrunk, b, y, sorted_tokens, seg_start, N, off[0], off[1], RT, T * RT, b.stride(0), b.stride(1),
-        y.stride(0), SPLIT=split, R=rank, BLOCK_M=BLOCK_M, BLOCK_N=bn, PRECISION=precision,
-        num_warps=config.expand_warps)
-    return y
+        shrunk = torch.empty(launch.split * x.shape[0] * a.shape[1], dtype=torch.float32, device=x.device)
+    shrink(launch, x, a, shrunk, sorted_tokens, seg_start)
+    return expand(launch, shrunk, b, y, offsets, rank, sorted_tokens, seg_start)
 
 
 def use_triton(x: torch.Tensor, offsets: tuple[int, ...]) -> bool:

@@ -311,8 +311,9 @@ class ColumnParallelLinear(Fp8Linear):
         return out
 
     def forward(self, x) -> torch.Tensor:
-        y = self._linear(x, self.bias)
-        return y if self.lora is None else self.lora(fp8.plain(x), y)
+        if self.lora is None:
+            return self._linear(x, self.bias)
+        return self.lora(fp8.plain(x), lambda: self._linear(x, self.bias))
 
 
 class RowParallelLinear(Fp8Linear):
@@ -337,10 +338,10 @@ class RowParallelLinear(Fp8Linear):
         return Shard(self.weight, (N, self.full_in), 1, self.start, dtype=F8 if comp else None, companions=comp)
 
     def forward(self, x) -> torch.Tensor:
-        y = self._linear(x, None)
-        if self.lora is not None:  # the rank's partial update joins the partial sum before the reduce
-            y = self.lora(fp8.plain(x), y)
-        return self.tp.all_reduce(y)
+        if self.lora is None:
+            return self.tp.all_reduce(self._linear(x, None))
+        # the rank's partial update joins the partial sum before the reduce
+        return self.tp.all_reduce(self.lora(fp8.plain(x), lambda: self._linear(x, None)))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """``forward(silu_mul(gate_up))`` with the product made inside the one-row GEMV (bf16
