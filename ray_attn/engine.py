@@ -244,6 +244,7 @@ class LLMEngine:
             return self._on_worker_failure(e)
         if out is not None and "kv_copy_s" in out.timings:
             self.stats.kv_copy_s = out.timings["kv_copy_s"]
+        self._note_lora_ready(out)
         if self.async_scheduling:
             done, self._submitted = self._submitted, sub
         else:
@@ -281,7 +282,12 @@ class LLMEngine:
             out = self.executor.step(StepInput.flush(self._step_id))
         except WorkerFailure as e:
             return self._on_worker_failure(e)
+        self._note_lora_ready(out)
         return self._apply(done, out)
+
+    def _note_lora_ready(self, out) -> None:
+        if out is not None and out.lora_ready and self.lora is not None:
+            self.lora.ready(out.lora_ready)  # adapters rank 0 has read: their requests may be admitted
 
     def set_async_scheduling(self, on: bool) -> None:
         if on and self.spec is not None:
@@ -318,7 +324,8 @@ class LLMEngine:
         step_in = StepInput(plan=plan, temperatures=temps, seeds=seeds, sample_index=sample_index,
                             step_id=self._step_id, defer=self.async_scheduling,
                             prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec,
-                            lora_loads=self.lora.take_loads() if self.lora is not None else None)
+                            lora_loads=self.lora.take_loads() if self.lora is not None else None,
+                            lora_prefetch=self.lora.take_prefetches() if self.lora is not None else None)
         step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):

@@ -83,9 +83,9 @@ class Scheduler:
             if req.pending:
                 break  # preempted while its token was out: recompute once the token is back
             if req.lora_request is not None and not self._take_lora_slot(req, reqs):
-                # Every adapter slot is in use: it waits, first in line for the next slot that
-                # frees, but the requests behind it that need no new slot (the base model, an
-                # adapter already resident) go ahead -- a full set of slots must not stop the queue.
+                # Every adapter slot is in use, or the ranks are still reading its adapter: it
+                # waits, first in line, but the requests behind it that need no new slot (the base
+                # model, an adapter already resident) go ahead -- a load must not stop the queue.
                 continue
             tokens = req.token_ids
             hit = 0
@@ -113,7 +113,8 @@ class Scheduler:
         def busy():
             return {r.lora_request.lora_int_id for r in (*self.running, *reqs) if r.lora_request is not None}
 
-        slot = self.lora.slot_for(req.lora_request.lora_int_id, busy)
+        # a step that serves others must not wait for this adapter's read from disk
+        slot = self.lora.slot_for(req.lora_request.lora_int_id, busy, shared=bool(self.running or reqs))
         if slot is None:
             return False
         req.sched.lora_slot = slot

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -131,14 +133,25 @@ class LoRALinear:
             return lora_a[:, start:start + self.a.shape[2]], lora_b
         return lora_a, lora_b[start:start + rows]
 
-    def fill(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+    def image(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's whole A [P*R, K] and B [N, R] on the host, zero where the adapter has no part
+        or a lower rank: the load is then two copies, whatever the adapter covers."""
+        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
+        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
         R = self.rank
-        for p, (a, b) in parts.items():
-            r, off = a.shape[0], self.offsets[p]
-            self.a[slot, p * R:p * R + r].copy_(a, non_blocking=True)
-            self.b[slot, off:off + b.shape[0], :r].copy_(b, non_blocking=True)
+        for p, (pa, pb) in parts.items():
+            r, off = pa.shape[0], self.offsets[p]
+            a[p * R:p * R + r] = pa
+            b[off:off + pb.shape[0], :r] = pb
+        return a, b
+
+    def fill(self, slot: int, image: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if image is None:  # a module the adapter does not target
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            return
+        self.a[slot].copy_(image[0], non_blocking=True)
+        self.b[slot].copy_(image[1], non_blocking=True)
 
 
 def attach_lora(model, cfg: LoRAConfig, capacity: int) -> tuple[LoRAStepContext, dict]:
@@ -170,8 +183,9 @@ def attach_lora(model, cfg: LoRAConfig, capacity: int) -> tuple[LoRAStepContext,
 
 
 class RankLoRA:
-    """This rank's adapters: the slots' contents and a host LRU of adapter shards
-    (``LoRAConfig.max_cpu_loras``), refilled from the adapter's folder on a miss."""
+    """This rank's adapters: the slots' contents and a host LRU of adapter images
+    (``LoRAConfig.max_cpu_loras``), read from the adapter's folder on a prefetch (a thread of its
+    own, while steps run) or, failing that, in the step that loads it."""
 
     def __init__(self, model, engine_config, device: torch.device):
         self.cfg: LoRAConfig = engine_config.lora_config
@@ -181,39 +195,79 @@ class RankLoRA:
         self.linears = {id(lin): lin for lin, _ in self.table.values()}
         self.dtype = model.dtype
         self.pin = device.type == "cuda"
-        self.host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> {id(lin): {part: (A, B)}}
+        self.host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> {id(lin): (A image, B image)}
+        self.lock = threading.Lock()  # the host LRU, shared with the prefetch thread
+        self.reading: dict[int, Future] = {}  # prefetches in flight or not yet reported
+        self._pool: ThreadPoolExecutor | None = None
+        self._unreported: list[int] = []
         self.slot_ids = [0] * self.cfg.max_loras  # the adapter each slot holds (0: none)
         self.disk_loads = 0
 
-    def _shards(self, lora_int_id: int, name: str, path: str) -> dict:
-        hit = self.host.get(lora_int_id)
-        if hit is not None:
-            self.host.move_to_end(lora_int_id)
-            return hit
+    def _read(self, lora_int_id: int, name: str, path: str) -> dict:
+        """The adapter's images for this rank's linears, from its folder (into the host LRU)."""
         adapter = read_adapter(path, name, self.model_config, self.cfg.max_lora_rank)
-        self.disk_loads += 1
-        out: dict[int, dict] = {}
+        parts: dict[int, dict] = {}
         for module, w in adapter.modules.items():
             lin, part = self.table[module]
             a, b = lin.local(part, w.lora_a, w.lora_b)
-            a = a.to(lin.a.dtype).contiguous()
-            b = (b.double() * w.scaling).to(lin.b.dtype).contiguous()  # pre-scaled, rounded once
-            if self.pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            out.setdefault(id(lin), {})[part] = (a, b)
-        self.host[lora_int_id] = out
-        while len(self.host) > self.cfg.cpu_capacity:
-            self.host.popitem(last=False)
+            b = (b.double() * w.scaling).to(lin.b.dtype)  # pre-scaled, rounded once
+            parts.setdefault(id(lin), {})[part] = (a.to(lin.a.dtype), b)
+        out = {key: self.linears[key].image(p, self.pin) for key, p in parts.items()}
+        with self.lock:
+            self.disk_loads += 1
+            self.host[lora_int_id] = out
+            self.host.move_to_end(lora_int_id)
+            while len(self.host) > self.cfg.cpu_capacity:
+                self.host.popitem(last=False)
         return out
+
+    def prefetch(self, items) -> None:
+        """Start reading these adapters (``(lora_int_id, name, path)``) on the prefetch thread."""
+        for lora_int_id, name, path in items:
+            with self.lock:
+                held = lora_int_id in self.host
+            if held or lora_int_id in self.reading:
+                self._unreported.append(lora_int_id)  # nothing to read: ready now
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch")
+            self.reading[lora_int_id] = self._pool.submit(self._read, lora_int_id, name, path)
+
+    def take_ready(self) -> list[int]:
+        """The prefetches finished since the last call (a failed one too: its load reads the
+        folder again in the step and raises there, where the request gets the error)."""
+        done = [i for i, f in self.reading.items() if f.done()]
+        for i in done:
+            del self.reading[i]
+        out, self._unreported = self._unreported + done, []
+        return out
+
+    def unready(self, ids: list[int]) -> None:
+        """Report these with the next answer instead (this call had none)."""
+        self._unreported[:0] = ids
+
+    def _shards(self, lora_int_id: int, name: str, path: str) -> dict:
+        fut = self.reading.get(lora_int_id)
+        if fut is not None:
+            try:
+                fut.result()  # still reading: this step waits for it (the driver had no report yet)
+            except Exception:
+                pass  # read again below, where the error reaches the step
+        with self.lock:
+            hit = self.host.get(lora_int_id)
+            if hit is not None:
+                self.host.move_to_end(lora_int_id)
+                return hit
+        return self._read(lora_int_id, name, path)
 
     def load(self, loads) -> None:
         """Fill slots before the step's forward: ``(slot, lora_int_id, lora_name, lora_path)``."""
         for slot, lora_int_id, name, path in loads:
             if not 0 <= slot < self.cfg.max_loras:
                 raise ValueError(f"lora_loads: slot {slot} outside [0, {self.cfg.max_loras})")
-            shards = self._shards(lora_int_id, name, path)
+            images = self._shards(lora_int_id, name, path)
             for key, lin in self.linears.items():
-                lin.fill(slot, shards.get(key, {}))
+                lin.fill(slot, images.get(key))
             self.slot_ids[slot] = lora_int_id
 
     def begin_step(self, plan, loads, put) -> None:

@@ -10,9 +10,15 @@ A slot is taken at admission (``Scheduler.schedule``): the adapter's own slot wh
 resident, else a free one, else the least recently used slot whose adapter no running request
 (and no request admitted before it in the same step) uses.  With every slot busy the request
 waits, first in line for the next slot that frees, while the requests behind it that need no new
-slot are admitted past it (a full set of slots never stops the queue); a step never stalls for a load beyond the load
-itself, which the rank makes at the start of the one step that first needs it (a copy from its
-host LRU, or a read from disk on a miss).
+slot are admitted past it (a full set of slots never stops the queue).
+
+A read from disk never runs inside a step that other requests share.  An adapter that no rank
+holds in its host LRU is first *prefetched*: the request names it on the next step message
+(``StepInput.lora_prefetch``), each rank reads and shards it on a thread of its own while the
+steps go on, and rank 0 reports it ready (``StepOutput.lora_ready``).  Until then the request
+waits as for a slot; once ready, the step that admits it only copies the host image into the
+slot (a few ms for an 8B model's rank-16 adapter).  With nothing else running, waiting would
+gain no one anything: the step loads the adapter itself.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ class LoRAManager:
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.cfg.max_loras))
         self.pending: list[tuple[int, int, str, str]] = []  # (slot, id, name, path) for the next step
         self.num_loads = 0
+        # What rank 0's host LRU holds, as far as its reports tell (its capacity, its order of use),
+        # the adapters being read there now, and the reads the next step message asks for.
+        self.host_ready: OrderedDict[int, None] = OrderedDict()
+        self.warming: set[int] = set()
+        self.prefetches: list[tuple[int, str, str]] = []
+        self.num_prefetches = 0
 
     @staticmethod
     def of(engine) -> "LoRAManager":
@@ -79,6 +91,9 @@ class LoRAManager:
             raise LoRAAdapterError(f"adapter {req.lora_name!r} is in use by {n} unfinished request(s); unload it "
                                    "once they finish")
         del self.adapters[lora_int_id], self.ranks[lora_int_id], self.targets[lora_int_id]
+        self.host_ready.pop(lora_int_id, None)
+        self.warming.discard(lora_int_id)
+        self.prefetches = [p for p in self.prefetches if p[0] != lora_int_id]
         slot = self.slot_of.pop(lora_int_id, None)
         if slot is not None:
             self.holder[slot] = 0
@@ -87,11 +102,20 @@ class LoRAManager:
         return True
 
     # -- device slots ---------------------------------------------------------------------------
-    def slot_for(self, lora_int_id: int, busy: Callable[[], set]) -> int | None:
+    def slot_for(self, lora_int_id: int, busy: Callable[[], set], shared: bool = False) -> int | None:
         """The slot ``lora_int_id`` runs in this step, loading it if needed; None when every slot
-        holds an adapter in use (``busy()``: the ids the step's and the running requests use)."""
+        holds an adapter in use (``busy()``: the ids the step's and the running requests use), or
+        when the step is ``shared`` with other requests and the ranks have yet to read the adapter
+        from disk (its prefetch is then asked for)."""
         slot = self.slot_of.get(lora_int_id)
         if slot is None:
+            if shared and lora_int_id not in self.host_ready:
+                if lora_int_id not in self.warming:
+                    req = self.adapters[lora_int_id]
+                    self.warming.add(lora_int_id)
+                    self.prefetches.append((lora_int_id, req.lora_name, req.lora_path))
+                    self.num_prefetches += 1
+                return None
             in_use = busy()
             slot = next((s for s in self.lru if self.holder[s] not in in_use or self.holder[s] == 0), None)
             if slot is None:
@@ -104,6 +128,7 @@ class LoRAManager:
             self.pending = [p for p in self.pending if p[0] != slot]
             self.pending.append((slot, lora_int_id, req.lora_name, req.lora_path))
             self.num_loads += 1
+            self._host_holds(lora_int_id)  # the load reads it into the ranks' host LRU if it was not
         self.lru.move_to_end(slot)
         return slot
 
@@ -111,8 +136,28 @@ class LoRAManager:
         loads, self.pending = self.pending, []
         return loads or None
 
+    def take_prefetches(self) -> list | None:
+        out, self.prefetches = self.prefetches, []
+        return out or None
+
+    def ready(self, ids) -> None:
+        """Rank 0 holds these adapters in its host LRU now (``StepOutput.lora_ready``)."""
+        for i in ids or ():
+            self.warming.discard(i)
+            if i in self.adapters:
+                self._host_holds(i)
+
+    def _host_holds(self, lora_int_id: int) -> None:
+        self.host_ready[lora_int_id] = None
+        self.host_ready.move_to_end(lora_int_id)
+        while len(self.host_ready) > self.cfg.cpu_capacity:
+            self.host_ready.popitem(last=False)
+
     def reset(self) -> None:
         """The ranks were restarted: their slots are empty."""
         self.slot_of.clear()
         self.holder = [0] * self.cfg.max_loras
         self.pending = []
+        self.host_ready.clear()
+        self.warming.clear()
+        self.prefetches = []

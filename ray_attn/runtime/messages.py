@@ -167,6 +167,9 @@ class StepInput:
     # Multi-LoRA: adapter slots the ranks fill before this step's forward, as
     # (slot, lora_int_id, lora_name, lora_path) (ray_attn/lora/manager.py); None: none.
     lora_loads: list | None = None
+    # Adapters each rank reads into its host LRU on a thread of its own, as (lora_int_id,
+    # lora_name, lora_path): a later step's load then copies them from host memory.
+    lora_prefetch: list | None = None
 
     @classmethod
     def flush(cls, step_id: int) -> "StepInput":
@@ -187,3 +190,4 @@ class StepOutput:
     logprobs: LogprobsArrays | None = None  # when some row asked
     # One row per PromptLogprobsInputs entry, in its order (column 0: the target token).
     prompt_logprobs: LogprobsArrays | None = None
+    lora_ready: list | None = None  # lora_int_ids whose prefetch rank 0 finished since its last answer

@@ -249,8 +249,14 @@ class AttentionWorker:
         if wire:
             step = messages.loads(step)
         out = self._run(step)
+        ready = self.lora.take_ready() if self.lora is not None else None
         if self.rank != 0:
             return None  # the driver reads rank 0's answer only
+        if ready:
+            if out is None:  # a deferred step's first call: the next answer carries them
+                self.lora.unready(ready)
+            else:
+                out.lora_ready = ready
         if out is not None:
             out.timings["worker_s"] = time.perf_counter() - t0
             if self.tiers is not None:  # the copies between KV tiers so far
@@ -263,6 +269,8 @@ class AttentionWorker:
         """The step's output -- or, for a deferred step, the previous deferred step's (see
         ``StepInput``): this step is queued on the device before we wait for that one."""
         self._join_tail()
+        if self.lora is not None and step.lora_prefetch:
+            self.lora.prefetch(step.lora_prefetch)
         if step.plan is None:  # a flush: nothing to run, but maybe copies to make
             if step.kv_transfers is not None and self.tiers is not None:
                 self.tiers.check(step.kv_transfers, self.num_blocks)

@@ -165,3 +165,39 @@ def test_an_adapter_checked_once_is_not_read_again_until_its_files_change(lora_m
         with pytest.raises(LoRAAdapterError, match="not a readable safetensors"):
             pf.check_adapter(str(folder), "x", model, 8)
     assert len(reads) == 5
+
+
+def test_a_step_shared_with_other_requests_never_reads_an_adapter_from_disk(lora_models, monkeypatch):
+    """An adapter new to the ranks arrives while a base request decodes: its folder is read on the
+    prefetch thread, the request waits (the base request's steps go on) until rank 0 reports it,
+    and then decodes the same tokens as alone.  With nothing else running, the step reads it."""
+    import threading
+
+    from ray_attn.lora import layers
+
+    base, adapters = lora_models
+    readers = []
+    real = layers.read_adapter
+
+    def spy(*a, **k):
+        readers.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(layers, "read_adapter", spy)
+    cfg = engine_config(base, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    alone = eng.generate([prompts(2)[1]], SamplingParams(max_tokens=4),
+                         lora_request=LoRARequest("alone", 1, adapters["attn"]))[0].output_token_ids
+    assert readers == ["MainThread"]  # nothing else ran: the step read it itself
+    req = LoRARequest("late", 2, adapters["attn"])
+    eng.add_request(prompts(1)[0], SamplingParams(max_tokens=24), request_id="base")
+    eng.step()
+    eng.add_request(prompts(2)[1], SamplingParams(max_tokens=4), request_id="late", lora_request=req)
+    eng.step()  # the base request's step; it carries the prefetch
+    assert "late" not in {r.request_id for r in eng.scheduler.running}  # waits for its adapter
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert readers[1:] == ["lora-prefetch_0"]
+    assert eng.lora.num_prefetches == 1
+    assert eng.output("late").output_token_ids == alone
+    assert len(eng.output("base").output_token_ids) == 24
