@@ -6,9 +6,10 @@ is one token of every stream, so a step's time is their ITL.  Every ``--load-eve
 request arrives: in the control run under an adapter already in its slot (the same LoRA work, no
 load), in the load run under an adapter the engine has never seen (its own folder, so it is read
 from disk); a third run, arrivals under the base model, shows what the adapters' compute adds.  What the engine thread does for
-it sits inside the timed step, as in the Serve loop: ``add_lora`` (the driver checks the folder),
-``add_request``, then the step in which the ranks read the adapter into a free slot and the new
-request's prefill runs -- the same prefill the control run has.  The adapters are PEFT folders of
+it sits inside the timed step, as in the Serve loop: ``add_lora`` (a check the handler's thread
+already made, as Serve's handler does), ``add_request``, and the steps: the one that asks the
+ranks to read the adapter on their prefetch threads, and the one that copies it into a free slot
+and runs the new request's prefill -- the same prefill the control run has.  The adapters are PEFT folders of
 random A, B on all seven target modules (``bench_lora.write_adapter``).
 
 Reported: the p50 and p99 of the streams' ITL in both runs, the step of the control run's median
@@ -25,6 +26,7 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +39,7 @@ import benchlib as bl  # noqa: E402
 from bench_lora import write_adapter  # noqa: E402
 from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from ray_attn.lora import LoRAConfig, LoRARequest  # noqa: E402
+from ray_attn.lora.peft_format import check_adapter  # noqa: E402
 
 WARMUP = 3  # steps before timing: the streams' prefill and the first decode steps
 
@@ -54,11 +57,24 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
     for _ in range(WARMUP):
         engine.step()
     times, arrived, pending = [], 0, list(arrivals)
+    # The Serve handler checks an arriving adapter's folder on its own thread before the request
+    # reaches the engine thread (serve/lora_adapters.py), whose add_lora then finds it checked:
+    # a checker thread plays the handler, and a request arrives at its step or, if its check is
+    # still running, at the first step after it.
+    checker = ThreadPoolExecutor(1, thread_name_prefix="handler")
+    checks = {}
+    cfg = engine.config
     for i in range(steps):
+        if load_every and i % load_every == 0 and pending and pending[0] is not None and id(pending[0]) not in checks:
+            lr = pending[0]
+            checks[id(lr)] = checker.submit(check_adapter, lr.lora_path, lr.lora_name, cfg.model,
+                                            cfg.lora_config.max_lora_rank)
         t0 = time.perf_counter()
-        if load_every and i % load_every == load_every - 1 and pending:
+        due = load_every and i % load_every >= load_every - 1 and pending
+        if due and (pending[0] is None or checks[id(pending[0])].done()):
             lr = pending.pop(0)
             if lr is not None:
+                checks.pop(id(lr)).result()
                 engine.add_lora(lr)
             engine.add_request(prompt(), SamplingParams(max_tokens=2, ignore_eos=True), lora_request=lr)
             arrived += 1
