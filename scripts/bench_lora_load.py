@@ -45,7 +45,7 @@ WARMUP = 3  # steps before timing: the streams' prefill and the first decode ste
 
 
 def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arrivals: list, prompt_len: int,
-                  rng) -> tuple[list[float], int]:
+                  rng) -> tuple[list[float], list[int]]:
     """Per-step seconds over ``steps`` decode steps of ``clients`` streams; every ``load_every``
     steps the next of ``arrivals`` (a LoRARequest, or None: the base model) comes in."""
     from ray_attn.engine import SamplingParams
@@ -56,7 +56,7 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
                for _ in range(clients)]
     for _ in range(WARMUP):
         engine.step()
-    times, arrived, pending = [], 0, list(arrivals)
+    times, arrived_at, pending = [], [], list(arrivals)
     # The Serve handler checks an arriving adapter's folder on its own thread before the request
     # reaches the engine thread (serve/lora_adapters.py), whose add_lora then finds it checked:
     # a checker thread plays the handler, and a request arrives at its step or, if its check is
@@ -77,7 +77,7 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
                 checks.pop(id(lr)).result()
                 engine.add_lora(lr)
             engine.add_request(prompt(), SamplingParams(max_tokens=2, ignore_eos=True), lora_request=lr)
-            arrived += 1
+            arrived_at.append(i)
         engine.step()
         sync()
         times.append(time.perf_counter() - t0)
@@ -85,13 +85,19 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return times, arrived
+    return times, arrived_at
 
 
-def summary(times: list[float]) -> dict:
+def summary(run: tuple[list[float], list[int]]) -> dict:
+    """p50/p99/max of a run's steps, and its three slowest with how many steps after the last
+    arrival each came (0: the arrival's own step) -- where a load's cost lands."""
+    times, arrived_at = run
     ms = np.array(times) * 1e3
+    slowest = [dict(step=int(i), ms=round(float(ms[i]), 2),
+                    after_arrival=int(i - max((a for a in arrived_at if a <= i), default=-10 ** 6)))
+               for i in np.argsort(ms)[::-1][:3]]
     return dict(steps=len(ms), p50_ms=round(float(np.percentile(ms, 50)), 3), p99_ms=round(float(np.percentile(ms, 99)), 3),
-                max_ms=round(float(ms.max()), 3))
+                max_ms=round(float(ms.max()), 3), arrivals=len(arrived_at), slowest=slowest)
 
 
 def main(argv=None) -> dict:
@@ -132,20 +138,21 @@ def main(argv=None) -> dict:
             adapters = [LoRARequest(f"load{i}", i + 1, write_adapter(f"{tmp}/a{i}", model, a.rank, i))
                         for i in range(n_loads)]
             streaming_run(engine, sync, min(a.clients, 4), 6, 0, [], a.prompt_len, rng)  # warm-up: compile, capture
-            base, _ = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [None] * n_loads, a.prompt_len, rng)
+            base = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [None] * n_loads, a.prompt_len, rng)
             resident = LoRARequest("resident", n_loads + 1, write_adapter(f"{tmp}/resident", model, a.rank, 999))
             streaming_run(engine, sync, 1, 2, 1, [resident], a.prompt_len, rng)  # read, and in its slot
             loads0 = engine.lora.num_loads
-            control, _ = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [resident] * n_loads,
+            control = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [resident] * n_loads,
                                        a.prompt_len, rng)
             if engine.lora.num_loads != loads0:
                 raise RuntimeError("the resident adapter was loaded again: the control run is not load-free")
-            loaded, arrived = streaming_run(engine, sync, a.clients, a.steps, a.load_every, adapters, a.prompt_len, rng)
+            loaded = streaming_run(engine, sync, a.clients, a.steps, a.load_every, adapters, a.prompt_len, rng)
             slot_loads = engine.lora.num_loads - loads0
     finally:
         info = engine.executor.infos[0]
         engine.shutdown()
     c, lo, b = summary(control), summary(loaded), summary(base)
+    arrived = lo["arrivals"]
     one_step = c["p50_ms"]
     out = dict(machine=bl.machine(), preset=a.preset, checkpoint=a.checkpoint, kernel=info.get("kernel"),
                cuda_graphs=info.get("cuda_graphs"), clients=a.clients, steps=a.steps, load_every=a.load_every,

@@ -133,11 +133,17 @@ class LoRALinear:
             return lora_a[:, start:start + self.a.shape[2]], lora_b
         return lora_a, lora_b[start:start + rows]
 
-    def image(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's whole A [P*R, K] and B [N, R] on the host, zero where the adapter has no part
-        or a lower rank: the load is then two copies, whatever the adapter covers."""
-        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
-        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
+    def image_sizes(self) -> tuple[int, int]:
+        """Elements of a slot's A and B."""
+        return self.a[0].numel(), self.b[0].numel()
+
+    def image(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], flat: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's whole A [P*R, K] and B [N, R] on the host, in ``flat`` (zeros, this linear's
+        share of the adapter's one buffer), zero where the adapter has no part or a lower rank:
+        the load is then two copies, whatever the adapter covers."""
+        na, _ = self.image_sizes()
+        a, b = flat[:na].view(self.a.shape[1:]), flat[na:].view(self.b.shape[1:])
         R = self.rank
         for p, (pa, pb) in parts.items():
             r, off = pa.shape[0], self.offsets[p]
@@ -212,7 +218,13 @@ class RankLoRA:
             a, b = lin.local(part, w.lora_a, w.lora_b)
             b = (b.double() * w.scaling).to(lin.b.dtype)  # pre-scaled, rounded once
             parts.setdefault(id(lin), {})[part] = (a.to(lin.a.dtype), b)
-        out = {key: self.linears[key].image(p, self.pin) for key, p in parts.items()}
+        # one pinned buffer for the whole adapter: page-locking is paid once, not per tensor
+        sizes = {key: sum(self.linears[key].image_sizes()) for key in parts}
+        flat = torch.zeros(sum(sizes.values()), dtype=self.dtype, pin_memory=self.pin)
+        out, at = {}, 0
+        for key, p in parts.items():
+            out[key] = self.linears[key].image(p, flat[at:at + sizes[key]])
+            at += sizes[key]
         with self.lock:
             self.disk_loads += 1
             self.host[lora_int_id] = out
