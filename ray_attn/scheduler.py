@@ -113,8 +113,9 @@ class Scheduler:
         def busy():
             return {r.lora_request.lora_int_id for r in (*self.running, *reqs) if r.lora_request is not None}
 
-        # a step that serves others must not wait for this adapter's read from disk
-        slot = self.lora.slot_for(req.lora_request.lora_int_id, busy, shared=bool(self.running or reqs))
+        # a step that serves running requests must not wait for this adapter's read from disk
+        # (requests admitted with it, from an idle engine, have no token out yet to delay)
+        slot = self.lora.slot_for(req.lora_request.lora_int_id, busy, shared=bool(self.running))
         if slot is None:
             return False
         req.sched.lora_slot = slot

@@ -78,9 +78,20 @@ def test_tp2_over_ray_equals_peft(shared_ray, lora_models):
     columns, the partial updates summed by the layer's all-reduce; the same tokens as peft."""
     base, adapters = lora_models
     names = ["all", None, "attn", "mlp", "qv"]
-    eng = LLMEngine(engine_config(base, tp=2, max_loras=4))
+    eng = LLMEngine(engine_config(base, tp=2, max_loras=4, max_cpu_loras=4))
     try:
         outs = eng.generate(prompts(len(names), seed=6), GREEDY, lora_request=requests_for(adapters, names))
+        # An adapter new to the ranks while a base request decodes: both ranks read it on their
+        # prefetch threads, and it is admitted once rank 0 reports it.
+        eng.add_request(prompts(1, seed=7)[0], SamplingParams(max_tokens=12), request_id="base")
+        eng.step()
+        before = eng.lora.num_prefetches
+        late = LoRARequest("late", 11, adapters["mlp"])
+        eng.add_request(prompts(1, seed=8)[0], GREEDY, request_id="late", lora_request=late)
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert eng.lora.num_prefetches == before + 1
+        outs.append(eng.output("late"))
     finally:
         eng.shutdown()
-    check_against_peft(base, adapters, outs, names)
+    check_against_peft(base, adapters, outs, names + ["mlp"])
