@@ -59,22 +59,23 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
     times, arrived_at, pending = [], [], list(arrivals)
     # The Serve handler checks an arriving adapter's folder on its own thread before the request
     # reaches the engine thread (serve/lora_adapters.py), whose add_lora then finds it checked:
-    # a checker thread plays the handler, and a request arrives at its step or, if its check is
-    # still running, at the first step after it.
+    # a checker thread plays the handler, from ``load_every`` steps before the arrival (a check
+    # still running then is waited for outside the timed step: the request is not there yet).
     checker = ThreadPoolExecutor(1, thread_name_prefix="handler")
     checks = {}
     cfg = engine.config
     for i in range(steps):
-        if load_every and i % load_every == 0 and pending and pending[0] is not None and id(pending[0]) not in checks:
+        if load_every and i % load_every == 0 and pending and pending[0] is not None:
             lr = pending[0]
             checks[id(lr)] = checker.submit(check_adapter, lr.lora_path, lr.lora_name, cfg.model,
                                             cfg.lora_config.max_lora_rank)
+        due = load_every and i % load_every == load_every - 1 and pending
+        if due and pending[0] is not None:
+            checks.pop(id(pending[0])).result()
         t0 = time.perf_counter()
-        due = load_every and i % load_every >= load_every - 1 and pending
-        if due and (pending[0] is None or checks[id(pending[0])].done()):
+        if due:
             lr = pending.pop(0)
             if lr is not None:
-                checks.pop(id(lr)).result()
                 engine.add_lora(lr)
             engine.add_request(prompt(), SamplingParams(max_tokens=2, ignore_eos=True), lora_request=lr)
             arrived_at.append(i)
@@ -114,6 +115,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=str(bl.RESULTS / "bench_lora_load.json"))
     a = ap.parse_args(argv)
     from ray_attn.engine import LLMEngine
+    from ray_attn.engine import SamplingParams
     from ray_attn.runtime import InProcessExecutor
 
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
@@ -140,7 +142,9 @@ def main(argv=None) -> dict:
             streaming_run(engine, sync, min(a.clients, 4), 6, 0, [], a.prompt_len, rng)  # warm-up: compile, capture
             base = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [None] * n_loads, a.prompt_len, rng)
             resident = LoRARequest("resident", n_loads + 1, write_adapter(f"{tmp}/resident", model, a.rank, 999))
-            streaming_run(engine, sync, 1, 2, 1, [resident], a.prompt_len, rng)  # read, and in its slot
+            engine.add_lora(resident)  # read, and in its slot (from idle: in the step that admits it)
+            engine.generate([rng.integers(0, model.vocab_size, a.prompt_len).tolist()],
+                            SamplingParams(max_tokens=2, ignore_eos=True), lora_request=resident)
             loads0 = engine.lora.num_loads
             control = streaming_run(engine, sync, a.clients, a.steps, a.load_every, [resident] * n_loads,
                                        a.prompt_len, rng)
