@@ -53,7 +53,11 @@ TEXTS = [
     "your notes from last week and a short update on your project. If you cannot atend, send your update "
     "by email before the meeting so that we can discuss it with the rest of the group.",
 ]
-EDIT = "Fix the spelling mistakes in the following text. Reply with the corrected text only.\n\n"
+# The edit asked after the text, word for word: with the instruction first ("Fix the spelling
+# mistakes in the following text. Reply with the corrected text only."), SmolLM2-135M rewrote the
+# first text in its own words and went on past the third (replayed at k=4: 1.7, 4.2 and 1.6
+# tokens a step) -- not the edit this workload stands for, whose answer is the text again.
+EDIT = "{text}\n\nRepeat the text above word for word, but fix the misspelled words."
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
              "Give me a tip for learning to cook."]
 
@@ -64,7 +68,7 @@ def chat_ids(tok, content: str) -> list[int]:
 
 
 def workloads(tok) -> dict[str, list[list[int]]]:
-    return {"edit": [chat_ids(tok, EDIT + t) for t in TEXTS], "chat": [chat_ids(tok, q) for q in QUESTIONS]}
+    return {"edit": [chat_ids(tok, EDIT.format(text=t)) for t in TEXTS], "chat": [chat_ids(tok, q) for q in QUESTIONS]}
 
 
 def make_engine(path: str, spec: dict | None, max_num_seqs: int):

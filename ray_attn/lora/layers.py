@@ -188,6 +188,15 @@ def attach_lora(model, cfg: LoRAConfig, capacity: int) -> tuple[LoRAStepContext,
     return ctx, table
 
 
+class HostImage:
+    """One adapter in a rank's host LRU: its images for the rank's linears (views of ``flat``),
+    and the event after the last copy made from them (the buffer is reused only after it)."""
+
+    def __init__(self, flat: torch.Tensor, images: dict):
+        self.flat, self.images = flat, images
+        self.copied: torch.cuda.Event | None = None
+
+
 class RankLoRA:
     """This rank's adapters: the slots' contents and a host LRU of adapter images
     (``LoRAConfig.max_cpu_loras``), read from the adapter's folder on a prefetch (a thread of its
@@ -201,15 +210,39 @@ class RankLoRA:
         self.linears = {id(lin): lin for lin, _ in self.table.values()}
         self.dtype = model.dtype
         self.pin = device.type == "cuda"
-        self.host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> {id(lin): (A image, B image)}
-        self.lock = threading.Lock()  # the host LRU, shared with the prefetch thread
+        self.host: OrderedDict[int, HostImage] = OrderedDict()  # lora_int_id -> its images
+        self.lock = threading.Lock()  # the host LRU and the free buffers, shared with the prefetch thread
+        # Every adapter's images take the same places in a buffer of one slot's size.  On a GPU
+        # the buffers are pinned once, here: page-locking while steps run (cudaHostAlloc) held
+        # the steps up by tens of ms a load (scripts/bench_lora_load.py).
+        self.layout, at = {}, 0
+        for key, lin in self.linears.items():
+            n = sum(lin.image_sizes())
+            self.layout[key] = (at, n)
+            at += n
+        self.image_elems = at
+        self.free = [torch.empty(at, dtype=self.dtype, pin_memory=True) for _ in range(self.cfg.cpu_capacity)] \
+            if self.pin else []
         self.reading: dict[int, Future] = {}  # prefetches in flight or not yet reported
         self._pool: ThreadPoolExecutor | None = None
         self._unreported: list[int] = []
         self.slot_ids = [0] * self.cfg.max_loras  # the adapter each slot holds (0: none)
         self.disk_loads = 0
 
-    def _read(self, lora_int_id: int, name: str, path: str) -> dict:
+    def _buffer(self) -> torch.Tensor:
+        """A buffer for one more adapter: a free one, else the least recently used entry's
+        (evicted, once the copies from it are done); on CPU a new one."""
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+            if not (self.pin and self.host):  # CPU; or every pooled buffer is being read into
+                return torch.empty(self.image_elems, dtype=self.dtype, pin_memory=self.pin)
+            _, old = self.host.popitem(last=False)
+        if old.copied is not None:
+            old.copied.synchronize()
+        return old.flat
+
+    def _read(self, lora_int_id: int, name: str, path: str) -> HostImage:
         """The adapter's images for this rank's linears, from its folder (into the host LRU)."""
         adapter = read_adapter(path, name, self.model_config, self.cfg.max_lora_rank)
         parts: dict[int, dict] = {}
@@ -218,27 +251,34 @@ class RankLoRA:
             a, b = lin.local(part, w.lora_a, w.lora_b)
             b = (b.double() * w.scaling).to(lin.b.dtype)  # pre-scaled, rounded once
             parts.setdefault(id(lin), {})[part] = (a.to(lin.a.dtype), b)
-        # one pinned buffer for the whole adapter: page-locking is paid once, not per tensor
-        sizes = {key: sum(self.linears[key].image_sizes()) for key in parts}
-        flat = torch.zeros(sum(sizes.values()), dtype=self.dtype, pin_memory=self.pin)
-        out, at = {}, 0
-        for key, p in parts.items():
-            out[key] = self.linears[key].image(p, flat[at:at + sizes[key]])
-            at += sizes[key]
+        flat = self._buffer()
+        try:
+            flat.zero_()
+            images = {key: self.linears[key].image(p, flat[self.layout[key][0]:sum(self.layout[key])])
+                      for key, p in parts.items()}
+        except BaseException:
+            with self.lock:
+                self.free.append(flat)
+            raise
+        entry = HostImage(flat, images)
         with self.lock:
             self.disk_loads += 1
-            self.host[lora_int_id] = out
-            self.host.move_to_end(lora_int_id)
-            while len(self.host) > self.cfg.cpu_capacity:
+            old = self.host.pop(lora_int_id, None)
+            if old is not None and self.pin:
+                self.free.append(old.flat)
+            self.host[lora_int_id] = entry
+            while len(self.host) > self.cfg.cpu_capacity:  # (a pinned buffer is freed after its copies)
                 self.host.popitem(last=False)
-        return out
+        return entry
 
     def prefetch(self, items) -> None:
         """Start reading these adapters (``(lora_int_id, name, path)``) on the prefetch thread."""
         for lora_int_id, name, path in items:
+            if lora_int_id in self.reading:
+                continue  # reported once read
             with self.lock:
                 held = lora_int_id in self.host
-            if held or lora_int_id in self.reading:
+            if held:
                 self._unreported.append(lora_int_id)  # nothing to read: ready now
                 continue
             if self._pool is None:
@@ -258,12 +298,12 @@ class RankLoRA:
         """Report these with the next answer instead (this call had none)."""
         self._unreported[:0] = ids
 
-    def _shards(self, lora_int_id: int, name: str, path: str) -> dict:
+    def _entry(self, lora_int_id: int, name: str, path: str) -> HostImage:
         fut = self.reading.get(lora_int_id)
         if fut is not None:
             try:
                 fut.result()  # still reading: this step waits for it (the driver had no report yet)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 pass  # read again below, where the error reaches the step
         with self.lock:
             hit = self.host.get(lora_int_id)
@@ -277,9 +317,12 @@ class RankLoRA:
         for slot, lora_int_id, name, path in loads:
             if not 0 <= slot < self.cfg.max_loras:
                 raise ValueError(f"lora_loads: slot {slot} outside [0, {self.cfg.max_loras})")
-            images = self._shards(lora_int_id, name, path)
+            entry = self._entry(lora_int_id, name, path)
             for key, lin in self.linears.items():
-                lin.fill(slot, images.get(key))
+                lin.fill(slot, entry.images.get(key))
+            if self.pin:  # the buffer is reused only once these copies are done
+                entry.copied = torch.cuda.Event()
+                entry.copied.record()
             self.slot_ids[slot] = lora_int_id
 
     def begin_step(self, plan, loads, put) -> None:
