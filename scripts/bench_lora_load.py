@@ -57,6 +57,7 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
     for _ in range(WARMUP):
         engine.step()
     times, arrived_at, pending = [], [], list(arrivals)
+    starts = []  # perf_counter at each timed step's start (to place the ranks' adapter reads)
     # The Serve handler checks an arriving adapter's folder on its own thread before the request
     # reaches the engine thread (serve/lora_adapters.py), whose add_lora then finds it checked:
     # a checker thread plays the handler, from ``load_every`` steps before the arrival (a check
@@ -73,6 +74,7 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
         if due and pending[0] is not None:
             checks.pop(id(pending[0])).result()
         t0 = time.perf_counter()
+        starts.append(t0)
         if due:
             lr = pending.pop(0)
             if lr is not None:
@@ -86,19 +88,29 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return times, arrived_at
+    return times, arrived_at, starts
 
 
 def summary(run: tuple[list[float], list[int]]) -> dict:
     """p50/p99/max of a run's steps, and its three slowest with how many steps after the last
     arrival each came (0: the arrival's own step) -- where a load's cost lands."""
-    times, arrived_at = run
+    times, arrived_at, starts = run[:3]
+    reads = run[3] if len(run) > 3 else []
     ms = np.array(times) * 1e3
+
+    def overlap(i):  # ms of the step during which a rank was reading an adapter, and on which thread
+        t0, t1 = starts[i], starts[i] + times[i]
+        spans = [(min(t1, e) - max(t0, b), th) for _, th, b, e in reads if b < t1 and e > t0]
+        return [[round(d * 1e3, 1), th] for d, th in spans]
+
     slowest = [dict(step=int(i), ms=round(float(ms[i]), 2),
-                    after_arrival=int(i - max((a for a in arrived_at if a <= i), default=-10 ** 6)))
+                    after_arrival=int(i - max((a for a in arrived_at if a <= i), default=-10 ** 6)),
+                    reading=overlap(i))
                for i in np.argsort(ms)[::-1][:3]]
+    durations = [round((e - b) * 1e3, 1) for _, _, b, e in reads]
     return dict(steps=len(ms), p50_ms=round(float(np.percentile(ms, 50)), 3), p99_ms=round(float(np.percentile(ms, 99)), 3),
-                max_ms=round(float(ms.max()), 3), arrivals=len(arrived_at), slowest=slowest)
+                max_ms=round(float(ms.max()), 3), arrivals=len(arrived_at), slowest=slowest,
+                read_ms=dict(n=len(durations), p50=float(np.median(durations)), max=max(durations)) if durations else None)
 
 
 def main(argv=None) -> dict:
@@ -150,7 +162,10 @@ def main(argv=None) -> dict:
                                        a.prompt_len, rng)
             if engine.lora.num_loads != loads0:
                 raise RuntimeError("the resident adapter was loaded again: the control run is not load-free")
+            rank = getattr(getattr(engine.executor, "worker", None), "lora", None)
+            seen = len(rank.reads) if rank is not None else 0
             loaded = streaming_run(engine, sync, a.clients, a.steps, a.load_every, adapters, a.prompt_len, rng)
+            loaded += (list(rank.reads)[seen:] if rank is not None else [],)
             slot_loads = engine.lora.num_loads - loads0
     finally:
         info = engine.executor.infos[0]

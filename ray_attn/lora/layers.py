@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -228,6 +229,7 @@ class RankLoRA:
         self._unreported: list[int] = []
         self.slot_ids = [0] * self.cfg.max_loras  # the adapter each slot holds (0: none)
         self.disk_loads = 0
+        self.reads: deque = deque(maxlen=256)  # (lora_int_id, thread, perf_counter at start, at end)
 
     def _buffer(self) -> torch.Tensor:
         """A buffer for one more adapter: a free one, else the least recently used entry's
@@ -244,6 +246,7 @@ class RankLoRA:
 
     def _read(self, lora_int_id: int, name: str, path: str) -> HostImage:
         """The adapter's images for this rank's linears, from its folder (into the host LRU)."""
+        t0 = time.perf_counter()
         adapter = read_adapter(path, name, self.model_config, self.cfg.max_lora_rank)
         parts: dict[int, dict] = {}
         for module, w in adapter.modules.items():
@@ -269,6 +272,7 @@ class RankLoRA:
             self.host[lora_int_id] = entry
             while len(self.host) > self.cfg.cpu_capacity:  # (a pinned buffer is freed after its copies)
                 self.host.popitem(last=False)
+        self.reads.append((lora_int_id, threading.current_thread().name, t0, time.perf_counter()))
         return entry
 
     def prefetch(self, items) -> None:
