@@ -25,7 +25,7 @@ import torch
 
 from ray_attn.lora import punica
 from ray_attn.lora.config import TARGET_MODULES, LoRAConfig
-from ray_attn.lora.peft_format import read_adapter
+from ray_attn.lora.peft_format import read_adapter, warm_page_cache
 from ray_attn.model.layers import ColumnParallelLinear, RowParallelLinear
 
 _WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(?P<proj>\w+)\.weight$")
@@ -247,6 +247,7 @@ class RankLoRA:
     def _read(self, lora_int_id: int, name: str, path: str) -> HostImage:
         """The adapter's images for this rank's linears, from its folder (into the host LRU)."""
         t0 = time.perf_counter()
+        warm_page_cache(path)
         adapter = read_adapter(path, name, self.model_config, self.cfg.max_lora_rank)
         parts: dict[int, dict] = {}
         for module, w in adapter.modules.items():

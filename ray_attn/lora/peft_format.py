@@ -117,6 +117,18 @@ def read_config(path: str, name: str) -> dict:
     return cfg
 
 
+def warm_page_cache(path: str, chunk: int = 8 << 20) -> None:
+    """Read the adapter's weights file once through the page cache, in chunks whose read()
+    releases the GIL, so that the tensors' copies after it wait on no disk while holding it."""
+    buf = bytearray(chunk)
+    try:
+        with open(os.path.join(path, WEIGHTS_FILE), "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    except OSError:
+        pass  # read_adapter names what is wrong
+
+
 def read_adapter(path: str, name: str, model, max_lora_rank: int) -> PeftAdapter:
     """The adapter at ``path`` checked against ``model`` (a ModelConfig) and the rank limit."""
     cfg = read_config(path, name)
@@ -125,10 +137,13 @@ def read_adapter(path: str, name: str, model, max_lora_rank: int) -> PeftAdapter
         extra = " (peft wrote a .bin: save with safe_serialization=True)" if os.path.isfile(
             os.path.join(path, "adapter_model.bin")) else ""
         raise LoRAAdapterError(f"adapter {name!r}: {weights!r} does not exist{extra}")
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     try:
-        tensors = load_file(weights)
+        # tensor by tensor: safetensors holds the GIL while it copies one, and a rank's prefetch
+        # thread reads while the rank's steps run (a whole-file load held them up ~100 ms)
+        with safe_open(weights, framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own types for a bad file
         raise LoRAAdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is not a readable safetensors file "
                                f"({type(e).__name__}: {e})") from None
