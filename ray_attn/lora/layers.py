@@ -25,7 +25,8 @@ import torch
 
 from ray_attn.lora import punica
 from ray_attn.lora.config import TARGET_MODULES, LoRAConfig
-from ray_attn.lora.peft_format import read_adapter, warm_page_cache
+from ray_attn.lora.peft_format import LoRAAdapterError
+from ray_attn.lora.reader import ImageSpec, LinearSpec, ModuleSpec, ReaderProcess, fill_images
 from ray_attn.model.layers import ColumnParallelLinear, RowParallelLinear
 
 _WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(?P<proj>\w+)\.weight$")
@@ -138,20 +139,6 @@ class LoRALinear:
         """Elements of a slot's A and B."""
         return self.a[0].numel(), self.b[0].numel()
 
-    def image(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], flat: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's whole A [P*R, K] and B [N, R] on the host, in ``flat`` (zeros, this linear's
-        share of the adapter's one buffer), zero where the adapter has no part or a lower rank:
-        the load is then two copies, whatever the adapter covers."""
-        na, _ = self.image_sizes()
-        a, b = flat[:na].view(self.a.shape[1:]), flat[na:].view(self.b.shape[1:])
-        R = self.rank
-        for p, (pa, pb) in parts.items():
-            r, off = pa.shape[0], self.offsets[p]
-            a[p * R:p * R + r] = pa
-            b[off:off + pb.shape[0], :r] = pb
-        return a, b
-
     def fill(self, slot: int, image: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if image is None:  # a module the adapter does not target
             self.a[slot].zero_()
@@ -216,14 +203,21 @@ class RankLoRA:
         # Every adapter's images take the same places in a buffer of one slot's size.  On a GPU
         # the buffers are pinned once, here: page-locking while steps run (cudaHostAlloc) held
         # the steps up by tens of ms a load (scripts/bench_lora_load.py).
-        self.layout, at = {}, 0
-        for key, lin in self.linears.items():
-            n = sum(lin.image_sizes())
-            self.layout[key] = (at, n)
-            at += n
+        self.keys = list(self.linears)
+        linears, at = [], 0
+        for key in self.keys:
+            lin = self.linears[key]
+            linears.append(LinearSpec(at, tuple(lin.a.shape[1:]), tuple(lin.b.shape[1:]), lin.offsets, lin.rank))
+            at += sum(lin.image_sizes())
+        index = {key: i for i, key in enumerate(self.keys)}
+        modules = {path: ModuleSpec(index[id(lin)], part, lin.parts[part][2], lin.parts[part][3])
+                   for path, (lin, part) in self.table.items()}
+        self.spec = ImageSpec(tuple(linears), modules, at, self.dtype, self.model_config, self.cfg.max_lora_rank)
         self.image_elems = at
         self.free = [torch.empty(at, dtype=self.dtype, pin_memory=True) for _ in range(self.cfg.cpu_capacity)] \
             if self.pin else []
+        self.reader: ReaderProcess | None = None  # started by the first prefetch
+        self.reader_failed: str | None = None  # why it could not run (reads then stay in-process)
         self.reading: dict[int, Future] = {}  # prefetches in flight or not yet reported
         self._pool: ThreadPoolExecutor | None = None
         self._unreported: list[int] = []
@@ -244,27 +238,39 @@ class RankLoRA:
             old.copied.synchronize()
         return old.flat
 
-    def _read(self, lora_int_id: int, name: str, path: str) -> HostImage:
-        """The adapter's images for this rank's linears, from its folder (into the host LRU)."""
+    def _views(self, flat: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lin = self.spec.linears[i]
+        na = lin.a_shape[0] * lin.a_shape[1]
+        return (flat[lin.at:lin.at + na].view(lin.a_shape),
+                flat[lin.at + na:lin.at + na + lin.b_shape[0] * lin.b_shape[1]].view(lin.b_shape))
+
+    def _fill(self, path: str, name: str, flat: torch.Tensor, in_reader: bool) -> list[int]:
+        if in_reader and self.reader_failed is None:
+            try:
+                if self.reader is None:
+                    self.reader = ReaderProcess(self.spec)
+                return self.reader.read(path, name, flat)
+            except LoRAAdapterError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- no process here (spawn refused, killed): read in this one
+                self.reader_failed = f"{type(e).__name__}: {e}"
+                if self.reader is not None:
+                    self.reader.close()
+                    self.reader = None
+        return fill_images(self.spec, path, name, flat)
+
+    def _read(self, lora_int_id: int, name: str, path: str, in_reader: bool = False) -> HostImage:
+        """The adapter's images for this rank's linears, from its folder (into the host LRU);
+        ``in_reader``: the prefetch's read, made by the reader process."""
         t0 = time.perf_counter()
-        warm_page_cache(path)
-        adapter = read_adapter(path, name, self.model_config, self.cfg.max_lora_rank)
-        parts: dict[int, dict] = {}
-        for module, w in adapter.modules.items():
-            lin, part = self.table[module]
-            a, b = lin.local(part, w.lora_a, w.lora_b)
-            b = (b.double() * w.scaling).to(lin.b.dtype)  # pre-scaled, rounded once
-            parts.setdefault(id(lin), {})[part] = (a.to(lin.a.dtype), b)
         flat = self._buffer()
         try:
-            flat.zero_()
-            images = {key: self.linears[key].image(p, flat[self.layout[key][0]:sum(self.layout[key])])
-                      for key, p in parts.items()}
+            touched = self._fill(path, name, flat, in_reader)
         except BaseException:
             with self.lock:
                 self.free.append(flat)
             raise
-        entry = HostImage(flat, images)
+        entry = HostImage(flat, {self.keys[i]: self._views(flat, i) for i in touched})
         with self.lock:
             self.disk_loads += 1
             old = self.host.pop(lora_int_id, None)
@@ -288,7 +294,7 @@ class RankLoRA:
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch")
-            self.reading[lora_int_id] = self._pool.submit(self._read, lora_int_id, name, path)
+            self.reading[lora_int_id] = self._pool.submit(self._read, lora_int_id, name, path, True)
 
     def take_ready(self) -> list[int]:
         """The prefetches finished since the last call (a failed one too: its load reads the
@@ -340,3 +346,8 @@ class RankLoRA:
 
     def reset(self) -> None:
         self.slot_ids = [0] * self.cfg.max_loras
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None

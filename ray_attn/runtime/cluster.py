@@ -285,4 +285,6 @@ class InProcessExecutor:
         return self.worker.execute_step(step)
 
     def shutdown(self) -> None:
+        if self.worker is not None and self.worker.lora is not None:
+            self.worker.lora.close()  # its adapter reader process
         self.worker = None

@@ -167,37 +167,53 @@ def test_an_adapter_checked_once_is_not_read_again_until_its_files_change(lora_m
     assert len(reads) == 5
 
 
-def test_a_step_shared_with_other_requests_never_reads_an_adapter_from_disk(lora_models, monkeypatch):
-    """An adapter new to the ranks arrives while a base request decodes: its folder is read on the
-    prefetch thread, the request waits (the base request's steps go on) until rank 0 reports it,
-    and then decodes the same tokens as alone.  With nothing else running, the step reads it."""
-    import threading
-
-    from ray_attn.lora import layers
-
+def test_a_step_shared_with_other_requests_never_reads_an_adapter_from_disk(lora_models):
+    """An adapter new to the ranks arrives while a base request decodes: the rank's prefetch
+    thread has the reader process read it, the request waits (the base request's steps go on)
+    until rank 0 reports it, and then decodes the same tokens as alone.  With nothing else
+    running, the step reads it itself."""
     base, adapters = lora_models
-    readers = []
-    real = layers.read_adapter
-
-    def spy(*a, **k):
-        readers.append(threading.current_thread().name)
-        return real(*a, **k)
-
-    monkeypatch.setattr(layers, "read_adapter", spy)
     cfg = engine_config(base, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
-    alone = eng.generate([prompts(2)[1]], SamplingParams(max_tokens=4),
-                         lora_request=LoRARequest("alone", 1, adapters["attn"]))[0].output_token_ids
-    assert readers == ["MainThread"]  # nothing else ran: the step read it itself
-    req = LoRARequest("late", 2, adapters["attn"])
-    eng.add_request(prompts(1)[0], SamplingParams(max_tokens=24), request_id="base")
+    rank = eng.executor.worker.lora
+    try:
+        alone = eng.generate([prompts(2)[1]], SamplingParams(max_tokens=4),
+                             lora_request=LoRARequest("alone", 1, adapters["attn"]))[0].output_token_ids
+        assert [r[1] for r in rank.reads] == ["MainThread"]  # nothing else ran: the step read it itself
+        req = LoRARequest("late", 2, adapters["attn"])
+        eng.add_request(prompts(1)[0], SamplingParams(max_tokens=40), request_id="base")
+        eng.step()
+        eng.add_request(prompts(2)[1], SamplingParams(max_tokens=4), request_id="late", lora_request=req)
+        eng.step()  # the base request's step; it carries the prefetch
+        assert "late" not in {r.request_id for r in eng.scheduler.running}  # waits for its adapter
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert [r[:2] for r in rank.reads][1:] == [(2, "lora-prefetch_0")]
+        assert rank.reader is not None and rank.reader_failed is None  # read in the reader process
+        assert eng.lora.num_prefetches == 1
+        assert eng.output("late").output_token_ids == alone
+        assert len(eng.output("base").output_token_ids) == 40
+    finally:
+        eng.shutdown()
+
+
+def test_without_a_reader_process_the_prefetch_thread_reads_the_adapter_itself(lora_models, monkeypatch):
+    from ray_attn.lora import layers
+
+    def refuse(*a, **k):
+        raise OSError("spawn refused")
+
+    monkeypatch.setattr(layers, "ReaderProcess", refuse)
+    base, adapters = lora_models
+    cfg = engine_config(base, max_loras=2, max_lora_rank=8)
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    rank = eng.executor.worker.lora
+    eng.add_request(prompts(1)[0], SamplingParams(max_tokens=40), request_id="base")
     eng.step()
-    eng.add_request(prompts(2)[1], SamplingParams(max_tokens=4), request_id="late", lora_request=req)
-    eng.step()  # the base request's step; it carries the prefetch
-    assert "late" not in {r.request_id for r in eng.scheduler.running}  # waits for its adapter
+    eng.add_request(prompts(2)[1], SamplingParams(max_tokens=4), request_id="late",
+                    lora_request=LoRARequest("late", 2, adapters["mlp"]))
     while eng.has_unfinished_requests():
         eng.step()
-    assert readers[1:] == ["lora-prefetch_0"]
-    assert eng.lora.num_prefetches == 1
-    assert eng.output("late").output_token_ids == alone
-    assert len(eng.output("base").output_token_ids) == 24
+    assert rank.reader is None and rank.reader_failed == "OSError: spawn refused"
+    assert [r[:2] for r in rank.reads] == [(2, "lora-prefetch_0")]
+    assert len(eng.output("late").output_token_ids) == 4
