@@ -60,13 +60,14 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
     starts = []  # perf_counter at each timed step's start (to place the ranks' adapter reads)
     # The Serve handler checks an arriving adapter's folder on its own thread before the request
     # reaches the engine thread (serve/lora_adapters.py), whose add_lora then finds it checked:
-    # a checker thread plays the handler, from ``load_every`` steps before the arrival (a check
-    # still running then is waited for outside the timed step: the request is not there yet).
+    # a checker thread plays the handler, from half an interval before the arrival (apart from
+    # the steps where the ranks read and load the last adapter, so that ``slowest`` tells the
+    # two apart; a check still running at the arrival is waited for outside the timed step).
     checker = ThreadPoolExecutor(1, thread_name_prefix="handler")
     checks = {}
     cfg = engine.config
     for i in range(steps):
-        if load_every and i % load_every == 0 and pending and pending[0] is not None:
+        if load_every and i % load_every == load_every // 2 and pending and pending[0] is not None:
             lr = pending[0]
             checks[id(lr)] = checker.submit(check_adapter, lr.lora_path, lr.lora_name, cfg.model,
                                             cfg.lora_config.max_lora_rank)
