@@ -218,6 +218,8 @@ class RankLoRA:
             if self.pin else []
         self.reader: ReaderProcess | None = None  # started by the first prefetch
         self.reader_failed: str | None = None  # why it could not run (reads then stay in-process)
+        if os.environ.get("RAY_ATTN_LORA_READER", "1") == "0":  # to measure what the process changes
+            self.reader_failed = "RAY_ATTN_LORA_READER=0"
         self.reading: dict[int, Future] = {}  # prefetches in flight or not yet reported
         self._pool: ThreadPoolExecutor | None = None
         self._unreported: list[int] = []
