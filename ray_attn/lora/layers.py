@@ -295,7 +295,10 @@ class RankLoRA:
                 self._unreported.append(lora_int_id)  # nothing to read: ready now
                 continue
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch")
+                # One torch thread there: a second OpenMP team of the rank's width, beside the
+                # steps' own, slowed every later CPU step 2-5x (scripts/bench_lora_load.py on CPU).
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch",
+                                                initializer=torch.set_num_threads, initargs=(1,))
             self.reading[lora_int_id] = self._pool.submit(self._read, lora_int_id, name, path, True)
 
     def take_ready(self) -> list[int]:

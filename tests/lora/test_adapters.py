@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.lora import LoRAAdapterError, LoRARequest
@@ -190,6 +191,9 @@ def test_a_step_shared_with_other_requests_never_reads_an_adapter_from_disk(lora
             eng.step()
         assert [r[:2] for r in rank.reads][1:] == [(2, "lora-prefetch_0")]
         assert rank.reader is not None and rank.reader_failed is None  # read in the reader process
+        # one torch thread on the prefetch thread: a second OpenMP team as wide as the rank's
+        # slowed every later step of the rank 2-5x on CPU
+        assert rank._pool.submit(torch.get_num_threads).result() == 1
         assert eng.lora.num_prefetches == 1
         assert eng.output("late").output_token_ids == alone
         assert len(eng.output("base").output_token_ids) == 40
