@@ -14,8 +14,10 @@ process or, when that process cannot run, in the rank's own thread.
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -78,19 +80,9 @@ def fill_images(spec: ImageSpec, path: str, name: str, flat: torch.Tensor) -> li
 
 
 # -- the reader process ------------------------------------------------------------------------
-_STAGING: list[torch.Tensor] = []  # the reader's map of the staging file
-
-
-def _child_init(threads: int) -> None:
-    torch.set_num_threads(threads)  # a few cores: the rank's process keeps the rest
-
-
-def _child_map(staging: str, elems: int, dtype: torch.dtype) -> None:
-    _STAGING[:] = [torch.from_file(staging, shared=True, size=elems, dtype=dtype)]
-
-
-def _child_fill(spec: ImageSpec, path: str, name: str) -> list[int]:
-    return fill_images(spec, path, name, _STAGING[0])
+# A plain subprocess (``python -m ray_attn.lora.reader``) speaking pickles over its stdin/stdout,
+# not a multiprocessing pool: "spawn" would import the parent's __main__ in the child, and a
+# user's script without a main guard would then build its engine again there.
 
 
 def _staging_dir(nbytes: int) -> str | None:
@@ -107,28 +99,76 @@ def _staging_dir(nbytes: int) -> str | None:
 class ReaderProcess:
     """One process that fills adapter images into a staging file the rank maps too."""
 
-    def __init__(self, spec: ImageSpec, threads: int | None = None):
+    def __init__(self, spec: ImageSpec, threads: int | None = None, timeout_s: float = 300.0):
         threads = threads or max(1, min(2, (os.cpu_count() or 1) // 8))
         self.spec = spec
         nbytes = spec.elems * torch.empty(0, dtype=spec.dtype).element_size()
-        fd, self.staging_path = tempfile.mkstemp(prefix="ray_attn_lora_", dir=_staging_dir(nbytes))
+        fd, path = tempfile.mkstemp(prefix="ray_attn_lora_", dir=_staging_dir(nbytes))
         os.close(fd)
-        self.staging = torch.from_file(self.staging_path, shared=True, size=spec.elems, dtype=spec.dtype)
-        import multiprocessing
-
-        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_child_init, initargs=(threads,))
-        try:  # both processes map the file; then its name goes (nothing is left behind on a kill)
-            self.pool.submit(_child_map, self.staging_path, spec.elems, spec.dtype).result(timeout=300)
+        try:
+            self.staging = torch.from_file(path, shared=True, size=spec.elems, dtype=spec.dtype)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            self.proc = subprocess.Popen([sys.executable, "-m", "ray_attn.lora.reader"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=env)
+            self._call(("init", spec, path, threads))  # both processes map the file; then its name goes
         finally:
-            os.unlink(self.staging_path)
+            os.unlink(path)
+
+    def _call(self, msg):
+        try:
+            pickle.dump(msg, self.proc.stdin)
+            self.proc.stdin.flush()
+            status, value = pickle.load(self.proc.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise RuntimeError(f"the adapter reader process ended (exit code {self.proc.poll()})") from e
+        if status == "error":
+            raise value
+        return value
 
     def read(self, path: str, name: str, into: torch.Tensor) -> list[int]:
         """Fill ``into`` (a buffer of ``spec.elems``) with the adapter's images, through the
         reader process; the targeted linears' indices."""
-        touched = self.pool.submit(_child_fill, self.spec, path, name).result()
+        touched = self._call(("read", path, name))
         into.copy_(self.staging)
         return touched
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()  # its loop ends on EOF
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+
+
+def _serve() -> None:
+    """The reader's loop: ("init", spec, staging path, threads), then ("read", path, name) until EOF."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a stray print must not break the pickles
+    inp = sys.stdin.buffer
+    spec = flat = None
+    while True:
+        try:
+            msg = pickle.load(inp)
+        except EOFError:
+            return
+        try:
+            if msg[0] == "init":
+                spec, path, threads = msg[1:]
+                torch.set_num_threads(threads)  # a few cores: the rank's process keeps the rest
+                flat = torch.from_file(path, shared=True, size=spec.elems, dtype=spec.dtype)
+                reply = ("ok", None)
+            else:
+                reply = ("ok", fill_images(spec, msg[1], msg[2], flat))
+        except Exception as e:  # noqa: BLE001 -- the rank raises it (an adapter error names the adapter)
+            reply = ("error", e)
+        try:
+            pickle.dump(reply, out)
+        except Exception as e:  # noqa: BLE001 -- an exception that does not pickle
+            pickle.dump(("error", RuntimeError(f"{type(e).__name__}: {e}")), out)
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve()
