@@ -36,6 +36,12 @@ def test_bf16_batch_of_8_over_4_adapters_and_base_vs_peft_merged(tmp_path):
     ids = {n: i + 1 for i, (n, *_) in enumerate(ADAPTERS)}
     outs = eng.generate(prompts(8, vocab=512), SamplingParams(max_tokens=16),
                         lora_request=[None if n is None else LoRARequest(n, ids[n], adapters[n]) for n in names])
+    check_vs_peft_merged(base, adapters, outs, names)
+
+
+def check_vs_peft_merged(base, adapters, outs, names) -> None:
+    """Each greedy token within 0.1 of peft's best log-probability (bf16, merged), and at least
+    90% of them peft's argmax."""
     agree = total = 0
     for out, name in zip(outs, names):
         ref = peft_model(base, None if name is None else adapters[name], dtype=torch.bfloat16, merged=True).cuda()
@@ -49,3 +55,40 @@ def test_bf16_batch_of_8_over_4_adapters_and_base_vs_peft_merged(tmp_path):
             agree += int(row.argmax()) == t
             total += 1
     assert agree >= 0.9 * total, (agree, total)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adapters_prefetched_while_a_stream_decodes_match_peft(tmp_path):
+    """The load path on a GPU: the adapters (four) arrive one by one, new to the rank, while a base
+    request decodes from CUDA graphs; the reader process fills the pinned host images, a load
+    copies them into one of two slots (four adapters through two host buffers: each reused after
+    its copies' event), and every request's tokens match peft's merged model."""
+    model = tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, num_hidden_layers=4, vocab_size=512)
+    base = write_base(tmp_path / "base", model)
+    adapters = {name: write_adapter(base, tmp_path / name, t, r, a, rs, seed=i)
+                for i, (name, t, r, a, rs) in enumerate(ADAPTERS)}
+    cfg = EngineConfig(checkpoint=base, model={"dtype": "bfloat16"}, cache=CacheConfig(num_blocks=256),
+                       parallel=ParallelConfig(device="cuda"),
+                       lora_config=LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2), max_num_seqs=16)
+    ids = {n: i + 1 for i, (n, *_) in enumerate(ADAPTERS)}
+    names = [n for n, *_ in ADAPTERS]
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    rank = eng.executor.worker.lora
+    try:
+        eng.add_request(prompts(1, vocab=512, seed=9)[0], SamplingParams(max_tokens=200, ignore_eos=True),
+                        request_id="base")
+        eng.step()
+        for name, p in zip(names, prompts(len(names), vocab=512)):
+            eng.add_request(p, SamplingParams(max_tokens=8), request_id=name,
+                            lora_request=LoRARequest(name, ids[name], adapters[name]))
+            while not eng.output(name).finished:
+                eng.step()
+        assert not eng.output("base").finished  # every adapter arrived while it decoded
+        assert eng.lora.num_prefetches == len(names)
+        assert rank.reader is not None and rank.reader_failed is None
+        assert {th for _, th, _, _ in rank.reads} == {"lora-prefetch_0"}
+        outs = [eng.output(n) for n in names]
+    finally:
+        eng.executor.shutdown()
+    check_vs_peft_merged(base, adapters, outs, names)
