@@ -85,6 +85,7 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
         engine.step()
         sync()
         times.append(time.perf_counter() - t0)
+    checker.shutdown()
     for rid in streams:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -92,11 +93,11 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
     return times, arrived_at, starts
 
 
-def summary(run: tuple[list[float], list[int]]) -> dict:
-    """p50/p99/max of a run's steps, and its three slowest with how many steps after the last
-    arrival each came (0: the arrival's own step) -- where a load's cost lands."""
-    times, arrived_at, starts = run[:3]
-    reads = run[3] if len(run) > 3 else []
+def summary(run: tuple[list[float], list[int], list[float]], reads=()) -> dict:
+    """p50/p99/max of a run's steps (``streaming_run``'s), and its three slowest with how many
+    steps after the last arrival each came (0: the arrival's own step) -- where a load's cost
+    lands -- and which of ``reads`` (``RankLoRA.reads``) overlapped them."""
+    times, arrived_at, starts = run
     ms = np.array(times) * 1e3
 
     def overlap(i):  # ms of the step during which a rank was reading an adapter, and on which thread
@@ -127,8 +128,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--json", default=str(bl.RESULTS / "bench_lora_load.json"))
     a = ap.parse_args(argv)
-    from ray_attn.engine import LLMEngine
-    from ray_attn.engine import SamplingParams
+    from ray_attn.engine import LLMEngine, SamplingParams
     from ray_attn.runtime import InProcessExecutor
 
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
@@ -166,12 +166,12 @@ def main(argv=None) -> dict:
             rank = getattr(getattr(engine.executor, "worker", None), "lora", None)
             seen = len(rank.reads) if rank is not None else 0
             loaded = streaming_run(engine, sync, a.clients, a.steps, a.load_every, adapters, a.prompt_len, rng)
-            loaded += (list(rank.reads)[seen:] if rank is not None else [],)
+            reads = list(rank.reads)[seen:] if rank is not None else []
             slot_loads = engine.lora.num_loads - loads0
     finally:
         info = engine.executor.infos[0]
         engine.shutdown()
-    c, lo, b = summary(control), summary(loaded), summary(base)
+    c, lo, b = summary(control), summary(loaded, reads), summary(base)
     arrived = lo["arrivals"]
     one_step = c["p50_ms"]
     out = dict(machine=bl.machine(), preset=a.preset, checkpoint=a.checkpoint, kernel=info.get("kernel"),

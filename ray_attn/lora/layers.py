@@ -90,7 +90,6 @@ class LoRALinear:
         self.a = torch.zeros(L, P * R, K, dtype=dtype, device=w.device)
         self.b = torch.zeros(L, N, R, dtype=dtype, device=w.device)
         self.offsets = tuple(off for _, off, _, _ in parts)
-        self.bounds = list(self.offsets) + [N]
         self.row_parallel = isinstance(module, RowParallelLinear)
 
     def __call__(self, x: torch.Tensor, base) -> torch.Tensor:
@@ -108,7 +107,9 @@ class LoRALinear:
         launch = punica.plan_launch(x, self.a, self.b.shape[1], self.offsets, self.rank)
         args = (ctx.sorted_tokens, ctx.seg_start)
         if launch.config.fused:
-            return punica.fused(launch, x, base(), self.a, self.b, self.offsets, self.rank, *args)
+            y = base()
+            punica.check_strides(x, y, self.a, self.b)
+            return punica.fused(launch, x, y, self.a, self.b, self.offsets, self.rank, *args)
         # The shrink needs only x, so it runs on a side stream while the base GEMM runs: at decode
         # sizes both are latency-bound, and the shrink's few microseconds a projection (7 a layer)
         # leave the critical path.  The join before the expand orders it after both (a graph
@@ -126,14 +127,6 @@ class LoRALinear:
             main.wait_stream(side)
         punica.check_strides(x, y, self.a, self.b)
         return punica.expand(launch, ctx.shrunk, self.b, y, self.offsets, self.rank, *args)
-
-    def local(self, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of one part's full A [r, in] and B [out, r]."""
-        _, off, dim, start = self.parts[part]
-        rows = self.bounds[part + 1] - off
-        if dim == 1:  # row-parallel: A's columns as the weight's
-            return lora_a[:, start:start + self.a.shape[2]], lora_b
-        return lora_a, lora_b[start:start + rows]
 
     def image_sizes(self) -> tuple[int, int]:
         """Elements of a slot's A and B."""
@@ -213,7 +206,6 @@ class RankLoRA:
         modules = {path: ModuleSpec(index[id(lin)], part, lin.parts[part][2], lin.parts[part][3])
                    for path, (lin, part) in self.table.items()}
         self.spec = ImageSpec(tuple(linears), modules, at, self.dtype, self.model_config, self.cfg.max_lora_rank)
-        self.image_elems = at
         self.free = [torch.empty(at, dtype=self.dtype, pin_memory=True) for _ in range(self.cfg.cpu_capacity)] \
             if self.pin else []
         self.reader: ReaderProcess | None = None  # started by the first prefetch
@@ -234,17 +226,11 @@ class RankLoRA:
             if self.free:
                 return self.free.pop()
             if not (self.pin and self.host):  # CPU; or every pooled buffer is being read into
-                return torch.empty(self.image_elems, dtype=self.dtype, pin_memory=self.pin)
+                return torch.empty(self.spec.elems, dtype=self.dtype, pin_memory=self.pin)
             _, old = self.host.popitem(last=False)
         if old.copied is not None:
             old.copied.synchronize()
         return old.flat
-
-    def _views(self, flat: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lin = self.spec.linears[i]
-        na = lin.a_shape[0] * lin.a_shape[1]
-        return (flat[lin.at:lin.at + na].view(lin.a_shape),
-                flat[lin.at + na:lin.at + na + lin.b_shape[0] * lin.b_shape[1]].view(lin.b_shape))
 
     def _fill(self, path: str, name: str, flat: torch.Tensor, in_reader: bool) -> list[int]:
         if in_reader and self.reader_failed is None:
@@ -272,7 +258,7 @@ class RankLoRA:
             with self.lock:
                 self.free.append(flat)
             raise
-        entry = HostImage(flat, {self.keys[i]: self._views(flat, i) for i in touched})
+        entry = HostImage(flat, {self.keys[i]: self.spec.linears[i].views(flat) for i in touched})
         with self.lock:
             self.disk_loads += 1
             old = self.host.pop(lora_int_id, None)

@@ -41,6 +41,12 @@ class LinearSpec:
     offsets: tuple[int, ...]  # each part's first row of B
     rank: int  # R, the padded rank
 
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This linear's A and B images in an adapter's flat buffer."""
+        na = self.a_shape[0] * self.a_shape[1]
+        return (flat[self.at:self.at + na].view(self.a_shape),
+                flat[self.at + na:self.at + na + self.b_shape[0] * self.b_shape[1]].view(self.b_shape))
+
 
 @dataclass(frozen=True)
 class ImageSpec:
@@ -62,9 +68,7 @@ def fill_images(spec: ImageSpec, path: str, name: str, flat: torch.Tensor) -> li
     for module, w in adapter.modules.items():
         m = spec.modules[module]
         lin = spec.linears[m.linear]
-        na = lin.a_shape[0] * lin.a_shape[1]
-        a_img = flat[lin.at:lin.at + na].view(lin.a_shape)
-        b_img = flat[lin.at + na:lin.at + na + lin.b_shape[0] * lin.b_shape[1]].view(lin.b_shape)
+        a_img, b_img = lin.views(flat)
         bounds = list(lin.offsets) + [lin.b_shape[0]]
         rows = bounds[m.part + 1] - bounds[m.part]
         a, b = w.lora_a, w.lora_b

@@ -20,16 +20,24 @@ from tests.lora.peft_fixture import ADAPTERS, peft_model, prompts, tiny_model, w
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bf16_batch_of_8_over_4_adapters_and_base_vs_peft_merged(tmp_path):
+def tiny_base_and_adapters(tmp_path):
+    """A 4-layer random Llama (head size 64) and the fixture's adapters on it, in PEFT's format."""
     model = tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, num_hidden_layers=4, vocab_size=512)
     base = write_base(tmp_path / "base", model)
-    adapters = {name: write_adapter(base, tmp_path / name, t, r, a, rs, seed=i)
-                for i, (name, t, r, a, rs) in enumerate(ADAPTERS)}
-    cfg = EngineConfig(checkpoint=base, model={"dtype": "bfloat16"}, cache=CacheConfig(num_blocks=256),
-                       parallel=ParallelConfig(device="cuda"), lora_config=LoRAConfig(max_loras=4, max_lora_rank=16),
-                       max_num_seqs=16)
+    return base, {name: write_adapter(base, tmp_path / name, t, r, a, rs, seed=i)
+                  for i, (name, t, r, a, rs) in enumerate(ADAPTERS)}
+
+
+def bf16_config(base, lora: LoRAConfig) -> EngineConfig:
+    return EngineConfig(checkpoint=base, model={"dtype": "bfloat16"}, cache=CacheConfig(num_blocks=256),
+                        parallel=ParallelConfig(device="cuda"), lora_config=lora, max_num_seqs=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_batch_of_8_over_4_adapters_and_base_vs_peft_merged(tmp_path):
+    base, adapters = tiny_base_and_adapters(tmp_path)
+    cfg = bf16_config(base, LoRAConfig(max_loras=4, max_lora_rank=16))
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
     assert eng.executor.infos[0]["cuda_graphs"], "decode steps must replay CUDA graphs"
     names = ["attn", None, "mlp", "all", "qv", None, "all", "attn"]
@@ -63,14 +71,8 @@ def test_adapters_prefetched_while_a_stream_decodes_match_peft(tmp_path):
     request decodes from CUDA graphs; the reader process fills the pinned host images, a load
     copies them into one of two slots (four adapters through two host buffers: each reused after
     its copies' event), and every request's tokens match peft's merged model."""
-    model = tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=64, num_hidden_layers=4, vocab_size=512)
-    base = write_base(tmp_path / "base", model)
-    adapters = {name: write_adapter(base, tmp_path / name, t, r, a, rs, seed=i)
-                for i, (name, t, r, a, rs) in enumerate(ADAPTERS)}
-    cfg = EngineConfig(checkpoint=base, model={"dtype": "bfloat16"}, cache=CacheConfig(num_blocks=256),
-                       parallel=ParallelConfig(device="cuda"),
-                       lora_config=LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2), max_num_seqs=16)
+    base, adapters = tiny_base_and_adapters(tmp_path)
+    cfg = bf16_config(base, LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2))
     ids = {n: i + 1 for i, (n, *_) in enumerate(ADAPTERS)}
     names = [n for n, *_ in ADAPTERS]
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
