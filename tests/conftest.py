@@ -30,6 +30,10 @@ os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", str(round(scaled
 # replacement.  Every 2 s costs a cheap actor call each time.
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
 
+# Serve's proxies refuse unkeyed requests to keyed apps themselves, as under `ray-attn serve`
+# (ray_attn/serve/proxy_auth.py); the tests' clusters inherit this from us.
+os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "ray_attn.serve.proxy_auth:proxy_middlewares")
+
 # Ray starts its workers at niceness 15; beside a CPU hog at 0 each gets a few percent of a core,
 # and a test's actors (Serve replicas, stores, ranks before they renice: runtime/worker.py
 # ``unnice``) crawl.  The tests' own clusters inherit this from us.

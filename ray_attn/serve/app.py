@@ -43,6 +43,7 @@ from ray import serve
 
 from ray_attn.serve.admission import Admission, AdmissionMiddleware
 from ray_attn.serve.auth import Auth, AuthMiddleware
+from ray_attn.serve.proxy_auth import publish_from_replica
 from ray_attn.serve.generate import generate
 from ray_attn.serve.health import ReplicaHealth
 from ray_attn.serve.http import HTTPError, error_responses, install_error_handlers
@@ -187,6 +188,10 @@ class LLMServer:
         self.vocab_size = engine_cfg.model.vocab_size
         # the LoRA adapters, by the names requests use (serve/lora_adapters.py); None: no LoRA
         self.adapters = ServedAdapters(self.cfg, self.model_id, engine_cfg) if engine_cfg.lora_config else None
+        # What Serve's proxy needs to refuse unkeyed requests itself (proxy_auth.py): the keys'
+        # digests, renewed so that a re-read key file reaches it.  Last: a replica that failed
+        # to start publishes nothing.
+        self.proxy_auth = publish_from_replica(lambda: self.auth)
         log.info("ray_attn replica %s ready: TP=%d, %d KV blocks, kernel %s, capacity %d requests",
                  replica, engine_cfg.parallel.tensor_parallel_size, self.executor.num_blocks,
                  getattr(self.executor, "kernel_name", "?"), self.cfg.max_in_flight)
@@ -229,6 +234,8 @@ class LLMServer:
             raise RuntimeError(h.detail)
 
     def __del__(self):
+        if getattr(self, "proxy_auth", None) is not None:
+            self.proxy_auth.close()
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()

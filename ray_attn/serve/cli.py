@@ -176,12 +176,16 @@ def run(args) -> int:
 
     from ray_attn.runtime.cluster import init_local_ray
     from ray_attn.serve.app import build_app, deployment_options
+    from ray_attn.serve.proxy_auth import CALLBACK, CALLBACK_ENV
     from ray_attn.serve.status import DeployReporter
 
     cfg = serve_config(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keyed(cfg):
         print(f"ray_attn: WARNING: serving on {args.host} without an API key: anyone who reaches "
               f"port {args.port} can generate (set RAY_ATTN_API_KEY or --api-key-file)", flush=True)
+    # Serve's proxy refuses requests without a valid key itself (serve/proxy_auth.py): a Ray
+    # started here passes this on to it; a cluster at --address needs it in its own environment.
+    os.environ.setdefault(CALLBACK_ENV, CALLBACK)
     started = not ray.is_initialized()
     # Without --address, a Ray of our own ("local"): a bare ray.init() joins any cluster another
     # user started on this machine.

@@ -40,6 +40,7 @@ from starlette.responses import Response
 
 from ray_attn.planner.block_pool import ROOT_HASH, prompt_hashes
 from ray_attn.serve.auth import Auth
+from ray_attn.serve.proxy_auth import publish_from_replica
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.request_log import RequestLog, request_id_of, with_request_id
 from ray_attn.serve.progress_store import Unanswered, request_digest
@@ -209,6 +210,7 @@ class PrefixRoutingIngress:
                  app_config: Optional[dict] = None):
         cfg = ServeAppConfig.model_validate(app_config or {})
         self.auth = Auth.from_config(cfg)  # the replicas' keys, read in this process
+        self.proxy_auth = publish_from_replica(lambda: self.auth)  # for Serve's proxy (proxy_auth.py)
         # the lines of the requests it answers itself; Serve's proxy sends their X-Request-ID
         self.requests = RequestLog.from_config(cfg, proxy_echoes_id=True)
         self.traced = cfg.otlp_traces_endpoint is not None

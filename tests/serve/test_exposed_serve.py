@@ -98,7 +98,7 @@ def test_no_key_is_in_rays_or_serves_logs(keyed):
     """Every file of the Ray session's log folder (Serve's proxy, controller and replica logs,
     the workers' output) holds neither a configured key (they travel in the app's config) nor a
     wrong one a client sent -- and the request log lines are in the replicas' Serve logs: the
-    answered request's in the LLMServer's, the two refused ones' in the front's."""
+    answered request's in the LLMServer's, the two refused ones' in Serve's proxy's."""
     import ray
 
     with httpx.Client(base_url=keyed, timeout=scaled(60)) as c:
@@ -115,14 +115,19 @@ def test_no_key_is_in_rays_or_serves_logs(keyed):
             with open(path, "rb") as f:
                 data = f.read()
             found += [(path, n[:10]) for n in needles if n in data]
-            if os.path.basename(path).startswith("replica_keyed_"):
-                kind = "front" if "PrefixRoutingIngress" in path else "replica"
+            name = os.path.basename(path)
+            if name.startswith(("replica_keyed_", "proxy_")):
+                kind = "proxy" if name.startswith("proxy_") else \
+                    "front" if "PrefixRoutingIngress" in path else "replica"
+                route = b"/keyed/v1/completions" if kind == "proxy" else b"/v1/completions"
                 for status in (b"200", b"401"):
                     lines[(kind, status.decode())] = lines.get((kind, status.decode()), 0) + data.count(
-                        b"request e2e-grep client=127.0.0.1 POST /v1/completions status=" + status)
+                        b"request e2e-grep client=127.0.0.1 POST " + route + b" status=" + status)
         return found, lines
 
-    want = {("replica", "200"): 1, ("replica", "401"): 0, ("front", "200"): 0, ("front", "401"): 2}
+    # the two refused in Serve's proxy (proxy_auth.py), before the front saw them
+    want = {("replica", "200"): 1, ("replica", "401"): 0, ("front", "200"): 0, ("front", "401"): 0,
+            ("proxy", "200"): 0, ("proxy", "401"): 2}
     found, lines = wait_for(lambda: (lambda r: r if r[1] == want else None)(scan()), 30) or scan()
     assert found == []
     assert lines == want

@@ -114,3 +114,21 @@ def test_rayservice_serves_the_gpu_app_in_one_pod_per_replica():
     assert sum(b["CPU"] for b in bundles) <= float(limits["cpu"])
     assert group["maxReplicas"] >= cfg.num_replicas
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no replica on the head
+
+
+def test_every_rayservice_pod_gives_serves_proxy_our_key_filter():
+    """A proxy runs on every node (proxy_location EveryNode or the head's): each container's
+    environment names the filter, and the name imports to Serve's callback."""
+    import importlib
+
+    from ray_attn.serve.proxy_auth import CALLBACK, CALLBACK_ENV
+
+    cluster = rayservice()["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        for c in pod["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in c.get("env", [])}
+            assert env.get(CALLBACK_ENV) == CALLBACK, c["name"]
+    module, _, attr = CALLBACK.partition(":")
+    (mw,) = getattr(importlib.import_module(module), attr)()
+    assert mw.cls.__name__ == "ProxyAuthMiddleware"
