@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -218,6 +219,13 @@ class RankLoRA:
         self.slot_ids = [0] * self.cfg.max_loras  # the adapter each slot holds (0: none)
         self.disk_loads = 0
         self.reads: deque = deque(maxlen=256)  # (lora_int_id, thread, perf_counter at start, at end)
+        # Loads into slots no row of the step uses (the driver sends them a step ahead) are made
+        # after the forward is queued, on a copy stream of their own: the step does not wait for
+        # them, and the next step's forward waits for their event (``begin_step``).
+        self.copy_stream = torch.cuda.Stream(device) if self.pin else None
+        self._ahead: list = []  # this step's loads for later steps
+        self._step_began: torch.cuda.Event | None = None
+        self._landed: torch.cuda.Event | None = None
 
     def _buffer(self) -> torch.Tensor:
         """A buffer for one more adapter: a free one, else the least recently used entry's
@@ -314,29 +322,58 @@ class RankLoRA:
                 return hit
         return self._read(lora_int_id, name, path)
 
-    def load(self, loads) -> None:
-        """Fill slots before the step's forward: ``(slot, lora_int_id, lora_name, lora_path)``."""
+    def load(self, loads, stream=None) -> None:
+        """Fill slots: ``(slot, lora_int_id, lora_name, lora_path)``, on the current stream or
+        ``stream``."""
         for slot, lora_int_id, name, path in loads:
-            if not 0 <= slot < self.cfg.max_loras:
-                raise ValueError(f"lora_loads: slot {slot} outside [0, {self.cfg.max_loras})")
             entry = self._entry(lora_int_id, name, path)
-            for key, lin in self.linears.items():
-                lin.fill(slot, entry.images.get(key))
-            if self.pin:  # the buffer is reused only once these copies are done
-                entry.copied = torch.cuda.Event()
-                entry.copied.record()
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for key, lin in self.linears.items():
+                    lin.fill(slot, entry.images.get(key))
+                if self.pin:  # the buffer is reused only once these copies are done
+                    entry.copied = torch.cuda.Event()
+                    entry.copied.record()
             self.slot_ids[slot] = lora_int_id
 
     def begin_step(self, plan, loads, put) -> None:
+        """Before the forward: the slots this step's rows use are loaded (a load ahead waited
+        for, a load for a row of this step made now); loads for later steps wait for
+        :meth:`after_forward`."""
         rows = getattr(plan, "lora_slots", None)
         if rows is not None and len(rows) and (rows.min() < -1 or rows.max() >= self.cfg.max_loras):
             raise ValueError(f"plan.lora_slots must lie in [-1, {self.cfg.max_loras})")
-        if loads:
-            self.load(loads)
+        for slot, *_ in loads or ():
+            if not 0 <= slot < self.cfg.max_loras:
+                raise ValueError(f"lora_loads: slot {slot} outside [0, {self.cfg.max_loras})")
+        if self._landed is not None:  # last step's loads ahead, for this step's rows
+            torch.cuda.current_stream(self.copy_stream.device).wait_event(self._landed)
+            self._landed = None
+        used = set(np.unique(rows).tolist()) if rows is not None and len(rows) else set()
+        now = [ld for ld in loads or () if ld[0] in used]
+        self._ahead = [ld for ld in loads or () if ld[0] not in used]
+        if now:
+            self.load(now)
+        if self._ahead and self.copy_stream is not None:
+            # The slot's old adapter was last read by a step before this one: its copies start
+            # after what is queued so far, and overlap this step's forward.
+            self._step_began = torch.cuda.current_stream(self.copy_stream.device).record_event()
         self.ctx.set_step(rows, plan.query_lens, plan.num_tokens, put)
+
+    def after_forward(self) -> None:
+        """Make this step's loads ahead, once its forward is queued (see ``begin_step``)."""
+        ahead, self._ahead = self._ahead, []
+        if not ahead:
+            return
+        if self.copy_stream is None:  # CPU: the forward is done; copy now
+            self.load(ahead)
+            return
+        self.copy_stream.wait_event(self._step_began)
+        self.load(ahead, self.copy_stream)
+        self._landed = self.copy_stream.record_event()
 
     def reset(self) -> None:
         self.slot_ids = [0] * self.cfg.max_loras
+        self._ahead, self._landed = [], None
 
     def close(self) -> None:
         if self.reader is not None:

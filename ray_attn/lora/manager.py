@@ -16,9 +16,11 @@ A read from disk never runs inside a step that other requests share.  An adapter
 holds in its host LRU is first *prefetched*: the request names it on the next step message
 (``StepInput.lora_prefetch``), each rank reads and shards it on a thread of its own while the
 steps go on, and rank 0 reports it ready (``StepOutput.lora_ready``).  Until then the request
-waits as for a slot; once ready, the step that admits it only copies the host image into the
-slot (a few ms for an 8B model's rank-16 adapter).  With nothing else running, waiting would
-gain no one anything: the step loads the adapter itself.
+waits as for a slot; once ready, its load rides on the next step *ahead* of the request: the
+ranks copy the host image into the slot (a few ms for an 8B model's rank-16 adapter) on a copy
+stream while that step's forward runs, and the request is admitted in the step after.  With
+nothing else running, waiting would gain no one anything: the step loads the adapter itself,
+read and copy, and runs the request at once.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class LoRAManager:
         self.warming: set[int] = set()
         self.prefetches: list[tuple[int, str, str]] = []
         self.num_prefetches = 0
+        self.ahead: set[int] = set()  # adapters whose load the next step message carries, for later steps
 
     @staticmethod
     def of(engine) -> "LoRAManager":
@@ -99,6 +102,7 @@ class LoRAManager:
             self.holder[slot] = 0
             self.lru.move_to_end(slot, last=False)  # the first to be reused
             self.pending = [p for p in self.pending if p[1] != lora_int_id]
+        self.ahead.discard(lora_int_id)
         return True
 
     # -- device slots ---------------------------------------------------------------------------
@@ -123,17 +127,29 @@ class LoRAManager:
             old = self.holder[slot]
             if old:
                 del self.slot_of[old]
+                self.ahead.discard(old)
             req = self.adapters[lora_int_id]
             self.holder[slot], self.slot_of[lora_int_id] = lora_int_id, slot
             self.pending = [p for p in self.pending if p[0] != slot]
             self.pending.append((slot, lora_int_id, req.lora_name, req.lora_path))
             self.num_loads += 1
             self._host_holds(lora_int_id)  # the load reads it into the ranks' host LRU if it was not
+            if shared:
+                # A step ahead: the ranks copy it into the slot while this step's forward runs,
+                # off its critical path, and the request runs from the next step on.
+                self.ahead.add(lora_int_id)
+                self.lru.move_to_end(slot)
+                return None
+        elif shared and lora_int_id in self.ahead:
+            # its load rides on this step: the slot is ready from the next (an idle engine runs
+            # the request in this very step instead: the rank then loads the slot before it)
+            return None
         self.lru.move_to_end(slot)
         return slot
 
     def take_loads(self) -> list | None:
         loads, self.pending = self.pending, []
+        self.ahead.clear()  # loaded by the step these ride on: usable by the next
         return loads or None
 
     def take_prefetches(self) -> list | None:
@@ -158,6 +174,7 @@ class LoRAManager:
         self.slot_of.clear()
         self.holder = [0] * self.cfg.max_loras
         self.pending = []
+        self.ahead.clear()
         self.host_ready.clear()
         self.warming.clear()
         self.prefetches = []

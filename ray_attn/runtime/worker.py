@@ -286,6 +286,8 @@ class AttentionWorker:
         prompt_rows = self._stage_prompt_logprobs(step)
         with torch.inference_mode():
             hidden = self._forward(step)
+            if self.lora is not None:  # the loads for later steps, while this forward runs
+                self.lora.after_forward()
             self.steps += 1
             rest = (step, hidden, logits_indices, sampling, prompt_rows)
             if not step.defer or not self._fills_grammar(step, sampling):

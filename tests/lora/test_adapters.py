@@ -221,3 +221,57 @@ def test_without_a_reader_process_the_prefetch_thread_reads_the_adapter_itself(l
     assert rank.reader is None and rank.reader_failed == "OSError: spawn refused"
     assert [r[:2] for r in rank.reads] == [(2, "lora-prefetch_0")]
     assert len(eng.output("late").output_token_ids) == 4
+
+
+def test_a_load_for_a_later_step_is_copied_after_the_forward_of_the_step_it_rides_on(lora_models):
+    """An adapter the ranks hold in host memory but in no slot, asked for while a base request
+    decodes: its load rides on one step whose rows do not use the slot, and is made after that
+    step's forward is queued (on a GPU, on a copy stream beside it); the request runs from the
+    next step, with no load, and decodes what it decodes alone."""
+    base, adapters = lora_models
+    cfg = engine_config(base, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    worker, rank = eng.executor.worker, eng.executor.worker.lora
+    a, b = LoRARequest("a", 1, adapters["attn"]), LoRARequest("b", 2, adapters["mlp"])
+    try:
+        alone = eng.generate([prompts(2)[1]], SamplingParams(max_tokens=4), lora_request=a)[0].output_token_ids
+        eng.generate([prompts(2)[0]], SamplingParams(max_tokens=2), lora_request=b)  # b takes the one slot
+        assert eng.lora.slot_of == {2: 0} and 1 in eng.lora.host_ready
+        events = []
+        forward, load = worker._forward, rank.load
+        worker._forward = lambda step: events.append("forward") or forward(step)
+        rank.load = lambda loads, stream=None: events.append(("load", [ld[1] for ld in loads])) or load(loads, stream)
+        eng.add_request(prompts(1)[0], SamplingParams(max_tokens=12), request_id="base")
+        eng.step()
+        eng.add_request(prompts(2)[1], SamplingParams(max_tokens=4), request_id="late", lora_request=a)
+        events.clear()
+        eng.step()  # the base request's step, carrying a's load for the next
+        assert events == ["forward", ("load", [1])]
+        assert "late" not in {r.request_id for r in eng.scheduler.running}
+        events.clear()
+        eng.step()
+        assert events == ["forward"] and "late" in {r.request_id for r in eng.scheduler.running}
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert eng.output("late").output_token_ids == alone
+        assert eng.lora.num_prefetches == 0  # it was in host memory: nothing to read
+    finally:
+        eng.shutdown()
+
+
+def test_a_load_ahead_never_strands_its_request():
+    """A load asked a step ahead (other requests running) whose step never comes -- the others
+    ended -- is made in the step that then runs the request."""
+    from types import SimpleNamespace
+
+    from ray_attn.lora.manager import LoRAManager
+
+    cfg = SimpleNamespace(lora_config=SimpleNamespace(max_loras=1, cpu_capacity=2), model=None)
+    m = LoRAManager(cfg)
+    m.adapters[7] = LoRARequest("x", 7, "/nowhere")
+    m.host_ready[7] = None
+    assert m.slot_for(7, set, shared=True) is None and m.ahead == {7}
+    assert m.slot_for(7, set, shared=True) is None  # still ahead while others run
+    assert m.slot_for(7, set, shared=False) == 0  # alone now: this step loads and runs it
+    assert m.take_loads() == [(0, 7, "x", "/nowhere")] and m.ahead == set()
+    assert m.slot_for(7, set, shared=True) == 0  # resident
