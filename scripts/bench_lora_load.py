@@ -93,22 +93,24 @@ def streaming_run(engine, sync, clients: int, steps: int, load_every: int, arriv
     return times, arrived_at, starts
 
 
-def summary(run: tuple[list[float], list[int], list[float]], reads=()) -> dict:
+def summary(run: tuple[list[float], list[int], list[float]], reads=(), trace=()) -> dict:
     """p50/p99/max of a run's steps (``streaming_run``'s), and its three slowest with how many
     steps after the last arrival each came (0: the arrival's own step) -- where a load's cost
-    lands -- and which of ``reads`` (``RankLoRA.reads``) overlapped them."""
+    lands -- which of ``reads`` (``RankLoRA.reads``) overlapped them, and what the step's own
+    thread did for adapters in them (``RankLoRA.trace``: slot loads, waits for a read)."""
     times, arrived_at, starts = run
     ms = np.array(times) * 1e3
 
-    def overlap(i):  # ms of the step during which a rank was reading an adapter, and on which thread
+    def overlap(i, spans):  # [ms of the step inside each span, its label] for the spans within step i
         t0, t1 = starts[i], starts[i] + times[i]
-        spans = [(min(t1, e) - max(t0, b), th) for _, th, b, e in reads if b < t1 and e > t0]
-        return [[round(d * 1e3, 1), th] for d, th in spans]
+        return [[round((min(t1, e) - max(t0, b)) * 1e3, 1), label] for label, b, e in spans if b < t1 and e > t0]
 
+    read_spans = [(th, b, e) for _, th, b, e in reads]
+    own_spans = [(f"{what} {list(ids)}", b, e) for what, ids, b, e in trace]
     slowest = [dict(step=int(i), ms=round(float(ms[i]), 2),
                     after_arrival=int(i - max((a for a in arrived_at if a <= i), default=-10 ** 6)),
-                    reading=overlap(i))
-               for i in np.argsort(ms)[::-1][:3]]
+                    reading=overlap(i, read_spans), rank_work=overlap(i, own_spans))
+               for i in np.argsort(ms)[::-1][:5]]
     durations = [round((e - b) * 1e3, 1) for _, _, b, e in reads]
     return dict(steps=len(ms), p50_ms=round(float(np.percentile(ms, 50)), 3), p99_ms=round(float(np.percentile(ms, 99)), 3),
                 max_ms=round(float(ms.max()), 3), arrivals=len(arrived_at), slowest=slowest,
@@ -164,14 +166,17 @@ def main(argv=None) -> dict:
             if engine.lora.num_loads != loads0:
                 raise RuntimeError("the resident adapter was loaded again: the control run is not load-free")
             rank = getattr(getattr(engine.executor, "worker", None), "lora", None)
-            seen = len(rank.reads) if rank is not None else 0
+            if rank is not None:
+                rank.reads.clear()
+                rank.trace.clear()
             loaded = streaming_run(engine, sync, a.clients, a.steps, a.load_every, adapters, a.prompt_len, rng)
-            reads = list(rank.reads)[seen:] if rank is not None else []
+            reads = list(rank.reads) if rank is not None else []
+            trace = list(rank.trace) if rank is not None else []
             slot_loads = engine.lora.num_loads - loads0
     finally:
         info = engine.executor.infos[0]
         engine.shutdown()
-    c, lo, b = summary(control), summary(loaded, reads), summary(base)
+    c, lo, b = summary(control), summary(loaded, reads, trace), summary(base)
     arrived = lo["arrivals"]
     one_step = c["p50_ms"]
     out = dict(machine=bl.machine(), preset=a.preset, checkpoint=a.checkpoint, kernel=info.get("kernel"),

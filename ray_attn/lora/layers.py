@@ -219,6 +219,10 @@ class RankLoRA:
         self.slot_ids = [0] * self.cfg.max_loras  # the adapter each slot holds (0: none)
         self.disk_loads = 0
         self.reads: deque = deque(maxlen=256)  # (lora_int_id, thread, perf_counter at start, at end)
+        # what the step's own thread spent on adapters: (what, lora_int_ids, start, end), for the
+        # load benchmark to place against slow steps ("load": a slot fill made before the forward,
+        # "load_ahead": after it, "wait_read": a load waiting for its prefetch to finish)
+        self.trace: deque = deque(maxlen=256)
         # Loads into slots no row of the step uses (the driver sends them a step ahead) are made
         # after the forward is queued, on a copy stream of their own: the step does not wait for
         # them, and the next step's forward waits for their event (``begin_step``).
@@ -311,10 +315,12 @@ class RankLoRA:
     def _entry(self, lora_int_id: int, name: str, path: str) -> HostImage:
         fut = self.reading.get(lora_int_id)
         if fut is not None:
+            t0 = time.perf_counter()
             try:
                 fut.result()  # still reading: this step waits for it (the driver had no report yet)
             except Exception:  # noqa: BLE001
                 pass  # read again below, where the error reaches the step
+            self.trace.append(("wait_read", (lora_int_id,), t0, time.perf_counter()))
         with self.lock:
             hit = self.host.get(lora_int_id)
             if hit is not None:
@@ -325,6 +331,7 @@ class RankLoRA:
     def load(self, loads, stream=None) -> None:
         """Fill slots: ``(slot, lora_int_id, lora_name, lora_path)``, on the current stream or
         ``stream``."""
+        t0 = time.perf_counter()
         for slot, lora_int_id, name, path in loads:
             entry = self._entry(lora_int_id, name, path)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -334,6 +341,8 @@ class RankLoRA:
                     entry.copied = torch.cuda.Event()
                     entry.copied.record()
             self.slot_ids[slot] = lora_int_id
+        self.trace.append(("load_ahead" if stream is not None else "load", tuple(ld[1] for ld in loads), t0,
+                           time.perf_counter()))
 
     def begin_step(self, plan, loads, put) -> None:
         """Before the forward: the slots this step's rows use are loaded (a load ahead waited
