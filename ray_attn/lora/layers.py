@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -170,6 +171,9 @@ def attach_lora(model, cfg: LoRAConfig, capacity: int) -> tuple[LoRAStepContext,
     return ctx, table
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 class HostImage:
     """One adapter in a rank's host LRU: its images for the rank's linears (views of ``flat``),
     and the event after the last copy made from them (the buffer is reused only after it)."""
@@ -209,6 +213,9 @@ class RankLoRA:
         self.spec = ImageSpec(tuple(linears), modules, at, self.dtype, self.model_config, self.cfg.max_lora_rank)
         self.free = [torch.empty(at, dtype=self.dtype, pin_memory=True) for _ in range(self.cfg.cpu_capacity)] \
             if self.pin else []
+        # Each pooled buffer's A/B views, cut once: cutting them per read (~900 tensor ops, the
+        # GIL held throughout) on the prefetch thread stalled the step's thread beside it.
+        self._views = {buf.data_ptr(): [lin.views(buf) for lin in self.spec.linears] for buf in self.free}
         self.reader: ReaderProcess | None = None  # started by the first prefetch
         self.reader_failed: str | None = None  # why it could not run (reads then stay in-process)
         if os.environ.get("RAY_ATTN_LORA_READER", "1") == "0":  # to measure what the process changes
@@ -270,7 +277,9 @@ class RankLoRA:
             with self.lock:
                 self.free.append(flat)
             raise
-        entry = HostImage(flat, {self.keys[i]: self.spec.linears[i].views(flat) for i in touched})
+        views = self._views.get(flat.data_ptr())
+        entry = HostImage(flat, {self.keys[i]: views[i] if views is not None else self.spec.linears[i].views(flat)
+                                 for i in touched})
         with self.lock:
             self.disk_loads += 1
             old = self.host.pop(lora_int_id, None)
@@ -297,6 +306,11 @@ class RankLoRA:
                 # steps' own, slowed every later CPU step 2-5x (scripts/bench_lora_load.py on CPU).
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch",
                                                 initializer=torch.set_num_threads, initargs=(1,))
+                # Every torch op the step's thread calls releases the GIL and takes it back; with
+                # the prefetch thread running Python, each take waits out the switch interval
+                # (5 ms by default): a few ms of Python there cost a step tens of ms
+                # (scripts/probe_lora_read_stall.py).  A short interval bounds each wait.
+                sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self.reading[lora_int_id] = self._pool.submit(self._read, lora_int_id, name, path, True)
 
     def take_ready(self) -> list[int]:

@@ -194,6 +194,12 @@ def test_a_step_shared_with_other_requests_never_reads_an_adapter_from_disk(lora
         # one torch thread on the prefetch thread: a second OpenMP team as wide as the rank's
         # slowed every later step of the rank 2-5x on CPU
         assert rank._pool.submit(torch.get_num_threads).result() == 1
+        # and a short GIL switch interval: each GIL take of the step's thread waited up to 5 ms
+        # while that thread ran Python (scripts/probe_lora_read_stall.py)
+        import sys
+
+        from ray_attn.lora.layers import SWITCH_INTERVAL_S
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S
         assert eng.lora.num_prefetches == 1
         assert eng.output("late").output_token_ids == alone
         assert len(eng.output("base").output_token_ids) == 40
