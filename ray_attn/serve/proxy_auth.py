@@ -23,19 +23,24 @@ How:
 - A refusal is the app's own 401 (``auth.unauthorized``: our error body, ``WWW-Authenticate:
   Bearer``) with an ``X-Request-Id``, logged by the proxy (its Serve log file) as the app logs a
   request, with ``by=proxy``, and counted in ``ray_attn_proxy_auth_refused_total``.
-- A key rotated in (a key file re-read by the app) may be refused for up to one publish period;
-  a refusal therefore first re-reads the table when it is older than ``REFRESH_ON_MISS_S``.
+- No request waits for the table: it is read on a thread, at most every ``REFRESH_EVERY_S``
+  (with the GCS away, a read blocks until it is back, and requests go on meanwhile).  A key
+  that the table does not hold is refused only by a table read within ``TRUSTED_FOR_S``; with
+  an older one (the GCS away, or no read yet) the request goes on to the app's check.  A key
+  added to the app's key file is refused by the proxy until the app has re-read the file (at
+  most a second), published it (every ``PUBLISH_EVERY_S``) and the proxy has read it (every
+  ``REFRESH_EVERY_S`` while requests come): about three seconds at most.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
 from ray_attn.serve.auth import ADMIN_PATHS, Auth, bearer, unauthorized
@@ -44,10 +49,10 @@ log = logging.getLogger("ray.serve")
 
 NAMESPACE = "ray_attn"
 PREFIX = "ray_attn/proxy_auth/"
-PUBLISH_EVERY_S = 2.0
+PUBLISH_EVERY_S = 1.0
 STALE_AFTER_S = 10.0  # an entry not renewed for this long is an ingress gone
 REFRESH_EVERY_S = 1.0
-REFRESH_ON_MISS_S = 0.25
+TRUSTED_FOR_S = 3.0  # a table read this recently judges; an older one (the GCS away) does not
 CALLBACK = "ray_attn.serve.proxy_auth:proxy_middlewares"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 
@@ -142,13 +147,19 @@ OPEN = None  # an app's digests in the table when it takes requests without a ke
 
 class Table:
     """The proxy's view of the published entries: ``apps`` maps an app's name to its keys'
-    digests, or to ``OPEN``."""
+    digests, or to ``OPEN``.  Read on a thread of its own, never awaited by a request: with the
+    GCS away (restarting) a read blocks, and the proxy must go on routing meanwhile."""
 
     def __init__(self, kv=None, clock: Callable[[], float] = time.time):
         self.kv, self.clock = kv, clock
         self.apps: dict[str, Optional[frozenset]] = {}
         self.read_at = float("-inf")
-        self._reading: Optional[asyncio.Future] = None
+        self._reading = False
+        self._lock = threading.Lock()
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def age(self) -> float:
+        return self.clock() - self.read_at
 
     def load(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
         """From ``(kv key, value)`` pairs; stale and unreadable entries are skipped.  An app with
@@ -168,26 +179,28 @@ class Table:
                 continue  # not ours to judge: skip it
         self.apps, self.read_at = apps, now
 
-    async def refresh(self, older_than_s: float) -> None:
-        """Re-read the table if it is older than ``older_than_s``; one read at a time, off the
-        proxy's event loop (a GCS call blocks)."""
-        if self.clock() - self.read_at < older_than_s:
-            return
-        if self._reading is None:
+    def refresh_soon(self, older_than_s: float) -> Optional[Future]:
+        """Start a read if the table is older than ``older_than_s`` and none is under way."""
+        if self.age() < older_than_s:
+            return None
+        with self._lock:
+            if self._reading:
+                return None
             kv = self.kv or _internal_kv()
             if kv is None:
-                return
-            self.kv = kv
-            self._reading = asyncio.get_running_loop().run_in_executor(None, kv.entries)
-        reading = self._reading
+                return None
+            self.kv, self._reading = kv, True
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_attn-proxy-auth")
+        return self._pool.submit(self._read)
+
+    def _read(self) -> None:
         try:
-            self.load(await reading)
-        except Exception:
+            self.load(self.kv.entries())
+        except Exception:  # noqa: BLE001 -- the GCS away: the next request asks again
             log.warning("proxy_auth: could not read the published digests", exc_info=True)
-            self.read_at = self.clock()  # try again after a period, not on every request
         finally:
-            if self._reading is reading:
-                self._reading = None
+            self._reading = False
 
 
 def _guarded(path: str) -> bool:
@@ -247,12 +260,12 @@ class ProxyAuthMiddleware:
         app_name = app_of(self.router, path) if self.router is not None else None
         if app_name is None:  # no app there (Serve answers 404) or no route table: not ours
             return await self.app(scope, receive, send)
-        await self.table.refresh(REFRESH_EVERY_S)
+        self.table.refresh_soon(REFRESH_EVERY_S)
         credential = bearer(scope)
         if not self._accepts(app_name, credential):
-            await self.table.refresh(REFRESH_ON_MISS_S)  # a key rotated in a moment ago
-            if not self._accepts(app_name, credential):
+            if self.table.age() < TRUSTED_FOR_S:
                 return await self._refuse(scope, receive, send, credential)
+            # no read for a while (the GCS away, or the proxy's first request): the app judges
         await self.app(scope, receive, send)
 
     async def _refuse(self, scope, receive, send, credential):

@@ -125,12 +125,18 @@ def test_no_key_is_in_rays_or_serves_logs(keyed):
                         b"request e2e-grep client=127.0.0.1 POST " + route + b" status=" + status)
         return found, lines
 
-    # the two refused in Serve's proxy (proxy_auth.py), before the front saw them
-    want = {("replica", "200"): 1, ("replica", "401"): 0, ("front", "200"): 0, ("front", "401"): 0,
-            ("proxy", "200"): 0, ("proxy", "401"): 2}
-    found, lines = wait_for(lambda: (lambda r: r if r[1] == want else None)(scan()), 30) or scan()
+    # the two refused by Serve's proxy (proxy_auth.py) or, while its copy of the keys is not
+    # read yet, by the front
+    want = {("replica", "200"): 1, ("replica", "401"): 0, ("front", "200"): 0, ("proxy", "200"): 0}
+
+    def settled(r):
+        return r if {k: v for k, v in r[1].items() if k in want} == want and \
+            r[1][("front", "401")] + r[1][("proxy", "401")] == 2 else None
+
+    found, lines = wait_for(lambda: settled(scan()), 30) or scan()
     assert found == []
-    assert lines == want
+    assert {k: v for k, v in lines.items() if k in want} == want
+    assert lines[("front", "401")] + lines[("proxy", "401")] == 2
 
 
 def test_health_answers_without_a_key_on_a_socket(keyed, served):
@@ -163,3 +169,13 @@ def test_a_burst_without_keys_is_all_401_and_the_keyed_client_is_served_through_
     assert report["keyed_failures"] == 0 and report["keyed_alone"]["n"] > 0, report
     assert report["keyed_during_burst"]["n"] > 0 and report["keyed_p99_ratio"] > 0, report
     assert API_KEY not in out.read_text()  # the report names no key
+    # most of the burst was refused by Serve's proxy itself (proxy_auth.py), not by the front
+    import ray
+
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+
+    def by_proxy():
+        return sum(open(p, "rb").read().count(b"status=401 tokens_in=0 tokens_out=0 cached=0 resumed=0")
+                   for p in glob.glob(os.path.join(logs, "serve", "proxy_*.log")))
+
+    assert wait_for(lambda: by_proxy() >= 150, 30), by_proxy()

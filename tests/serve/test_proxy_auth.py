@@ -101,7 +101,14 @@ def proxy():
     mw = pa.ProxyAuthMiddleware(RequestIdLayer(inner), pa.Table(kv))
     publish(kv, "keyed", auth([API_KEY, OTHER_KEY], [ADMIN_KEY]))
     publish(kv, "main", auth())
+    read(mw.table)
     return SimpleNamespace(kv=kv, inner=inner, mw=mw)
+
+
+def read(table):
+    """A read of the table, as the proxy's thread makes it, waited for."""
+    table.read_at = float("-inf")
+    table.refresh_soon(0).result(timeout=10)
 
 
 @pytest.mark.parametrize("how", ["none", "wrong", "trailing space", "basic", "admin key", "1 MB"])
@@ -133,36 +140,70 @@ def test_either_key_of_a_rotation_passes_and_only_to_its_own_app(proxy):
 def test_what_the_filter_cannot_judge_goes_through(proxy):
     # an app redeployed without keys, seen while one old keyed replica is still published
     publish(proxy.kv, "keyed", auth(), replica="r2")
-    proxy.mw.table.read_at = float("-inf")
+    read(proxy.mw.table)
     assert call(proxy.mw, "/keyed/v1/completions")[0] == 200
     # entries gone stale (their replicas died): nothing to judge by
     kv = FakeKV()
     publish(kv, "keyed", auth([API_KEY]), stamp=time.time() - pa.STALE_AFTER_S - 1)
     mw = pa.ProxyAuthMiddleware(ProxyApp(Router({"/keyed": "keyed"})), pa.Table(kv))
+    read(mw.table)
     assert call(mw, "/keyed/v1/completions")[0] == 200
     # no route table found (Serve's internals moved): refuse nothing
     kv = FakeKV()
     publish(kv, "keyed", auth([API_KEY]))
     bare = ProxyApp(None)
     del bare.proxy_router
-    assert call(pa.ProxyAuthMiddleware(bare, pa.Table(kv)), "/keyed/v1/completions")[0] == 200
+    mw = pa.ProxyAuthMiddleware(bare, pa.Table(kv))
+    read(mw.table)
+    assert call(mw, "/keyed/v1/completions")[0] == 200
     # a garbled entry is skipped, the others still count
     proxy.kv.put((pa.PREFIX + "keyed/r9").encode(), b"{not json")
     proxy.kv.delete((pa.PREFIX + "keyed/r2").encode())
-    proxy.mw.table.read_at = float("-inf")
+    read(proxy.mw.table)
     assert call(proxy.mw, "/keyed/v1/completions")[0] == 401
 
 
-def test_a_key_rotated_in_is_taken_at_once_and_the_table_is_read_at_most_so_often(proxy):
+def test_a_key_rotated_in_is_taken_by_the_next_read_and_reads_are_so_often(proxy):
     NEW = "sk-rotated-in-31d8"
     assert call(proxy.mw, "/keyed/v1/completions", key=API_KEY)[0] == 200
     reads = proxy.kv.reads
-    for _ in range(20):  # a flood: one read per REFRESH_ON_MISS_S at most, not one per request
+    for _ in range(20):  # a flood on a fresh table: refused, and no read per request
         assert call(proxy.mw, "/keyed/v1/completions", key=WRONG)[0] == 401
-    assert proxy.kv.reads - reads <= 1
+    assert proxy.kv.reads == reads
     publish(proxy.kv, "keyed", auth([API_KEY, NEW]))
-    proxy.mw.table.read_at -= pa.REFRESH_ON_MISS_S  # as if a quarter second went by
+    proxy.mw.table.read_at -= pa.REFRESH_EVERY_S  # a second later: the next request starts a read
+    call(proxy.mw, "/keyed/v1/completions", key=API_KEY)
+    proxy.mw.table._pool.shutdown(wait=True)
+    assert proxy.kv.reads == reads + 1
     assert call(proxy.mw, "/keyed/v1/completions", key=NEW)[0] == 200
+    # a table not read for TRUSTED_FOR_S (the GCS away): the app judges, not the proxy
+    proxy.mw.table.read_at -= pa.TRUSTED_FOR_S
+    proxy.mw.table._reading = True  # a read hangs
+    assert call(proxy.mw, "/keyed/v1/completions", key=WRONG)[0] == 200
+
+
+def test_no_request_waits_for_a_read_that_hangs():
+    """The GCS away (restarting), or the proxy's first requests: a read blocks.  Requests go on
+    meanwhile, to the app's check."""
+    import threading
+
+    gate = threading.Event()
+
+    class HangingKV(FakeKV):
+        def entries(self):
+            gate.wait(10)
+            return super().entries()
+
+    kv = HangingKV()
+    publish(kv, "keyed", auth([API_KEY]))
+    mw = pa.ProxyAuthMiddleware(ProxyApp(Router({"/keyed": "keyed"})), pa.Table(kv))
+    t0 = time.perf_counter()
+    for _ in range(5):
+        assert call(mw, "/keyed/v1/completions", key=WRONG)[0] == 200  # not judged: the app refuses it
+    assert time.perf_counter() - t0 < 5
+    gate.set()
+    mw.table._pool.shutdown(wait=True)
+    assert call(mw, "/keyed/v1/completions", key=WRONG)[0] == 401
 
 
 def test_the_publisher_renews_its_entry_and_removes_it_on_close():
