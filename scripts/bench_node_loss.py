@@ -12,7 +12,10 @@ client whose connection is cut reconnects with its ``X-Request-Id`` and ``Last-E
   every process on it: its replicas, their streams, its front replica);
 - ``head-front``: the head's front replica is SIGKILLed (the head itself stays: it holds the GCS);
 - ``worker-node-no-resume``: as ``worker-node`` with ``max_request_attempts: 1`` and clients
-  that do not reconnect -- what is lost without resumption.
+  that do not reconnect -- what is lost without resumption;
+- ``head-node``: the head node itself (its raylet, the GCS, Serve's controller, its proxy and
+  front replica), on a cluster of ``ray start`` nodes whose GCS keeps its tables in RocksDB; a
+  head is started again ``--outage`` seconds later at the same address (``run_head_node``).
 
 The load runs on to ``--duration``; then every request sent is asked again on the surviving
 cluster, without a fault, and each answer compared token by token.  Reported per row: requests
@@ -45,7 +48,7 @@ from benchlib import RESULTS, machine, stretched
 from ray_attn.serve.sse_client import faults, stream
 
 MAX_TOKENS = 48
-LOSSES = ("worker-node", "head-front", "worker-node-no-resume")
+LOSSES = ("worker-node", "head-front", "worker-node-no-resume", "head-node")
 
 
 def body(client: int, turn: int) -> dict:
@@ -94,27 +97,35 @@ def client_loop(url, client, stop_at, start, records, lock, reconnect: bool):
         turn += 1
 
 
+def app_args(args, resume: bool = True) -> dict:
+    """The app under test: ``nodes x replicas-per-node`` replicas, a front replica per node."""
+    from ray_attn.serve.app_config import default_engine_config
+
+    eng = default_engine_config().model_dump(mode="json")
+    eng["parallel"].update(tensor_parallel_size=1)
+    eng.update(max_num_seqs=16)
+    return dict(engine=eng, executor="in_process", replica_num_cpus=1.0, num_replicas=args.nodes * args.replicas_per_node,
+                replica_resource=simcluster.REPLICA_RESOURCE, resume_requests=True,
+                max_request_attempts=3 if resume else 1, retry_timeout_s=stretched(30),
+                prefix_router={"ingress_num_replicas": args.nodes + 1, "ingress_max_replicas_per_node": 1},
+                max_connections=256, max_requests_per_client=256, health_check_period_s=2.0,
+                health_check_timeout_s=stretched(30), health_ping_timeout_s=stretched(15))
+
+
 def run(args, loss: str) -> dict:
+    if loss == "head-node":
+        return run_head_node(args)
     from ray import serve
 
     from ray_attn.serve.app import build_app
-    from ray_attn.serve.app_config import default_engine_config
 
     resume = not loss.endswith("no-resume")
     sim = simcluster.start_cluster(args.nodes, replica_cpus=1.0, replicas_per_node=args.replicas_per_node,
                                    front_cpus=1.0)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": args.port})
-        eng = default_engine_config().model_dump(mode="json")
-        eng["parallel"].update(tensor_parallel_size=1)
-        eng.update(max_num_seqs=16)
         n = args.nodes * args.replicas_per_node
-        app = dict(engine=eng, executor="in_process", replica_num_cpus=1.0, num_replicas=n,
-                   replica_resource=simcluster.REPLICA_RESOURCE, resume_requests=True,
-                   max_request_attempts=3 if resume else 1, retry_timeout_s=stretched(30),
-                   prefix_router={"ingress_num_replicas": args.nodes + 1, "ingress_max_replicas_per_node": 1},
-                   max_connections=256, max_requests_per_client=256, health_check_period_s=2.0,
-                   health_check_timeout_s=stretched(30), health_ping_timeout_s=stretched(15))
+        app = app_args(args, resume)
         serve.run(build_app(app), name="bench", route_prefix="/bench", blocking=False)
         nodes = simcluster.wait_replicas("bench", n, timeout=300)
         fronts = simcluster.replica_actors("bench", "PrefixRoutingIngress")
@@ -183,6 +194,79 @@ def run(args, loss: str) -> dict:
         return summarize(records, want, t_loss, args, loss, under, logs, gone_at - start)
     finally:
         simcluster.stop_cluster(sim)
+
+
+DEPLOY = """
+import json, ray
+from ray import serve
+import simcluster
+from ray_attn.serve.app import build_app
+ray.init(address=ADDRESS, log_to_driver=False)
+serve.start(proxy_location="EveryNode", http_options={{"host": "127.0.0.1", "port": {port}}})
+serve.run(build_app(json.loads({app!r})), name="bench", route_prefix="/bench", blocking=False)
+nodes = simcluster.wait_replicas("bench", {n}, timeout=300)
+fronts = simcluster.replica_nodes("bench", "PrefixRoutingIngress")
+head = [x["NodeID"] for x in ray.nodes() if x["Alive"] and "node:__internal_head__" in x["Resources"]]
+print("DEPLOYED " + json.dumps(dict(nodes=nodes, fronts=fronts, head=head[0])))
+"""
+
+
+def run_head_node(args) -> dict:
+    """The head node lost -- its raylet, the GCS, Serve's controller, its proxy and front, every
+    process on it -- under load, and a head started again ``--outage`` seconds later at the same
+    address over the GCS's RocksDB tables (``raystart_cluster.py``).  Serve runs a proxy on every
+    node (``EveryNode``; on one machine they share the port through SO_REUSEPORT), so clients cut
+    by the head's proxy or front reconnect through a worker node's."""
+    import raystart_cluster
+
+    n = args.nodes * args.replicas_per_node
+    c = raystart_cluster.start(args.nodes, worker_cpus=args.replicas_per_node + 1,
+                               worker_resources={simcluster.REPLICA_RESOURCE: args.replicas_per_node},
+                               head_cpus=simcluster.HEAD_CPUS)
+    try:
+        out = c.run_driver(DEPLOY.format(port=args.port, app=json.dumps(app_args(args)), n=n), timeout=stretched(400))
+        placed = json.loads(out.split("DEPLOYED ", 1)[1])
+        head_fronts = {u for u, node in placed["fronts"].items() if node == placed["head"]}
+        url = f"http://127.0.0.1:{args.port}/bench"
+        print(f"[head-node] {n} replicas on {len(set(placed['nodes'].values()))} nodes, {len(placed['fronts'])} fronts "
+              f"({len(head_fronts)} on the head); {args.clients} clients for {args.duration:g}s, the loss at "
+              f"{args.loss_at:g}s, a new head {args.outage:g}s later", flush=True)
+        records, lock = [], threading.Lock()
+        start = time.monotonic()
+        threads = [threading.Thread(target=client_loop, daemon=True,
+                                    args=(url, i, start + args.duration, start, records, lock, True))
+                   for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(max(0.0, start + args.loss_at - time.monotonic()))
+        wait_until = time.monotonic() + args.loss_wait_for_hit
+        while True:
+            with lock:  # live on the head's front, with most of their tokens to come
+                under = [r for r in records if r.s is not None and not r.s.done and r.s.connections
+                         and r.s.connections[0].front in head_fronts and len(r.tokens) < MAX_TOKENS // 2]
+            if under or time.monotonic() >= min(wait_until, start + args.duration):
+                break
+            time.sleep(0.02)
+        t_loss = time.monotonic() - start
+        killed = c.kill_head()
+        gone_at = time.monotonic()
+        print(f"  lost the head ({len(killed)} processes killed) under {len(under)} streams of its front", flush=True)
+        time.sleep(args.outage)
+        c.start_head()
+        for t in threads:
+            t.join(stretched(300))
+        print(f"  {len(records)} requests sent; checking against fault-free answers", flush=True)
+        want: dict[tuple[int, int], list[int]] = {}
+        with httpx.Client(timeout=stretched(120)) as client, ThreadPoolExecutor(args.check_clients) as pool:
+            def ask(r: Record) -> None:
+                b = dict(body(r.client, r.turn), stream=False)
+                want[(r.client, r.turn)] = client.post(url + "/v1/generate", json=b).json()["token_ids"]
+            list(pool.map(ask, records))
+        row = summarize(records, want, t_loss, args, "head-node", under, {}, gone_at - start)
+        row["outage_s"] = args.outage
+        return row
+    finally:
+        c.stop()
 
 
 def crossed(r: Record, log) -> bool:
@@ -287,6 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-clients", type=int, default=1,
                     help="requests in flight while asking the fault-free answers (default 1: one at a time)")
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--outage", type=float, default=2.0, help="head-node: seconds before a new head starts")
     ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated, of {', '.join(LOSSES)}")
     ap.add_argument("--output", default=str(RESULTS / "bench_node_loss.json"))
     ap.add_argument("--no-plot", action="store_true")
@@ -296,7 +381,7 @@ def main(argv=None) -> int:
     if bad or not losses:
         ap.error(f"--losses: {bad or 'none'}: each must be one of {', '.join(LOSSES)}")
     if a.nodes < (2 if any(x.startswith("worker-node") for x in losses) else 1):
-        ap.error("--nodes: at least 2 (one is lost); 1 with only --losses head-front")
+        ap.error("--nodes: at least 2 (one is lost); 1 with only --losses head-front or head-node")
     if a.loss_wait_for_hit < 0 or a.check_clients < 1:
         ap.error("--loss-wait-for-hit must be >= 0 and --check-clients >= 1")
     if not 0 < a.loss_at < a.duration:
