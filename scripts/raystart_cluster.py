@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,6 +107,7 @@ class RayStartCluster:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        shutil.rmtree(self.tmp, ignore_errors=True)  # its logs, sockets and the GCS's tables
 
 
 def start(num_workers: int, worker_cpus: float, worker_resources: dict, head_cpus: float = 2,
