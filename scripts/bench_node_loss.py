@@ -97,6 +97,33 @@ def client_loop(url, client, stop_at, start, records, lock, reconnect: bool):
         turn += 1
 
 
+def start_clients(url: str, args, reconnect: bool):
+    """``--clients`` streaming clients until ``--duration``; returns at ``--loss-at`` with
+    (records, their lock, the start time, the threads)."""
+    records, lock = [], threading.Lock()
+    start = time.monotonic()
+    threads = [threading.Thread(target=client_loop, daemon=True,
+                                args=(url, i, start + args.duration, start, records, lock, reconnect))
+               for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    time.sleep(max(0.0, start + args.loss_at - time.monotonic()))
+    return records, lock, start, threads
+
+
+def fault_free(url: str, records: list, args) -> dict[tuple[int, int], list[int]]:
+    """Every request sent, asked again without a fault (``--check-clients`` at a time)."""
+    want: dict[tuple[int, int], list[int]] = {}
+
+    def ask(c: httpx.Client, r: Record) -> None:
+        b = dict(body(r.client, r.turn), stream=False)
+        want[(r.client, r.turn)] = c.post(url + "/v1/generate", json=b).json()["token_ids"]
+
+    with httpx.Client(timeout=stretched(120)) as c, ThreadPoolExecutor(args.check_clients) as pool:
+        list(pool.map(lambda r: ask(c, r), records))
+    return want
+
+
 def app_args(args, resume: bool = True) -> dict:
     """The app under test: ``nodes x replicas-per-node`` replicas, a front replica per node."""
     from ray_attn.serve.app_config import default_engine_config
@@ -133,14 +160,7 @@ def run(args, loss: str) -> dict:
         print(f"[{loss}] {n} replicas on {len(set(nodes.values()))} nodes, {len(fronts)} fronts; "
               f"{args.clients} clients for {args.duration:g}s, the loss at {args.loss_at:g}s", flush=True)
 
-        records, lock = [], threading.Lock()
-        start = time.monotonic()
-        threads = [threading.Thread(target=client_loop, daemon=True,
-                                    args=(url, i, start + args.duration, start, records, lock, resume))
-                   for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        time.sleep(max(0.0, start + args.loss_at - time.monotonic()))
+        records, lock, start, threads = start_clients(url, args, resume)
         head = sim.cluster.head_node.node_id
         # --loss-wait-for-hit: a loss that would hit no stream waits (up to that long) for one
         wait_until = time.monotonic() + args.loss_wait_for_hit
@@ -179,15 +199,7 @@ def run(args, loss: str) -> dict:
         print(f"  loss at {t_loss:.1f}s under {hit} streams; {len(records)} requests sent; "
               f"checking against fault-free answers", flush=True)
 
-        want: dict[tuple[int, int], list[int]] = {}
-
-        def ask(c: httpx.Client, r: Record) -> None:
-            b = dict(body(r.client, r.turn), stream=False)
-            want[(r.client, r.turn)] = c.post(url + "/v1/generate", json=b).json()["token_ids"]
-
-        # --check-clients at a time (1: one after the other)
-        with httpx.Client(timeout=stretched(120)) as c, ThreadPoolExecutor(args.check_clients) as pool:
-            list(pool.map(lambda r: ask(c, r), records))
+        want = fault_free(url, records, args)
         from ray_attn.serve import progress_store
 
         logs = {r.s.request_id: progress_store.find("bench", r.s.request_id) for r in records}
@@ -231,14 +243,7 @@ def run_head_node(args) -> dict:
         print(f"[head-node] {n} replicas on {len(set(placed['nodes'].values()))} nodes, {len(placed['fronts'])} fronts "
               f"({len(head_fronts)} on the head); {args.clients} clients for {args.duration:g}s, the loss at "
               f"{args.loss_at:g}s, a new head {args.outage:g}s later", flush=True)
-        records, lock = [], threading.Lock()
-        start = time.monotonic()
-        threads = [threading.Thread(target=client_loop, daemon=True,
-                                    args=(url, i, start + args.duration, start, records, lock, True))
-                   for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        time.sleep(max(0.0, start + args.loss_at - time.monotonic()))
+        records, lock, start, threads = start_clients(url, args, True)
         wait_until = time.monotonic() + args.loss_wait_for_hit
         while True:
             with lock:  # live on the head's front, with most of their tokens to come
@@ -256,12 +261,7 @@ def run_head_node(args) -> dict:
         for t in threads:
             t.join(stretched(300))
         print(f"  {len(records)} requests sent; checking against fault-free answers", flush=True)
-        want: dict[tuple[int, int], list[int]] = {}
-        with httpx.Client(timeout=stretched(120)) as client, ThreadPoolExecutor(args.check_clients) as pool:
-            def ask(r: Record) -> None:
-                b = dict(body(r.client, r.turn), stream=False)
-                want[(r.client, r.turn)] = client.post(url + "/v1/generate", json=b).json()["token_ids"]
-            list(pool.map(ask, records))
+        want = fault_free(url, records, args)
         row = summarize(records, want, t_loss, args, "head-node", under, {}, gone_at - start)
         row["outage_s"] = args.outage
         return row
