@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from simcluster import FAST_NODE_FAILURE, REPO, descendants, kill_pids
+from simcluster import REPO, descendants, fast_node_failure, kill_pids
 
 BIN = Path(sys.executable).parent
 
@@ -64,7 +64,7 @@ class RayStartCluster:
         temp dir's cluster names (the worker nodes' raylets do, while they wait for the GCS)."""
         n = self.heads_started
         self.heads_started += 1
-        system = dict(FAST_NODE_FAILURE, gcs_storage="rocksdb", gcs_storage_path=str(self.tmp / "gcs"))
+        system = dict(fast_node_failure(), gcs_storage="rocksdb", gcs_storage_path=str(self.tmp / "gcs"))
         self.head = self._start(["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
                                  f"--ray-client-server-port={free_port()}", f"--num-cpus={int(self.head_cpus)}",
                                  f"--resources={json.dumps(self.head_resources)}", f"--temp-dir={self.tmp / f'h{n}'}",

@@ -7,8 +7,8 @@ The head holds Serve's controller, its one HTTP proxy (``HeadOnly``: several pro
 machine would want one port) and the front deployment (only the head has ``FRONT_RESOURCE``);
 each worker node advertises ``REPLICA_RESOURCE`` units -- every replica takes one
 (``replica_resource``) -- and exactly the CPUs of its replicas, so nothing else lands there.
-Node failure is detected in about a second and a half (health checks every 0.5 s, three
-misses) instead of Ray's default tens of seconds.
+Node failure is detected in about a second and a half on an idle machine (health checks every
+0.5 s, three misses; ``fast_node_failure``) instead of Ray's default tens of seconds.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 REPLICA_RESOURCE = "ray_attn_replica"
 FRONT_RESOURCE = "ray_attn_front"  # the head's only: the front deployment stays there
 HEAD_CPUS = 3
-FAST_NODE_FAILURE = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                     "health_check_timeout_ms": 1000}
+def fast_node_failure() -> dict:
+    """Ray's node health checks for these clusters: every 0.5 s, three misses make a node dead
+    (about a second and a half on an idle machine, instead of Ray's default tens of seconds).
+    Each check's timeout grows with the machine's load (``stretched``, the tests' time scale),
+    as the tests' other waits do: on a busy box a raylet slow to answer is not a dead one."""
+    return {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+            "health_check_timeout_ms": int(stretched(1.0) * 1000)}
 
 
 @dataclass
@@ -109,7 +114,7 @@ def start_cluster(num_replica_nodes: int, replica_cpus: float, replicas_per_node
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": HEAD_CPUS, "resources": {FRONT_RESOURCE: 1}, "include_dashboard": False,
-        "_system_config": dict(FAST_NODE_FAILURE, **(
+        "_system_config": dict(fast_node_failure(), **(
             {"gcs_storage": "rocksdb", "gcs_storage_path": gcs_storage_path} if gcs_storage_path else {}))})
     sim = SimCluster(cluster, replica_cpus, replicas_per_node, front_cpus=front_cpus)
     try:

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from simcluster import descendants, kill_pids  # scripts/, put on sys.path by tests/cluster/conftest.py
+from simcluster import descendants, fast_node_failure, kill_pids  # scripts/, put on sys.path by tests/cluster/conftest.py
 from tests.scripts.test_batch_generate import reference, write_prompts
 from tests.scripts.test_submit_job import BIN, REPO, free_port, kill_group, start_group, start_head, token_env
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
-FAST_FAILURE = json.dumps({"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                           "health_check_timeout_ms": 1000})
+FAST_FAILURE = json.dumps(fast_node_failure())
 
 
 @pytest.fixture
@@ -105,3 +104,13 @@ def test_a_node_killed_mid_job_loses_and_repeats_no_record(three_nodes, tmp_path
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["index"] for r in rows) == list(range(len(bodies))), "a record lost or written twice"
     assert [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])] == want
+
+
+def test_node_health_checks_wait_longer_on_a_loaded_machine(monkeypatch):
+    """Issue 43: the clusters' node failure detection is scaled like the tests' other waits -- a
+    raylet slow to answer on a busy box must not be declared dead."""
+    monkeypatch.setenv("RAY_ATTN_TEST_TIME_SCALE", "1")
+    assert fast_node_failure() == {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                                   "health_check_timeout_ms": 1000}
+    monkeypatch.setenv("RAY_ATTN_TEST_TIME_SCALE", "3.5")
+    assert fast_node_failure()["health_check_timeout_ms"] == 3500
