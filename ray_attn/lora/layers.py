@@ -368,6 +368,9 @@ class RankLoRA:
         for slot, *_ in loads or ():
             if not 0 <= slot < self.cfg.max_loras:
                 raise ValueError(f"lora_loads: slot {slot} outside [0, {self.cfg.max_loras})")
+        if self._ahead:  # owed by a step whose forward raised before after_forward: made now
+            self.load(self._ahead)
+            self._ahead = []
         if self._landed is not None:  # last step's loads ahead, for this step's rows
             torch.cuda.current_stream(self.copy_stream.device).wait_event(self._landed)
             self._landed = None

@@ -269,19 +269,16 @@ class ProxyAuthMiddleware:
         await self.app(scope, receive, send)
 
     async def _refuse(self, scope, receive, send, credential):
-        from ray_attn.serve.admission import client_host
-        from ray_attn.serve.request_log import REQUEST_ID_HEADER, request_id_of, request_log
+        from ray_attn.serve.request_log import REQUEST_ID_HEADER, RequestLog, log_line
 
-        t0 = time.perf_counter()
         if self.refused is not None:
             self.refused.inc()
-        rid, _ = request_id_of(scope)
+        rec, _ = RequestLog().start(scope)  # the request's id (the client's, or a new one) and client
         response = unauthorized("API", credential).response()
-        response.headers[REQUEST_ID_HEADER.decode()] = rid
+        response.headers[REQUEST_ID_HEADER.decode()] = rec.request_id
         await response(scope, receive, send)
-        request_log.info("request %s client=%s %s %s status=401 tokens_in=0 tokens_out=0 cached=0 resumed=0 "
-                         "time_ms=%.1f by=proxy", rid, client_host(scope), scope.get("method", "?"),
-                         scope.get("path", "")[:200], (time.perf_counter() - t0) * 1e3)
+        rec.status, rec.ended_ns = 401, time.time_ns()
+        log_line(rec, " by=proxy")
 
 
 def _counter():

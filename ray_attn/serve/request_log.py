@@ -162,6 +162,15 @@ def _shown(text: str, limit: int = 200) -> str:
     return text[:limit].encode("unicode_escape").decode("ascii")
 
 
+def log_line(rec: RequestRecord, extra: str = "") -> None:
+    """A finished request's one line (``RequestLog.finish``, and Serve's proxy for the requests it
+    refuses itself: ``proxy_auth.py``)."""
+    request_log.info("request %s client=%s %s %s status=%d%s tokens_in=%d tokens_out=%d cached=%d "
+                     "resumed=%d time_ms=%.1f%s", rec.request_id, rec.client, rec.method, _shown(rec.path),
+                     rec.status, " cancelled" if rec.cancelled else "", rec.tokens_in, rec.tokens_out,
+                     sum(rec.cached.values()), rec.resumed_tokens, rec.elapsed_ms, extra)
+
+
 class RequestLog:
     """One replica's request log and tracing; ``mode`` is ``log_requests``."""
 
@@ -192,11 +201,7 @@ class RequestLog:
     def finish(self, rec: RequestRecord) -> None:
         rec.ended_ns = time.time_ns()
         if self.mode != "off":
-            extra = self._full(rec) if rec.full else ""
-            request_log.info("request %s client=%s %s %s status=%d%s tokens_in=%d tokens_out=%d cached=%d "
-                             "resumed=%d time_ms=%.1f%s", rec.request_id, rec.client, rec.method, _shown(rec.path),
-                             rec.status, " cancelled" if rec.cancelled else "", rec.tokens_in, rec.tokens_out,
-                             sum(rec.cached.values()), rec.resumed_tokens, rec.elapsed_ms, extra)
+            log_line(rec, self._full(rec) if rec.full else "")
         if self.tracing is not None:
             try:
                 self.tracing.record(rec)

@@ -281,3 +281,26 @@ def test_a_load_ahead_never_strands_its_request():
     assert m.slot_for(7, set, shared=False) == 0  # alone now: this step loads and runs it
     assert m.take_loads() == [(0, 7, "x", "/nowhere")] and m.ahead == set()
     assert m.slot_for(7, set, shared=True) == 0  # resident
+
+
+def test_a_load_ahead_owed_by_a_step_whose_forward_raised_is_made_before_the_next(lora_models):
+    """A step's loads for later steps are made after its forward; a forward that raises never
+    gets there.  The driver counts the slot as loaded, so the next step makes the owed load
+    before its own forward."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    base, adapters = lora_models
+    cfg = engine_config(base, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    rank = eng.executor.worker.lora
+    try:
+        plan = SimpleNamespace(lora_slots=np.array([-1], np.int32), query_lens=np.array([1], np.int32), num_tokens=1)
+        put = lambda name, host: torch.from_numpy(host)  # noqa: E731
+        rank.begin_step(plan, [(0, 5, "owed", adapters["attn"])], put)  # no row uses slot 0: ahead
+        assert rank.slot_ids[0] == 0 and rank._ahead
+        # (the forward raised: after_forward never ran)
+        rank.begin_step(plan, None, put)
+        assert rank.slot_ids[0] == 5 and not rank._ahead
+    finally:
+        eng.shutdown()
