@@ -34,6 +34,9 @@ class Request:
     # Speculative decoding: draft tokens appended to ``token_ids`` (before any PLACEHOLDER) for
     # the step being planned to verify; dropped again once its tokens are read (spec/decoder.py).
     num_drafts: int = 0
+    # speculative_config.method='draft_model': how many of its leading tokens the draft model's
+    # KV cache holds (spec/draft_inputs.py); 0 again once its blocks are given away.
+    num_draft_computed: int = 0
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
@@ -128,6 +131,7 @@ class Request:
     def drop_pending(self) -> None:
         """Forget what the steps still out would have answered (the ranks died with them)."""
         self.drop_drafts()
+        self.num_draft_computed = 0  # the ranks' caches are gone or about to be recomputed
         if self.pending:
             del self.token_ids[-self.pending:]
             self.pending = 0

@@ -143,6 +143,7 @@ class Scheduler:
         if self.planner.has_request(victim.request_id):
             self.planner.free(victim.request_id)
         victim.num_preemptions += 1
+        victim.num_draft_computed = 0  # its blocks go to others: the draft's KV in them too
         self.waiting.appendleft(victim)
         return victim
 

@@ -145,6 +145,6 @@ def check_speculative(spec: SpeculativeConfig, target: ModelConfig, tp: int, asy
     if draft.intermediate_size % tp:
         raise ValueError(f"speculative_config: tensor_parallel_size={tp} must divide the draft's "
                          f"intermediate_size={draft.intermediate_size}")
-    # Everything above holds of a draft that could run; running one (its own KV shard on the
-    # target's ranks, k passes a step) is not built yet.
-    raise ValueError("speculative_config.method='draft_model' is not implemented yet; use method='ngram'")
+    if "chunked_attention" in draft.layer_kinds():
+        raise ValueError("speculative_config: a draft with chunked (local) attention layers is not supported: "
+                         "its catch-up queries carry no local-attention metadata; use a draft without them")

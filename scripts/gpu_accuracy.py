@@ -180,6 +180,8 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
 # n-gram drafts verified in the step (always on: the gate's batch is larger than the CPU default limit)
 NGRAM = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
              disable_by_batch_size=None)
+# a draft model: "target" stands for the row's own checkpoint folder (engine_config fills it in)
+DRAFT = dict(method="draft_model", num_speculative_tokens=4, model="target", disable_by_batch_size=None)
 
 
 def spec_rows(default) -> list[Row]:
@@ -192,6 +194,11 @@ def spec_rows(default) -> list[Row]:
         return (need(s["spec_num_accepted_tokens"] > 0, "no draft was accepted")
                 or need(s["spec_num_draft_tokens"] > s["spec_num_accepted_tokens"], "no draft was rejected"))
 
+    def drafted(s, i):
+        if i["spec_identical"] != i["num_prompts"]:
+            return ran(s, i)
+        return need(s["spec_num_accepted_tokens"] > 0, "no draft was accepted")
+
     return [
         Row("spec_ngram", prompts="repeating", what="n-gram speculation (k=4): greedy equals plain greedy",
             spec=NGRAM, expect=lambda s, i: default(s, i) or ran(s, i)),
@@ -200,6 +207,15 @@ def spec_rows(default) -> list[Row]:
         Row("spec_ngram_cascade", prompts="repeating_prefix", what="n-gram speculation, cascade forced",
             spec=NGRAM, engine=dict(cascade_min_saved_kv_tokens=0),
             expect=lambda s, i: default(s, i) or ran(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
+        # the draft is the target's own checkpoint: its drafts are the target's argmax, so nearly
+        # all are accepted (rejections: tests/spec/test_draft_model.py, with another draft)
+        Row("spec_draft", prompts="repeating", what="draft-model speculation (k=4, the target as its own draft)",
+            spec=DRAFT, expect=lambda s, i: default(s, i) or drafted(s, i)),
+        Row("spec_draft_fp8", prompts="repeating", what="draft-model speculation with the fp8 KV cache",
+            spec=DRAFT, cache=dict(kv_cache_dtype="fp8"), fp8=True, expect=lambda s, i: default(s, i) or drafted(s, i)),
+        Row("spec_draft_cascade", prompts="repeating_prefix", what="draft-model speculation, cascade forced",
+            spec=DRAFT, engine=dict(cascade_min_saved_kv_tokens=0),
+            expect=lambda s, i: default(s, i) or drafted(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
     ]
 
 
@@ -237,7 +253,11 @@ def engine_config(row: Row, folder: str, gpu: bool, num_blocks: int) -> EngineCo
     extra = dict(lora_config=lora.lora_config()) if row.lora else {}
     return EngineConfig(model=model, checkpoint=folder, cache=CacheConfig(**cache),
                         parallel=ParallelConfig(**par), max_num_seqs=16, **row.engine,
-                        speculative_config=row.spec or None, **extra)
+                        speculative_config=draft_spec(row.spec, folder) or None, **extra)
+
+
+def draft_spec(spec: dict, folder: str) -> dict:
+    return spec | {"model": folder} if spec.get("model") == "target" else spec
 
 
 def grammar(vocab: int):
@@ -286,7 +306,7 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None,
         want, _, _ = run_engine(dataclasses.replace(row, spec={}), cfg.model_copy(update={"speculative_config": None}),
                                 prompts, prefix, executor=executor)
     engine = LLMEngine(cfg, InProcessExecutor(cfg) if executor == "in_process" and row.tp == 1 else None)
-    if want is not None:
+    if want is not None and engine.spec.proposer is not None:  # a draft model proposes on the ranks
         engine.spec.proposer = PlainRunDrafts(prompts, want, row.spec["num_speculative_tokens"], cfg.model.vocab_size)
     try:
         if row.warm_prefix:

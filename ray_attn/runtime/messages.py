@@ -134,6 +134,34 @@ class SpecDecodeInputs:
     num_draft_tokens: np.ndarray  # int32 [B]
     draft_token_ids: np.ndarray  # int32 [sum k] row after row: the tokens after each row's first
     logits_indices: np.ndarray  # int32 [R] the token positions whose logits are sampled
+    # method='draft_model': the ranks propose the drafts themselves (``draft_token_ids`` and the
+    # plan's inputs at the draft positions are 0 until they do); None for n-gram drafts.
+    draft: DraftInputs | None = None
+
+
+@dataclass
+class DraftPass:
+    """One single-token pass of the draft model: its rows (of the drafting rows) read draft j at
+    ``positions`` and propose draft j + 1."""
+
+    rows: np.ndarray  # int32 [S_j]
+    positions: np.ndarray  # int32 [S_j]
+    metadata: Any  # FlashAttentionMetadata: one token per row, the rows' own block tables
+
+
+@dataclass
+class DraftInputs:
+    """What the ranks' draft model runs before a step's forward (``spec/draft_inputs.py``): the
+    catch-up query of each drafting row (the rows with drafts, in plan order: S of them), whose
+    last logits give draft 1, then ``passes``; the drafts go to the plan's inputs at
+    ``target_index`` [sum k]."""
+
+    metadata: Any  # FlashAttentionMetadata of the catch-up query, in the draft cache's slots
+    input_token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    num_draft_tokens: np.ndarray  # int32 [S] each drafting row's k
+    passes: list  # [DraftPass] one per draft after the first (K - 1 of them)
+    target_index: np.ndarray  # int32 [sum k]
 
 
 @dataclass

@@ -79,6 +79,8 @@ class AttentionWorker:
         self.spec_graphs = None  # and for verifying steps: every row 1 + k tokens (speculative decoding)
         self.tiers = None  # RankKVTiers: the host pool and the copies a step carries, when on
         self.lora = None  # RankLoRA: adapter slots on every targeted linear, with lora_config
+        self.draft = None  # RankDraft: speculative decoding's draft model and its KV cache
+        self.drafts: torch.Tensor | None = None  # the step's drafts, once proposed
         self.memory_profile = None  # how the KV cache was sized, when sized on a GPU
         self.graph_pool_bytes: int | None = None  # what the decode graphs' capture took
         self.steps = 0
@@ -126,8 +128,15 @@ class AttentionWorker:
             from ray_attn.lora.layers import RankLoRA
 
             self.lora = RankLoRA(self.model, cfg, self.device)
+        spec = cfg.speculative_config
+        if spec is not None and spec.method == "draft_model":  # its weights count before sizing too
+            from ray_attn.runtime.draft_runner import RankDraft
+
+            self.draft = RankDraft(cfg, self.rank, self.tp, group, self.device)
         self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
         self.model.allocate_kv_cache(self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(self.num_blocks)
         c = cfg.cache
         if c.host_cache_gib or c.kv_sharing:  # below the device cache: planner/tiers.py
             from ray_attn.runtime.kv_tiers import RankKVTiers
@@ -187,6 +196,8 @@ class AttentionWorker:
         ``memory_fraction`` of the host memory available, shared by its ranks and with everything
         else on it, capped at ``CPU_CACHE_CAP_BYTES``."""
         per_block = self.model.kv_cache_bytes_per_block()
+        if self.draft is not None:  # the draft's cache has a block for each of the target's
+            per_block += self.draft.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
             from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
             from ray_attn.runtime.memory import profile_cuda_memory
@@ -286,6 +297,8 @@ class AttentionWorker:
         prompt_rows = self._stage_prompt_logprobs(step)
         with torch.inference_mode():
             hidden = self._forward(step)
+            if self.drafts is not None and sampling is not None:  # rank 0 verifies the ranks' drafts
+                sampling.spec_draft_ids = self.drafts
             if self.lora is not None:  # the loads for later steps, while this forward runs
                 self.lora.after_forward()
             self.steps += 1
@@ -336,6 +349,12 @@ class AttentionWorker:
         check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
         if step.spec is not None:
             check_spec_inputs(step)
+            if step.spec.draft is not None:
+                if self.draft is None:
+                    raise ValueError(f"rank {self.rank}: step {step.step_id} carries draft-model inputs, but "
+                                     "this rank has no draft model (speculative_config.method='draft_model')")
+                self.draft.check(step.spec.draft, step.spec, step.plan, self.num_blocks,
+                                 self.config.cache.block_size)
         t = step.plan.kv_transfers
         if t is not None:
             if self.tiers is None:
@@ -381,11 +400,13 @@ class AttentionWorker:
         if graphs is not None:
             n = graphs.load(plan)
             self._fill_previous_tokens(graphs.input_ids, step)
+            self._fill_drafts(graphs.input_ids, step)
             buf.end()
             return graphs.replay(n, m.num_reqs, m.use_cascade)
         dm = m.to_device(self.device, put=buf.put)
         ids = buf.put("input_token_ids", plan.input_token_ids).long()
         self._fill_previous_tokens(ids, step)
+        self._fill_drafts(ids, step)
         pos = buf.put("positions", plan.positions).long()
         buf.end()
         return self.model(ids, pos, dm)
@@ -414,6 +435,14 @@ class AttentionWorker:
         i = self.buffers.put("prev_token_index", step.prev_token_index).long()
         r = self.buffers.put("prev_token_rows", step.prev_token_rows).long()
         ids[i] = self.last_tokens[r].to(ids.dtype)
+
+    def _fill_drafts(self, ids: torch.Tensor, step: StepInput) -> None:
+        """A draft model's step: run it (``runtime/draft_runner.py``) and write its drafts into
+        this step's inputs at the draft positions, where the driver put token 0."""
+        d = None if step.spec is None else step.spec.draft
+        self.drafts = None if d is None else self.draft.propose(d, self.buffers.put)
+        if d is not None:
+            ids[self.buffers.put("draft.target_index", d.target_index).long()] = self.drafts.to(ids.dtype)
 
     def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sampling: SamplingTensors | None):
         """Rank 0's (tokens, logits, logprobs), on the device; Nones on the other ranks: their

@@ -37,6 +37,7 @@ from ray_attn.request import PLACEHOLDER
 from ray_attn.runtime.messages import SpecDecodeInputs
 from ray_attn.runtime.spec_decode import accepted_tokens
 from ray_attn.sampling_inputs import build_sampling_inputs
+from ray_attn.spec.draft_inputs import build_draft_inputs, committed_after
 from ray_attn.spec.ngram import NgramProposer
 
 
@@ -70,7 +71,10 @@ class SpecDecoder:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens
         self.disable_by_batch_size = spec.batch_limit(device)  # 'auto': the device's measured break-even
-        self.proposer = NgramProposer(self.k, *spec.ngram_bounds)
+        # n-gram drafts are found here; a draft model's are proposed on the ranks, in the step
+        # itself (spec/draft_inputs.py), and the driver appends token 0 in their place.
+        self.proposer = NgramProposer(self.k, *spec.ngram_bounds) if spec.method == "ngram" else None
+        self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.planner = planner
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
@@ -94,10 +98,17 @@ class SpecDecoder:
             room = min(budget, r.params.max_tokens - r.num_output_tokens - 1)
             if room <= 0:
                 continue
-            try:
-                drafts = self.proposer.propose(r.token_array(), room)
-            except Exception:  # noqa: BLE001 -- a proposer that fails leaves the row decoding as usual
-                continue
+            if self.proposer is None:
+                # Drafts made on the ranks are unknown here: a grammar could not cut them to what
+                # it takes, nor penalties' histories hold them.  Such rows decode as usual.
+                if r.grammar is not None or r.params.penalized:
+                    continue
+                drafts = np.zeros(min(self.k, room), np.int32)
+            else:
+                try:
+                    drafts = self.proposer.propose(r.token_array(), room)
+                except Exception:  # noqa: BLE001 -- a proposer that fails leaves the row decoding as usual
+                    continue
             if r.grammar is not None and len(drafts):  # only what the grammar takes from here
                 drafts = drafts[:r.grammar.accepts(drafts)]
             if len(drafts):
@@ -134,6 +145,8 @@ class SpecDecoder:
         logits_indices = (np.repeat(ends - seg, seg) + offset).astype(np.int32)
         drafts = [r.token_ids[len(r.token_ids) - r.num_drafts:] for r in reqs if r.num_drafts]
         spec = SpecDecodeInputs(k, np.array([t for d in drafts for t in d], np.int32), logits_indices)
+        if self.proposer is None:
+            spec.draft = build_draft_inputs(plan, reqs, k, self.block_size)
         rows = np.repeat(np.arange(len(reqs)), seg)
         sample_idx = (sample_index[rows] + offset).astype(np.int32)
         # a row's history at position j: its tokens before the drafts, then drafts 1..j
@@ -161,6 +174,8 @@ class SpecDecoder:
         if not k:
             return
         a = len(emitted) - 1  # drafts accepted
+        if self.proposer is None:
+            req.num_draft_computed = committed_after(int(layout.computed[row]), k, a)
         # first, while the request is still running: a finish would index its blocks up to here
         self.planner.rollback(req.request_id, int(layout.computed[row]) + 1 + a)
         req.drop_drafts()

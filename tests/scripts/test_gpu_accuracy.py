@@ -68,6 +68,15 @@ def test_spec_rows_pass_on_cpu_with_drafts_accepted(gate, name):
         assert res["stats"]["cascade_steps"] > 0
 
 
+def test_the_draft_model_row_passes_on_cpu_with_the_target_as_its_draft(gate):
+    (row,) = rows(gate, "spec_draft_cascade")
+    res = gate.run(row)
+    assert res["passed"], res
+    s = res["stats"]
+    assert res["spec_identical"] == len(gate.prompts[row.prompts]) and s["cascade_steps"] > 0, res
+    assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0, res  # float32: all of them
+
+
 def test_lora_row_passes_and_the_adapters_moved_the_tokens(gate):
     (row,) = rows(gate, "lora")
     res = gate.run(row)

@@ -68,9 +68,14 @@ def test_a_draft_whose_heads_tp_does_not_divide_is_refused():
             {**spec, "draft_model_config": draft(), "draft_tensor_parallel_size": 1}, tp=2)
 
 
-def test_a_valid_draft_model_is_refused_until_it_runs():
-    refused("draft_model' is not implemented yet",
-            {"method": "draft_model", "num_speculative_tokens": 2, "draft_model_config": draft()})
+def test_a_valid_draft_is_taken_and_a_chunked_attention_draft_refused():
+    cfg = engine({"method": "draft_model", "num_speculative_tokens": 2, "draft_model_config": draft()}, tp=2)
+    assert cfg.speculative_config.draft_config().num_hidden_layers == 1
+    local = draft(num_hidden_layers=2, attention_chunk_size=32, layer_types=["chunked_attention", "full_attention"])
+    refused("a draft with chunked .local. attention layers is not supported",
+            {"method": "draft_model", "num_speculative_tokens": 2, "draft_model_config": local})
+    refused("speculative_config.model='/nowhere'",
+            {"method": "draft_model", "num_speculative_tokens": 2, "model": "/nowhere"})
 
 
 def test_the_default_limit_is_the_devices_measured_break_even():

@@ -1,0 +1,92 @@
+"""The driver's side of a draft model (``method='draft_model'``): what the ranks run to propose.
+
+The draft runs on the target's ranks with a KV cache of its own that has the target's block
+geometry, so it reads and writes through the target's block tables: a position's slot is the
+same in both caches, and the planner allocates for both at once.  It is brought up to date
+lazily.  Each request records how many of its leading tokens the draft cache holds
+(``Request.num_draft_computed``); a step that speculates a row first runs the draft over the
+row's tokens past that (the *catch-up* query, ending at the row's last sampled token, whose
+logits give draft 1), then one single-token pass per further draft.  So a row that did not
+speculate for a while (a prompt's chunks, a batch above ``disable_by_batch_size``) costs the
+draft nothing until it does, and then one query.
+
+After the step the draft cache holds the row's committed tokens and drafts 1..k-1; of these,
+the accepted ones stay valid (``committed_after``).  A preempted request (its blocks given
+away) or one whose ranks died starts again from 0 (``Request.num_draft_computed`` is reset
+where ``num_preemptions`` grows, and by ``drop_pending``).
+
+A prefix-cache hit shares blocks the draft may never have written for this request: the
+catch-up from 0 rewrites them with the same tokens at the same positions -- the values
+another request's draft wrote there, if any -- so sharing stays harmless.
+
+Everything here is numpy, built from the step's plan; ``runtime/draft_runner.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ray_attn.metadata import FlashAttentionMetadata
+from ray_attn.runtime.messages import DraftInputs, DraftPass
+
+
+def _slots(block_table: np.ndarray, positions: np.ndarray, block_size: int, dtype) -> np.ndarray:
+    """The cache slot of each (row, position): ``block_table`` [N, W] holds each entry's row."""
+    blocks = np.take_along_axis(block_table, (positions // block_size)[:, None], axis=1)[:, 0]
+    return (blocks.astype(np.int64) * block_size + positions % block_size).astype(dtype)
+
+
+def _decode_metadata(block_table: np.ndarray, positions: np.ndarray, block_size: int,
+                     slot_dtype) -> FlashAttentionMetadata:
+    """One token per row at ``positions`` (written there, attending to everything before)."""
+    n = len(positions)
+    seq_lens = (positions + 1).astype(np.int32)
+    return FlashAttentionMetadata(
+        num_actual_tokens=n, max_query_len=1, query_start_loc=np.arange(n + 1, dtype=np.int32),
+        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=block_table,
+        slot_mapping=_slots(block_table, positions, block_size, slot_dtype))
+
+
+def build_draft_inputs(plan, reqs, num_drafts: np.ndarray, block_size: int) -> DraftInputs:
+    """The draft's work for a step whose rows ``reqs`` (the plan's order) verify ``num_drafts``
+    [B] drafts each (0: the row does not speculate)."""
+    rows = np.flatnonzero(num_drafts)
+    k = num_drafts[rows].astype(np.int32)
+    m = plan.attn
+    slot_dtype = np.asarray(m.slot_mapping).dtype
+    # n: tokens before the drafts, the last of them the row's last sampled token (the verifying
+    # query's first); the draft holds the first ``have`` of them.
+    n = np.array([len(reqs[r].token_ids) - reqs[r].num_drafts for r in rows.tolist()], np.int64)
+    have = np.array([min(reqs[r].num_draft_computed, int(n[i]) - 1) for i, r in enumerate(rows.tolist())],
+                    np.int64)
+    q = n - have
+    qsl = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(q, out=qsl[1:])
+    width = int(-(-(n + k - 1).max() // block_size))  # the blocks up to the last draft written
+    table = np.ascontiguousarray(np.asarray(m.block_table)[rows, :width])
+    tokens = np.concatenate([np.asarray(reqs[r].token_ids[have[i]:n[i]], np.int32)
+                             for i, r in enumerate(rows.tolist())])
+    positions = (np.arange(int(q.sum())) - np.repeat(qsl[:-1], q) + np.repeat(have, q)).astype(np.int64)
+    owner = np.repeat(np.arange(len(rows)), q)
+    catchup = FlashAttentionMetadata(
+        num_actual_tokens=int(q.sum()), max_query_len=int(q.max()), query_start_loc=qsl,
+        max_seq_len=int(n.max()), seq_lens=n.astype(np.int32), block_table=table,
+        slot_mapping=_slots(table[owner], positions, block_size, slot_dtype))
+    passes = []
+    for j in range(1, int(k.max())):  # pass j reads draft j (at position n - 1 + j) for draft j + 1
+        live = np.flatnonzero(k > j).astype(np.int32)
+        pos = n[live] - 1 + j
+        passes.append(DraftPass(rows=live, positions=pos.astype(np.int32),
+                                metadata=_decode_metadata(table[live], pos, block_size, slot_dtype)))
+    ends = np.asarray(m.query_start_loc[1:], np.int64)[rows]
+    target_index = (np.repeat(ends - k, k) + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k))
+    return DraftInputs(metadata=catchup, input_token_ids=tokens, positions=positions.astype(np.int32),
+                       num_draft_tokens=k, passes=passes, target_index=target_index.astype(np.int32))
+
+
+def committed_after(computed: int, k: int, accepted: int) -> int:
+    """How many of a row's tokens the draft cache holds after a step that verified ``k`` drafts
+    with ``computed`` tokens before them in the target's cache, ``accepted`` of them kept: the
+    catch-up wrote up to the row's last sampled token (``computed + 1`` tokens), the passes
+    drafts 1..k-1 after it, and of those the accepted ones are the row's tokens now."""
+    return computed + 1 + min(accepted, k - 1)

@@ -1,0 +1,248 @@
+"""Speculative decoding with a draft model (``method='draft_model'``), through the engine on CPU,
+against the same engine without speculation.
+
+Two drafts: the target itself (same shapes and seed), whose every draft the target accepts while
+the draft's KV cache is right -- so the acceptance counts check the draft's cache bookkeeping
+(catch-up, passes, preemption), which the output alone cannot show, verification being exact
+whatever the drafts are -- and a smaller, different model, whose drafts are nearly all rejected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ray_attn.config import CacheConfig, EngineConfig
+from ray_attn.engine import LLMEngine, SamplingParams
+from ray_attn.runtime import InProcessExecutor
+from ray_attn.runtime.messages import DraftInputs
+from ray_attn.spec.draft_inputs import build_draft_inputs
+from tests.spec.test_spec_engine import MODEL, config, engine, prompts, tokens
+
+SELF = dict(method="draft_model", num_speculative_tokens=4, draft_model_config=MODEL, disable_by_batch_size=None)
+OTHER = SELF | dict(num_speculative_tokens=3, draft_model_config=MODEL | dict(seed=11, num_hidden_layers=1,
+                                                                              intermediate_size=128))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return engine(None)
+
+
+@pytest.fixture(scope="module")
+def want(plain):
+    return tokens(plain.generate(prompts(), SamplingParams(max_tokens=24)))
+
+
+def rank(eng):
+    return eng.executor.worker
+
+
+def all_accepted(eng) -> bool:
+    s = eng.spec.stats
+    return s.num_drafts > 0 and s.num_accepted_tokens == s.num_draft_tokens
+
+
+def test_a_self_draft_is_always_accepted_and_greedy_is_unchanged(want):
+    eng = engine(SELF)
+    assert tokens(eng.generate(prompts(), SamplingParams(max_tokens=24))) == want
+    s = eng.spec.stats
+    assert all_accepted(eng), s
+    assert s.num_draft_tokens > 3 * s.num_drafts  # k=4 but near max_tokens
+    assert rank(eng).draft.failures == 0
+    eng.planner.pool.check_invariants()
+    assert eng.planner.stats()["num_used_blocks"] == 0
+
+
+def test_another_draft_is_mostly_rejected_and_greedy_is_unchanged(want):
+    eng = engine(OTHER)
+    assert tokens(eng.generate(prompts(), SamplingParams(max_tokens=24))) == want
+    s = eng.spec.stats
+    assert s.num_drafts > 50 and s.num_accepted_tokens < s.num_draft_tokens / 4, s
+
+
+def test_seeded_sampling_is_the_non_speculative_draw(plain):
+    ps = prompts(3, 3, seed=2)
+    params = [SamplingParams(max_tokens=20, temperature=0.9, seed=100 + i) for i in range(len(ps))]
+    expect = tokens(plain.generate(ps, params))
+    for spec in (SELF, OTHER):
+        assert tokens(engine(spec).generate(ps, params)) == expect
+
+
+def test_preempted_requests_restart_the_drafts_cache(plain):
+    # 12 requests of up to 5 blocks in 18: preemption gives their blocks to others.  A draft that
+    # kept its count across it would read other requests' KV, and its drafts would be rejected.
+    # Without the prefix cache, a preempted request's prefill lands in whatever blocks are free.
+    cfg = config(SELF, num_blocks=18).model_copy(
+        update={"cache": CacheConfig(num_blocks=18, enable_prefix_caching=False)})
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    drafted_victims, preempt = [], eng.scheduler.preempt_one
+    eng.scheduler.preempt_one = lambda: (drafted_victims.append(eng.scheduler.running[-1].num_draft_computed > 0),
+                                         preempt())[1]
+    params = SamplingParams(max_tokens=40)
+    assert tokens(eng.generate(prompts(), params)) == tokens(plain.generate(prompts(), params))
+    assert any(drafted_victims), drafted_victims  # requests were preempted after they speculated
+    assert all_accepted(eng), eng.spec.stats
+
+
+def test_rows_that_did_not_speculate_catch_up_in_one_query(plain):
+    # Above the batch limit nothing speculates; as requests finish, the rows left speculate and
+    # first catch up on every token they made without the draft, in one query.
+    ps = prompts()
+    params = [SamplingParams(max_tokens=8 + 3 * i) for i in range(len(ps))]
+    eng = engine(SELF | dict(disable_by_batch_size=4))
+    seen = []
+    draft = rank(eng).draft
+    propose = draft.propose
+    draft.propose = lambda d, put: (seen.append(int(np.diff(d.metadata.query_start_loc).max())), propose(d, put))[1]
+    assert tokens(eng.generate(ps, params)) == tokens(plain.generate(ps, params))
+    assert all_accepted(eng), eng.spec.stats
+    assert max(seen) > 40  # a prompt and the tokens after it: the draft had seen none of them
+
+
+def test_penalized_and_constrained_rows_decode_without_drafts(plain):
+    ps = prompts(2, 0, seed=3)
+    params = SamplingParams(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5)
+    eng = engine(SELF)
+    assert tokens(eng.generate(ps, params)) == tokens(plain.generate(ps, params))
+    assert eng.spec.stats.num_drafts == 0
+
+
+def test_a_failing_draft_leaves_the_output_unchanged(want, monkeypatch):
+    from ray_attn.runtime.draft_runner import RankDraft
+
+    def broken(self, *a):
+        raise RuntimeError("draft pass broke")
+
+    monkeypatch.setattr(RankDraft, "_passes", broken)
+    eng = engine(SELF)
+    with pytest.warns(UserWarning, match="the draft model failed .*draft pass broke"):
+        got = tokens(eng.generate(prompts(), SamplingParams(max_tokens=24)))
+    assert got == want
+    assert rank(eng).draft.failures > 0
+
+
+def test_a_draft_read_from_a_checkpoint(tmp_path, want):
+    from ray_attn.config import ModelConfig
+    from ray_attn.model.registry import save_random_checkpoint
+
+    save_random_checkpoint(ModelConfig(**MODEL), str(tmp_path), MODEL["seed"])
+    eng = engine(dict(method="draft_model", num_speculative_tokens=2, model=str(tmp_path),
+                      disable_by_batch_size=None))
+    assert tokens(eng.generate(prompts(), SamplingParams(max_tokens=24))) == want
+    assert all_accepted(eng), eng.spec.stats
+
+
+def test_the_drafts_slots_are_the_verifying_querys(monkeypatch):
+    import ray_attn.spec.decoder as decoder
+
+    eng = engine(SELF)
+    captured = []
+
+    def build(plan, reqs, k, block_size):
+        captured.append((plan, build_draft_inputs(plan, reqs, k, block_size)))
+        return captured[-1][1]
+
+    monkeypatch.setattr(decoder, "build_draft_inputs", build)
+    # a 39-token prompt crosses pages (16 tokens each): its catch-up and passes span blocks
+    eng.generate([list(range(1, 40)), list(range(50, 60))], SamplingParams(max_tokens=10))
+    assert captured
+    for plan, d in captured:
+        m = plan.attn
+        qsl, slots = np.asarray(m.query_start_loc), np.asarray(m.slot_mapping)
+        rows = np.flatnonzero(np.diff(qsl) > 1)
+        cq = np.asarray(d.metadata.query_start_loc)
+        for i, r in enumerate(rows.tolist()):
+            first = qsl[r]  # the verifying query: the last sampled token, then the drafts
+            # the catch-up ends on the last sampled token, in its slot and position
+            assert d.metadata.slot_mapping[cq[i + 1] - 1] == slots[first]
+            assert d.positions[cq[i + 1] - 1] == plan.positions[first]
+            for j, p in enumerate(d.passes, start=1):  # pass j writes draft j where the target will
+                at = np.flatnonzero(p.rows == i)
+                if len(at):
+                    assert p.metadata.slot_mapping[at[0]] == slots[first + j]
+                    assert p.positions[at[0]] == plan.positions[first + j]
+            assert list(d.target_index[np.repeat(np.arange(len(rows)), d.num_draft_tokens) == i]) == \
+                list(range(first + 1, qsl[r + 1]))
+
+
+def test_a_step_with_bad_draft_inputs_is_refused_by_name():
+    import dataclasses
+
+    eng = engine(SELF)
+    w = rank(eng)
+    captured = []
+    run = w._run
+    w._run = lambda step: captured.append(step) or run(step)
+    eng.generate(prompts(2, 0), SamplingParams(max_tokens=6))
+    step = next(s for s in captured if s.spec is not None)
+    d: DraftInputs = step.spec.draft
+    bad = dataclasses.replace(step, spec=dataclasses.replace(step.spec, draft=dataclasses.replace(
+        d, target_index=d.target_index + step.plan.attn.num_actual_tokens)))
+    with pytest.raises(ValueError, match="draft.target_index must lie in"):
+        w._check(bad)
+    slots = d.metadata.slot_mapping.copy()
+    slots[-1] = w.num_blocks * eng.config.cache.block_size
+    bad = dataclasses.replace(step, spec=dataclasses.replace(step.spec, draft=dataclasses.replace(
+        d, metadata=dataclasses.replace(d.metadata, slot_mapping=slots))))
+    with pytest.raises(ValueError, match="outside the cache"):
+        w._check(bad)
+    plain = engine(None)
+    with pytest.raises(ValueError, match="no draft model"):
+        rank(plain)._check(step)
+
+
+def test_tp2_over_ray_gives_the_single_process_tokens(shared_ray, want):
+    eng = LLMEngine(config(SELF, tp=2))
+    try:
+        assert tokens(eng.generate(prompts(), SamplingParams(max_tokens=24))) == want
+        assert all_accepted(eng), eng.spec.stats
+    finally:
+        eng.shutdown()
+
+
+def graph_config(device="cpu", dtype="float32"):
+    from tests.spec import test_spec_graphs as g
+
+    cfg = g.config(device, dtype)
+    draft = cfg.model.model_dump(exclude_unset=True)
+    spec = dict(method="draft_model", num_speculative_tokens=g.K, draft_model_config=draft, disable_by_batch_size=None)
+    return EngineConfig.model_validate(cfg.model_dump(exclude_unset=True) | {"speculative_config": spec})
+
+
+def test_verifying_steps_through_the_graph_runner_take_the_ranks_drafts():
+    from tests.spec import test_spec_graphs as g
+
+    prompts, params = g.workload()
+    want = [o.output_token_ids for o in engine_of(g.EagerExecutor, g.config(spec=False)).generate(prompts, params)]
+    ex_eng = engine_of(g.GraphExecutor, graph_config())
+    assert [o.output_token_ids for o in ex_eng.generate(prompts, params)] == want
+    assert ex_eng.executor.spec_graph_steps >= 5  # the drafts went into the graphs' static inputs
+    assert all_accepted(ex_eng), ex_eng.spec.stats
+
+
+def engine_of(executor_cls, cfg):
+    return LLMEngine(cfg, executor_cls(cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_self_draft_through_captured_graphs_on_gpu():
+    """bf16 with FlashAttention and the worker's own captures: the drafts reach the replayed
+    verifying graphs, greedy is plain greedy, and the target accepts nearly all of a self-draft
+    (bf16: the draft's one-token passes and the verifying query sum in other orders)."""
+    from tests.spec import test_spec_graphs as g
+
+    prompts, params = g.workload()
+    want = [o.output_token_ids for o in LLMEngine(g.config("cuda", "bfloat16", spec=False)).generate(prompts, params)]
+    cfg = graph_config("cuda", "bfloat16")
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    w = eng.executor.worker
+    assert w.spec_graphs is not None and w.draft is not None
+    replays, replay = [], w.spec_graphs.replay
+    w.spec_graphs.replay = lambda *a: replays.append(a) or replay(*a)
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
+    s = eng.spec.stats
+    assert len(replays) >= 5 and w.draft.failures == 0
+    assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens, s
