@@ -42,7 +42,12 @@ def three_nodes():
                 w = start_group([str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{gcs}",
                                  "--node-ip-address=127.0.0.1", "--num-cpus=1",
                                  '--resources={"ray_attn_replica": 1}',
-                                 f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"],
+                                 f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
+                                 # a temp dir of its own: nodes sharing the head's unpack the job's
+                                 # working_dir into one folder, and a worker that started while
+                                 # another node replaced it failed to start (its raylet waited the
+                                 # 60 s registration timeout before retrying)
+                                 f"--temp-dir={tmp / f'n{i}'}"],
                                 env, tmp / f"worker{i}.{attempt}.log")
                 procs.append(w)
                 if wait_nodes(gcs, env, i + 2):
