@@ -7,7 +7,8 @@ a rank -- inputs to the device, the forward, sampling, the answer -- happens ins
 ``InProcessExecutor`` runs it in the driver's own process.  What a rank needs but is not the
 step lives beside it: forming the TP group (``rendezvous``), deferred answers and their pinned
 host buffers (``deferred``), the input buffers (``buffers``), decode graphs (``cuda_graphs``),
-and the kernel-time split (``profiling``).
+the cache's sizing and the graphs' capture (``rank_setup``), a step's host checks
+(``step_checks``), the draft model (``draft_runner``) and the kernel-time split (``profiling``).
 """
 
 from __future__ import annotations
@@ -15,23 +16,19 @@ from __future__ import annotations
 import collections
 import os
 import time
-import warnings
 
 import numpy as np
 import torch
 
-from ray_attn.backend.validate import check_metadata_values
 from ray_attn.config import EngineConfig
-from ray_attn.runtime import messages, rendezvous
+from ray_attn.runtime import messages, rank_setup, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.deferred import DeferredOutput, SamplingThread, TokenStaging, pack_output, unpack_output
 from ray_attn.runtime.grammars import RankGrammars
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.profiling import time_by_kernel_kind
 from ray_attn.runtime.sampling import SamplingTensors, prompt_logprobs_on_device, sample_on_device
-from ray_attn.runtime.spec_decode import check_spec_inputs
-
-CPU_CACHE_CAP_BYTES = 1 << 30  # on CPU, memory_fraction sizing stops here: the host is shared
+from ray_attn.runtime.step_checks import check_step
 
 
 def unnice() -> int:
@@ -133,7 +130,7 @@ class AttentionWorker:
             from ray_attn.runtime.draft_runner import RankDraft
 
             self.draft = RankDraft(cfg, self.rank, self.tp, group, self.device)
-        self.num_blocks = cfg.cache.num_blocks or self._blocks_from_memory()
+        self.num_blocks = cfg.cache.num_blocks or rank_setup.blocks_from_memory(self)
         self.model.allocate_kv_cache(self.num_blocks)
         if self.draft is not None:
             self.draft.allocate_kv_cache(self.num_blocks)
@@ -149,72 +146,9 @@ class AttentionWorker:
         return self.device_info()
 
     def _capture_graphs(self):
-        """CUDA graphs for decode, captured against this KV cache (they hold its addresses).  The
-        memory their pool takes is recorded beside the reserve the cache was sized to leave them."""
-        from ray_attn.runtime.cuda_graphs import DecodeGraphs, wants_cuda_graphs
-
-        par = self.config.parallel
-        if self.device.type != "cuda" or not wants_cuda_graphs(par, self.model.kernel_name):
-            return None
-        try:
-            before = torch.cuda.memory_reserved(self.device)
-            graphs = DecodeGraphs(self.model, min(par.cuda_graph_max_batch, self.config.max_num_seqs), self.device)
-        except Exception as e:  # noqa: BLE001 -- any capture failure leaves a working eager path
-            if par.cuda_graphs == "on":
-                raise
-            warnings.warn(f"rank {self.rank}: CUDA graph capture failed ({type(e).__name__}: {e}); "
-                          "decode steps run eagerly (set parallel.cuda_graphs='off' to skip the attempt)")
-            return None
-        self.spec_graphs = self._capture_spec_graphs(graphs)
-        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
-        return graphs
-
-    def _capture_spec_graphs(self, graphs):
-        """Graphs of speculative decoding's uniform verifying steps (1 + k tokens a row, up to
-        ``SPEC_GRAPH_MAX_BATCH`` rows), in the decode graphs' memory pool: eager, such a step cost
-        3x a plain one at batch 1 on an H200, whatever k (launch-bound; bench_spec_verify.py)."""
-        from ray_attn.runtime.cuda_graphs import SPEC_GRAPH_MAX_BATCH, DecodeGraphs
-
-        spec, cfg = self.config.speculative_config, self.config
-        if spec is None or "chunked_attention" in cfg.model.layer_kinds():
-            return None
-        try:
-            return DecodeGraphs(self.model, min(cfg.parallel.cuda_graph_max_batch, cfg.max_num_seqs,
-                                                SPEC_GRAPH_MAX_BATCH), self.device,
-                                query_len=1 + spec.num_speculative_tokens, pool=graphs.pool)
-        except Exception as e:  # noqa: BLE001 -- verifying steps then run eagerly, as before
-            if cfg.parallel.cuda_graphs == "on":
-                raise
-            warnings.warn(f"rank {self.rank}: CUDA graph capture of verifying steps failed "
-                          f"({type(e).__name__}: {e}); they run eagerly")
-            return None
-
-    def _blocks_from_memory(self) -> int:
-        """On a GPU: as many KV blocks as ``memory_fraction`` of the device's total memory holds
-        once the weights, the largest step's activations (a profile step) and the CUDA graphs'
-        reserve are counted (``memory.profile_cuda_memory``, as vLLM's profiling run).  On CPU:
-        ``memory_fraction`` of the host memory available, shared by its ranks and with everything
-        else on it, capped at ``CPU_CACHE_CAP_BYTES``."""
-        per_block = self.model.kv_cache_bytes_per_block()
-        if self.draft is not None:  # the draft's cache has a block for each of the target's
-            per_block += self.draft.kv_cache_bytes_per_block()
-        if self.device.type == "cuda":
-            from ray_attn.runtime.cuda_graphs import wants_cuda_graphs
-            from ray_attn.runtime.memory import profile_cuda_memory
-
-            graphs = wants_cuda_graphs(self.config.parallel, self.model.kernel_name)
-            try:
-                self.memory_profile = profile_cuda_memory(self.model, self.config, self.device, per_block,
-                                                          graphs)
-            except ValueError as e:
-                raise RuntimeError(f"rank {self.rank}: {e}") from None
-            return self.memory_profile.num_blocks
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(avail * self.config.cache.memory_fraction / self.tp, CPU_CACHE_CAP_BYTES)
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise RuntimeError(f"rank {self.rank}: no memory left for even one KV block ({per_block} bytes)")
-        return blocks
+        """The decode graphs over this KV cache, or None (``rank_setup.capture_graphs``); tests
+        override it to run the graphs' padded paths on CPU."""
+        return rank_setup.capture_graphs(self)
 
     def device_info(self) -> dict:
         """What the driver learns of this rank; it sizes the planner by the smallest ``num_blocks``.
@@ -340,38 +274,8 @@ class AttentionWorker:
             tail.join()
 
     def _check(self, step: StepInput) -> None:
-        """Refuse a step that would lose an answer or read outside the cache, before any of it
-        is queued."""
-        if not step.defer and self.deferred is not None:
-            raise RuntimeError(f"rank {self.rank}: step {step.step_id} is not deferred, but the output "
-                               f"of deferred step {self.deferred.step_id} was never collected")
-        m = step.plan.attn
-        check_metadata_values(m, self.num_blocks, self.config.cache.block_size)
-        if step.spec is not None:
-            check_spec_inputs(step)
-            if step.spec.draft is not None:
-                if self.draft is None:
-                    raise ValueError(f"rank {self.rank}: step {step.step_id} carries draft-model inputs, but "
-                                     "this rank has no draft model (speculative_config.method='draft_model')")
-                self.draft.check(step.spec.draft, step.spec, step.plan, self.num_blocks,
-                                 self.config.cache.block_size)
-        t = step.plan.kv_transfers
-        if t is not None:
-            if self.tiers is None:
-                raise ValueError(f"rank {self.rank}: step {step.step_id} carries kv_transfers, but this rank "
-                                 "has no KV tiers (cache.host_cache_gib and cache.kv_sharing are off)")
-            self.tiers.check(t, self.num_blocks)
-        p = step.prompt_logprobs
-        if p is not None and len(p.indices):  # an index past the step would fail on the device
-            if len(p.indices) != len(p.targets):
-                raise ValueError(f"prompt_logprobs: {len(p.indices)} indices but {len(p.targets)} targets")
-            if p.indices.min() < 0 or p.indices.max() >= m.num_actual_tokens:
-                raise ValueError(f"prompt_logprobs.indices must lie in [0, {m.num_actual_tokens}) "
-                                 "(the step's tokens)")
-            vocab = self.config.model.vocab_size
-            if p.targets.min() < 0 or p.targets.max() >= vocab:
-                raise ValueError(f"prompt_logprobs.targets must lie in [0, {vocab})")
-        m.host_checked = True  # carried to the device copy: its layers need not read values back
+        """Refuse a step that would lose an answer or read outside the cache (``step_checks``)."""
+        check_step(self, step)
 
     def _stage_sampling_inputs(self, step: StepInput) -> tuple[torch.Tensor, SamplingTensors | None]:
         """Send what sampling reads: the hidden-state rows to turn into logits, and rank 0's
