@@ -199,24 +199,24 @@ def spec_rows(default) -> list[Row]:
             return ran(s, i)
         return need(s["spec_num_accepted_tokens"] > 0, "no draft was accepted")
 
-    return [
-        Row("spec_ngram", prompts="repeating", what="n-gram speculation (k=4): greedy equals plain greedy",
-            spec=NGRAM, expect=lambda s, i: default(s, i) or ran(s, i)),
-        Row("spec_ngram_fp8", prompts="repeating", what="n-gram speculation with the fp8 KV cache",
-            spec=NGRAM, cache=dict(kv_cache_dtype="fp8"), fp8=True, expect=lambda s, i: default(s, i) or ran(s, i)),
-        Row("spec_ngram_cascade", prompts="repeating_prefix", what="n-gram speculation, cascade forced",
-            spec=NGRAM, engine=dict(cascade_min_saved_kv_tokens=0),
-            expect=lambda s, i: default(s, i) or ran(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
-        # the draft is the target's own checkpoint: its drafts are the target's argmax, so nearly
-        # all are accepted (rejections: tests/spec/test_draft_model.py, with another draft)
-        Row("spec_draft", prompts="repeating", what="draft-model speculation (k=4, the target as its own draft)",
-            spec=DRAFT, expect=lambda s, i: default(s, i) or drafted(s, i)),
-        Row("spec_draft_fp8", prompts="repeating", what="draft-model speculation with the fp8 KV cache",
-            spec=DRAFT, cache=dict(kv_cache_dtype="fp8"), fp8=True, expect=lambda s, i: default(s, i) or drafted(s, i)),
-        Row("spec_draft_cascade", prompts="repeating_prefix", what="draft-model speculation, cascade forced",
-            spec=DRAFT, engine=dict(cascade_min_saved_kv_tokens=0),
-            expect=lambda s, i: default(s, i) or drafted(s, i) or need(s["cascade_steps"] > 0, "no cascade step")),
-    ]
+    def cascaded(check):
+        return lambda s, i: check(s, i) or need(s["cascade_steps"] > 0, "no cascade step")
+
+    rows = []
+    # the draft model is the target's own checkpoint: its drafts are the target's argmax, so nearly
+    # all are accepted (rejections: tests/spec/test_draft_model.py, with another draft)
+    for name, spec, check, what in (("ngram", NGRAM, ran, "n-gram speculation (k=4)"),
+                                    ("draft", DRAFT, drafted, "draft-model speculation (k=4, the target as its draft)")):
+        expect = lambda s, i, check=check: default(s, i) or check(s, i)  # noqa: E731
+        rows += [
+            Row(f"spec_{name}", prompts="repeating", what=f"{what}: greedy equals plain greedy", spec=spec,
+                expect=expect),
+            Row(f"spec_{name}_fp8", prompts="repeating", what=f"{what} with the fp8 KV cache", spec=spec,
+                cache=dict(kv_cache_dtype="fp8"), fp8=True, expect=expect),
+            Row(f"spec_{name}_cascade", prompts="repeating_prefix", what=f"{what}, cascade forced", spec=spec,
+                engine=dict(cascade_min_saved_kv_tokens=0), expect=cascaded(expect)),
+        ]
+    return rows
 
 
 def prompt_sets(vocab: int, gpu: bool, seed: int = 0, chunk: int = 256) -> dict[str, list[list[int]]]:
