@@ -6,6 +6,7 @@ in-process app harness (one TP=1 engine per config, about a second each)."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import pytest
@@ -33,6 +34,22 @@ def test_the_cli_flag_reaches_the_engine_config():
     spec = cfg.engine.speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.ngram_bounds) == ("ngram", 5, (4, 4))
     assert cli_config().engine.speculative_config is None
+
+
+def test_the_cli_flag_takes_a_draft_model_checkpoint(tmp_path):
+    from ray_attn.config import ModelConfig
+    from ray_attn.model.registry import save_random_checkpoint
+
+    draft = ModelConfig(vocab_size=cli_config().engine.model.vocab_size, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    save_random_checkpoint(draft, str(tmp_path), seed=3)
+    cfg = cli_config("--speculative-config", json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+                                                          "model": str(tmp_path)}))
+    spec = cfg.engine.speculative_config
+    assert spec.method == "draft_model" and spec.draft_config().hidden_size == 64
+    with pytest.raises(ValueError, match="speculative_config.model='/no/such/draft'"):
+        cli_config("--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 3, '
+                                           '"model": "/no/such/draft"}')
 
 
 @pytest.mark.parametrize("text, names", [
