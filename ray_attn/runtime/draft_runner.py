@@ -18,12 +18,13 @@ two ranks' argmaxes were to split a tie differently.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from ray_attn.backend.validate import check_metadata_values
-from ray_attn.runtime.messages import DraftInputs
+from ray_attn.runtime.messages import CATCH_UP_TOKENS, DraftInputs
 
 
 class RankDraft:
@@ -43,6 +44,9 @@ class RankDraft:
         else:
             self.model.init_random_weights(self.config.seed)
         self.failures = 0  # draft passes that raised (their steps verified token 0 instead)
+        self.graphs = None  # DecodeGraphs of the draft, once captured (GPU): one-token queries
+        self.catch_up_graphs = None  # and the steady-state catch-up's two-token ones
+        self.replays = 0  # draft forwards that replayed a graph
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model.kv_cache_bytes_per_block()
@@ -97,21 +101,44 @@ class RankDraft:
         keep = put("draft.keep", (np.arange(K)[None, :] < k[:, None]).reshape(-1)).bool()
         return out.reshape(-1)[keep]
 
-    def _passes(self, d: DraftInputs, put, S: int, K: int) -> torch.Tensor:
-        def put_as(prefix):
-            return lambda name, a: put(prefix + name, a)
+    def capture_graphs(self, max_batch: int, pool=None, capture: bool = True) -> None:
+        """Decode graphs of the draft (``cuda_graphs.DecodeGraphs``, in the target's graph pool):
+        a steady-state step's catch-up is two tokens a row and every pass after it one, so all of
+        a step's draft forwards replay -- eager, k forwards of even a small model are k x its
+        layers' launches, more than the target's replayed step.  ``capture=False`` runs the
+        same padded path eagerly (CPU tests)."""
+        from ray_attn.runtime.cuda_graphs import DecodeGraphs
 
+        self.graphs = DecodeGraphs(self.model, max_batch, self.device, capture=capture, pool=pool)
+        self.catch_up_graphs = DecodeGraphs(self.model, max_batch, self.device, capture=capture,
+                                            pool=self.graphs.pool, query_len=CATCH_UP_TOKENS)
+
+    def _passes(self, d: DraftInputs, put, S: int, K: int) -> torch.Tensor:
         model = self.model
         out = torch.zeros(S, K, dtype=torch.long, device=self.device)
-        m = d.metadata.to_device(self.device, put=put_as("draft.m."))
-        ids = put("draft.ids", d.input_token_ids).long()
-        pos = put("draft.pos", d.positions).long()
-        last = put("draft.last", np.asarray(d.metadata.query_start_loc[1:]) - 1).long()
-        hidden = model(ids, pos, m)
-        out[:, 0] = model.compute_logits(hidden, last).argmax(-1)
+        last = np.asarray(d.metadata.query_start_loc[1:]) - 1
+        hidden = self._forward(d.metadata, d.positions, put, "draft.m.", ids_host=d.input_token_ids)
+        out[:, 0] = model.compute_logits(hidden, put("draft.last", last).long()).argmax(-1)
         for j, p in enumerate(d.passes, start=1):
             rows = put(f"draft.rows{j}", p.rows).long()
-            pm = p.metadata.to_device(self.device, put=put_as(f"draft.p{j}."))
-            h = model(out[rows, j - 1], put(f"draft.pos{j}", p.positions).long(), pm)
+            h = self._forward(p.metadata, p.positions, put, f"draft.p{j}.", ids_dev=out[rows, j - 1])
             out[rows, j] = model.compute_logits(h, torch.arange(len(p.rows), device=self.device)).argmax(-1)
         return out
+
+    def _forward(self, m, positions: np.ndarray, put, prefix: str, ids_host=None, ids_dev=None) -> torch.Tensor:
+        """Hidden states of one draft forward: a replayed graph when the query is one token a
+        row, else eager.  Its token ids are host ones (the catch-up's) or on the device (the
+        pass before's argmaxes)."""
+        n = m.num_actual_tokens
+        plan = SimpleNamespace(attn=m, positions=positions,
+                               input_token_ids=ids_host if ids_host is not None else np.zeros(n, np.int32))
+        g = next((g for g in (self.graphs, self.catch_up_graphs) if g is not None and g.can_run(plan)), None)
+        if g is not None:
+            padded = g.load(plan)
+            if ids_dev is not None:  # after load's copies, on the same stream
+                g.input_ids[:n] = ids_dev.to(g.input_ids.dtype)
+            self.replays += 1
+            return g.replay(padded, m.num_reqs, False)
+        dm = m.to_device(self.device, put=lambda name, a: put(prefix + name, a))
+        ids = ids_dev if ids_dev is not None else put(prefix + "ids", ids_host).long()
+        return self.model(ids, put(prefix + "pos", positions).long(), dm)

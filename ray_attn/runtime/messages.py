@@ -139,6 +139,11 @@ class SpecDecodeInputs:
     draft: DraftInputs | None = None
 
 
+# A draft model's steady-state catch-up per row: the token before the last sampled one, and that
+# one (``spec/draft_inputs.py`` says why two).
+CATCH_UP_TOKENS = 2
+
+
 @dataclass
 class DraftPass:
     """One single-token pass of the draft model: its rows (of the drafting rows) read draft j at

@@ -32,6 +32,8 @@ def capture_graphs(w):
                       "decode steps run eagerly (set parallel.cuda_graphs='off' to skip the attempt)")
         return None
     w.spec_graphs = capture_spec_graphs(w, graphs)
+    if w.draft is not None:
+        capture_draft_graphs(w, graphs)
     w.graph_pool_bytes = torch.cuda.memory_reserved(w.device) - before
     return graphs
 
@@ -55,6 +57,19 @@ def capture_spec_graphs(w, graphs):
         warnings.warn(f"rank {w.rank}: CUDA graph capture of verifying steps failed "
                       f"({type(e).__name__}: {e}); they run eagerly")
         return None
+
+
+def capture_draft_graphs(w, graphs) -> None:
+    """The draft model's decode graphs, in the target's pool (``RankDraft.capture_graphs``);
+    a failure leaves its forwards eager."""
+    par = w.config.parallel
+    try:
+        w.draft.capture_graphs(min(par.cuda_graph_max_batch, w.config.max_num_seqs), pool=graphs.pool)
+    except Exception as e:  # noqa: BLE001 -- the draft then runs eagerly, as before
+        if par.cuda_graphs == "on":
+            raise
+        warnings.warn(f"rank {w.rank}: CUDA graph capture of the draft model failed "
+                      f"({type(e).__name__}: {e}); its forwards run eagerly")
 
 
 def blocks_from_memory(w) -> int:

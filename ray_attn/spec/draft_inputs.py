@@ -6,7 +6,8 @@ same in both caches, and the planner allocates for both at once.  It is brought 
 lazily.  Each request records how many of its leading tokens the draft cache holds
 (``Request.num_draft_computed``); a step that speculates a row first runs the draft over the
 row's tokens past that (the *catch-up* query, ending at the row's last sampled token, whose
-logits give draft 1), then one single-token pass per further draft.  So a row that did not
+logits give draft 1; at least the row's last two tokens, see ``CATCH_UP_TOKENS``), then one
+single-token pass per further draft.  So a row that did not
 speculate for a while (a prompt's chunks, a batch above ``disable_by_batch_size``) costs the
 draft nothing until it does, and then one query.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ray_attn.metadata import FlashAttentionMetadata
-from ray_attn.runtime.messages import DraftInputs, DraftPass
+from ray_attn.runtime.messages import CATCH_UP_TOKENS, DraftInputs, DraftPass
 
 
 def _slots(block_table: np.ndarray, positions: np.ndarray, block_size: int, dtype) -> np.ndarray:
@@ -55,10 +56,14 @@ def build_draft_inputs(plan, reqs, num_drafts: np.ndarray, block_size: int) -> D
     m = plan.attn
     slot_dtype = np.asarray(m.slot_mapping).dtype
     # n: tokens before the drafts, the last of them the row's last sampled token (the verifying
-    # query's first); the draft holds the first ``have`` of them.
+    # query's first); the catch-up starts after the first ``have`` of them, which the draft
+    # holds.  It always takes at least the last two: in the steady state every row's catch-up
+    # is then exactly 2 tokens (rewriting one the draft holds, with the same values), which
+    # the draft's graphs of 2-token queries replay -- 1 token after a partly accepted run and 2
+    # after a fully accepted one would make the batch ragged.
     n = np.array([len(reqs[r].token_ids) - reqs[r].num_drafts for r in rows.tolist()], np.int64)
-    have = np.array([min(reqs[r].num_draft_computed, int(n[i]) - 1) for i, r in enumerate(rows.tolist())],
-                    np.int64)
+    have = np.array([max(0, min(reqs[r].num_draft_computed, int(n[i]) - CATCH_UP_TOKENS))
+                     for i, r in enumerate(rows.tolist())], np.int64)
     q = n - have
     qsl = np.zeros(len(rows) + 1, np.int32)
     np.cumsum(q, out=qsl[1:])

@@ -222,6 +222,29 @@ def test_verifying_steps_through_the_graph_runner_take_the_ranks_drafts():
     assert all_accepted(ex_eng), ex_eng.spec.stats
 
 
+def test_the_drafts_forwards_replay_its_decode_graphs(want):
+    # On CPU the graphs' padded static-buffer path runs eagerly (capture=False), as on a GPU
+    # minus the capture: the catch-up of one token a row and every pass go through it.
+    eng = engine(SELF)
+    draft = rank(eng).draft
+    draft.capture_graphs(16, capture=False)
+    seen, forward = [], draft._forward
+
+    def counted(m, *a, **kw):
+        before = draft.replays
+        out = forward(m, *a, **kw)
+        q = np.diff(np.asarray(m.query_start_loc))
+        seen.append((int(q.min()) == int(q.max()) <= 2, draft.replays > before))
+        return out
+
+    draft._forward = counted
+    assert tokens(eng.generate(prompts(), SamplingParams(max_tokens=24))) == want
+    assert all_accepted(eng), eng.spec.stats
+    # every forward of one or two tokens a row replayed; only first catch-ups (prompts) did not
+    assert all(replayed for uniform, replayed in seen if uniform), seen
+    assert sum(replayed for _, replayed in seen) >= 3 * sum(not r for _, r in seen), seen
+
+
 def engine_of(executor_cls, cfg):
     return LLMEngine(cfg, executor_cls(cfg))
 
@@ -245,4 +268,5 @@ def test_a_self_draft_through_captured_graphs_on_gpu():
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
     s = eng.spec.stats
     assert len(replays) >= 5 and w.draft.failures == 0
+    assert w.draft.graphs is not None and w.draft.replays > len(replays)  # the draft's passes replayed too
     assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens, s
