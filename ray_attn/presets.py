@@ -34,6 +34,10 @@ MODEL_PRESETS: dict[str, dict] = {
     "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                        max_position_embeddings=16384, dtype="bfloat16"),
+    # Llama-3.2-1B's shape: the draft model vLLM users pair with the 8B (its vocabulary).
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         max_position_embeddings=16384, tie_word_embeddings=True, dtype="bfloat16"),
     # The CPU stand-in for it in the same benchmarks.
     "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, dtype="float32"),

@@ -17,6 +17,12 @@ speculation gives is verify cost / acceptance length, reported for each k that f
     python scripts/bench_spec_verify.py --batch 1 8 32 64 --k 0 4  # where speculation stops paying
     python scripts/bench_spec_verify.py --checkpoint smollm2 --device cpu --k 0 1 2 4 --ctx 256 --steps 10
     python scripts/bench_spec_verify.py --preset tiny --device cpu --k 0 2 --steps 4 --ctx 32   # its test
+    python scripts/bench_spec_verify.py --draft-preset llama-3.2-1b --k 0 2 4   # a draft model's step
+
+``--draft-preset``: the drafts come from a draft model of that shape (random weights too) on the
+same ranks -- what a step costs with its catch-up and k - 1 passes before the verification.  The
+reference steps are the same engine's with speculation turned off (``disable_by_batch_size``
+0).  Random weights reject the drafts, which changes nothing of what a step costs.
 """
 
 from __future__ import annotations
@@ -39,6 +45,22 @@ import benchlib as bl  # noqa: E402
 from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+class DraftModelSwitch:
+    """For a draft model (``--draft-preset``): ``k`` 0 turns speculation off, else on (the draft
+    proposes every row's k drafts itself)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    @property
+    def k(self) -> int:
+        return 0 if self.spec.disable_by_batch_size == 0 else self.spec.k
+
+    @k.setter
+    def k(self, value: int) -> None:
+        self.spec.disable_by_batch_size = None if value else 0
 
 
 class ForcedDrafts:
@@ -141,6 +163,13 @@ def real_text_itl(points: list[dict]) -> list[dict]:
     return out
 
 
+def spec_config(args, k: int, model: ModelConfig) -> dict:
+    if args.draft_preset is None:
+        return dict(method="ngram", num_speculative_tokens=k, disable_by_batch_size=None)
+    draft = MODEL_PRESETS[args.draft_preset] | {"dtype": model.dtype}
+    return dict(method="draft_model", num_speculative_tokens=k, draft_model_config=draft, disable_by_batch_size=None)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODEL_PRESETS))
@@ -154,6 +183,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="plain/verifying run pairs a point, taken in turn")
     ap.add_argument("--profile", action="store_true", help="at batch 1: where a verifying step's extra host time "
                     "goes (cProfile) and, on CUDA, its GPU time by kernel kind")
+    ap.add_argument("--draft-preset", default=None, choices=sorted(MODEL_PRESETS),
+                    help="drafts from a draft model of this shape (random weights) instead of forced random tokens")
     ap.add_argument("--json", default=str(RESULTS / "bench_spec_verify.json"))
     ap.add_argument("--real-text-only", action="store_true", help="recompute --json's real-text ITL from its points "
                     "and today's bench_spec_decode.json, measuring nothing")
@@ -185,10 +216,13 @@ def main(argv=None) -> dict:
                            parallel=ParallelConfig(device="cuda" if cuda else "cpu",
                                                    kernel="auto" if cuda else "torch"),
                            max_num_seqs=max(args.batch), max_num_batched_tokens=max(2048, max(args.batch) * (k + 1)),
-                           speculative_config=dict(method="ngram", num_speculative_tokens=k, disable_by_batch_size=None))
+                           speculative_config=spec_config(args, k, model))
         engine = LLMEngine(cfg, InProcessExecutor(cfg))
         vocab = engine.config.model.vocab_size
-        proposer = engine.spec.proposer = ForcedDrafts(vocab)
+        if args.draft_preset:
+            proposer = DraftModelSwitch(engine.spec)
+        else:
+            proposer = engine.spec.proposer = ForcedDrafts(vocab)
         graphs = getattr(engine.executor.worker, "spec_graphs", None)
         try:
             for batch in args.batch:
@@ -243,9 +277,11 @@ def main(argv=None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
     points.sort(key=lambda p: (p["batch"], p["k"]))
-    out = dict(machine=bl.machine(), preset=args.preset, checkpoint=args.checkpoint, ctx=args.ctx, steps=args.steps, rounds=args.rounds, kernel=info.get("kernel"),
+    out = dict(machine=bl.machine(), preset=args.preset, checkpoint=args.checkpoint, draft_preset=args.draft_preset,
+               ctx=args.ctx, steps=args.steps, rounds=args.rounds, kernel=info.get("kernel"),
                cuda_graphs=info.get("cuda_graphs"), points=points, goal=dict(k=4, batch=1, max_ratio=1.15),
-               real_text=real_text_itl(points))
+               # n-gram's acceptance lengths on real text say nothing of a draft model's
+               real_text=[] if args.draft_preset else real_text_itl(points))
     for r in out["real_text"]:
         line = (f"{r['workload']:5s} k={r['k']}: acceptance length {r['acceptance_length']:.2f} (SmolLM2, CPU), verify "
                 f"cost {r['verify_cost']:.3f}: ITL {r['itl_vs_plain_drafting_steps']:.2f}x plain on drafting steps")

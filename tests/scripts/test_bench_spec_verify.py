@@ -26,6 +26,15 @@ def test_tiny_on_cpu(tmp_path):
         assert r["itl_vs_plain_drafting_steps"] == pytest.approx(cost / r["acceptance_length"], rel=1e-2)
 
 
+def test_a_draft_models_steps_on_cpu(tmp_path):
+    import bench_spec_verify as bsv
+
+    out = bsv.main(["--preset", "tiny", "--draft-preset", "tiny", "--device", "cpu", "--k", "0", "3", "--batch", "1",
+                    "--steps", "3", "--ctx", "24", "--rounds", "1", "--json", str(tmp_path / "v.json")])
+    assert out["draft_preset"] == "tiny" and out["real_text"] == []
+    assert [(p["batch"], p["k"]) for p in out["points"]] == [(1, 0), (1, 3)]
+
+
 def test_real_text_itl_weighs_drafting_and_plain_steps(tmp_path, monkeypatch):
     """A request of 10 tokens in 6 steps, 4 of them drafting at cost 1.5: ITL (4 x 1.5 + 2) / 10."""
     import json
