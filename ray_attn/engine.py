@@ -326,6 +326,8 @@ class LLMEngine:
                             prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec,
                             lora_loads=self.lora.take_loads() if self.lora is not None else None,
                             lora_prefetch=self.lora.take_prefetches() if self.lora is not None else None)
+        if self.spec is not None:  # a draft model's work in the step (spec/draft_inputs.py)
+            step_in.draft = self.spec.draft_inputs(plan, reqs, spec)
         step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
         self._step_id += 1
         for row, (r, smp) in enumerate(zip(reqs, samples)):

@@ -57,9 +57,15 @@ class RankDraft:
     def check(self, d: DraftInputs, spec, plan, num_blocks: int, block_size: int) -> None:
         """Refuse draft inputs that disagree with the step or reach outside the cache
         (``ValueError`` naming the field), before anything reaches the device."""
-        k_all = np.asarray(spec.num_draft_tokens)
-        if not np.array_equal(np.asarray(d.num_draft_tokens), k_all[k_all > 0]):
-            raise ValueError("draft.num_draft_tokens must be spec.num_draft_tokens' non-zero counts, in order")
+        B = plan.attn.num_reqs
+        k_all = np.zeros(B, np.int64) if spec is None else np.asarray(spec.num_draft_tokens, np.int64)
+        rows = np.asarray(d.rows, np.int64)
+        if rows.shape != np.shape(d.num_draft_tokens) or (len(rows) and (
+                rows.min() < 0 or rows.max() >= B or (np.diff(rows) <= 0).any())):
+            raise ValueError(f"draft.rows must be increasing plan rows in [0, {B}), one per draft row")
+        if not np.array_equal(np.asarray(d.num_draft_tokens), k_all[rows]) or k_all[rows].sum() != k_all.sum():
+            raise ValueError("draft.num_draft_tokens must be spec.num_draft_tokens at draft.rows, every "
+                             "speculating row among them")
         if len(d.target_index) != int(k_all.sum()):
             raise ValueError(f"draft.target_index holds {len(d.target_index)} positions for {int(k_all.sum())} drafts")
         n = plan.attn.num_actual_tokens
@@ -84,7 +90,7 @@ class RankDraft:
     @torch.inference_mode()
     def propose(self, d: DraftInputs, put) -> torch.Tensor:
         """The step's drafts, long [sum k] row after row, on the device."""
-        k = d.num_draft_tokens
+        k = np.asarray(d.num_draft_tokens)
         S, K = len(k), int(k.max()) if len(k) else 0
         try:
             out = self._passes(d, put, S, K)
@@ -94,7 +100,7 @@ class RankDraft:
                 warnings.warn(f"rank {self.rank}: the draft model failed ({type(e).__name__}: {e}); its "
                               "steps verify token 0 instead (their output is unchanged)")
             out = torch.zeros(S, K, dtype=torch.long, device=self.device)
-        if self.tp > 1:
+        if self.tp > 1 and K:
             import torch.distributed as dist
 
             dist.broadcast(out, src=0)
@@ -116,9 +122,13 @@ class RankDraft:
     def _passes(self, d: DraftInputs, put, S: int, K: int) -> torch.Tensor:
         model = self.model
         out = torch.zeros(S, K, dtype=torch.long, device=self.device)
-        last = np.asarray(d.metadata.query_start_loc[1:]) - 1
         hidden = self._forward(d.metadata, d.positions, put, "draft.m.", ids_host=d.input_token_ids)
-        out[:, 0] = model.compute_logits(hidden, put("draft.last", last).long()).argmax(-1)
+        spec = np.flatnonzero(np.asarray(d.num_draft_tokens) > 0)  # the others only computed a chunk
+        if not len(spec):
+            return out
+        last = (np.asarray(d.metadata.query_start_loc[1:]) - 1)[spec]
+        first = model.compute_logits(hidden, put("draft.last", last).long()).argmax(-1)
+        out[put("draft.spec_rows", spec).long(), 0] = first
         for j, p in enumerate(d.passes, start=1):
             rows = put(f"draft.rows{j}", p.rows).long()
             h = self._forward(p.metadata, p.positions, put, f"draft.p{j}.", ids_dev=out[rows, j - 1])

@@ -134,9 +134,6 @@ class SpecDecodeInputs:
     num_draft_tokens: np.ndarray  # int32 [B]
     draft_token_ids: np.ndarray  # int32 [sum k] row after row: the tokens after each row's first
     logits_indices: np.ndarray  # int32 [R] the token positions whose logits are sampled
-    # method='draft_model': the ranks propose the drafts themselves (``draft_token_ids`` and the
-    # plan's inputs at the draft positions are 0 until they do); None for n-gram drafts.
-    draft: DraftInputs | None = None
 
 
 # A draft model's steady-state catch-up per row: the token before the last sampled one, and that
@@ -157,9 +154,9 @@ class DraftPass:
 @dataclass
 class DraftInputs:
     """What the ranks' draft model runs before a step's forward (``spec/draft_inputs.py``): the
-    catch-up query of each drafting row (the rows with drafts, in plan order: S of them), whose
-    last logits give draft 1, then ``passes``; the drafts go to the plan's inputs at
-    ``target_index`` [sum k]."""
+    catch-up query of each of its rows (S plan rows, in plan order: those that speculate, and
+    those carrying a prompt's chunk, k = 0), whose last logits give a speculating row's draft 1,
+    then ``passes``; the drafts go to the plan's inputs at ``target_index`` [sum k]."""
 
     metadata: Any  # FlashAttentionMetadata of the catch-up query, in the draft cache's slots
     input_token_ids: np.ndarray  # int32 [T]
@@ -167,6 +164,7 @@ class DraftInputs:
     num_draft_tokens: np.ndarray  # int32 [S] each drafting row's k
     passes: list  # [DraftPass] one per draft after the first (K - 1 of them)
     target_index: np.ndarray  # int32 [sum k]
+    rows: np.ndarray  # int32 [S] each row's index in the plan
 
 
 @dataclass
@@ -197,6 +195,9 @@ class StepInput:
     # steps filled, published); a planned step carries its own in ``plan.kv_transfers``.
     kv_transfers: Any = None
     spec: SpecDecodeInputs | None = None  # draft tokens this step verifies; None: none
+    # method='draft_model': what the ranks' draft runs first (its drafts fill the plan's inputs
+    # at the draft positions, where the driver put 0, and ``spec.draft_token_ids``); None: nothing
+    draft: DraftInputs | None = None
     # Multi-LoRA: adapter slots the ranks fill before this step's forward, as
     # (slot, lora_int_id, lora_name, lora_path) (ray_attn/lora/manager.py); None: none.
     lora_loads: list | None = None

@@ -16,12 +16,11 @@ def check_step(w, step) -> None:
     check_metadata_values(m, w.num_blocks, w.config.cache.block_size)
     if step.spec is not None:
         check_spec_inputs(step)
-        if step.spec.draft is not None:
-            if w.draft is None:
-                raise ValueError(f"rank {w.rank}: step {step.step_id} carries draft-model inputs, but "
-                                 "this rank has no draft model (speculative_config.method='draft_model')")
-            w.draft.check(step.spec.draft, step.spec, step.plan, w.num_blocks,
-                             w.config.cache.block_size)
+    if step.draft is not None:
+        if w.draft is None:
+            raise ValueError(f"rank {w.rank}: step {step.step_id} carries draft-model inputs, but "
+                             "this rank has no draft model (speculative_config.method='draft_model')")
+        w.draft.check(step.draft, step.spec, step.plan, w.num_blocks, w.config.cache.block_size)
     t = step.plan.kv_transfers
     if t is not None:
         if w.tiers is None:

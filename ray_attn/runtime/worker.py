@@ -341,12 +341,15 @@ class AttentionWorker:
         ids[i] = self.last_tokens[r].to(ids.dtype)
 
     def _fill_drafts(self, ids: torch.Tensor, step: StepInput) -> None:
-        """A draft model's step: run it (``runtime/draft_runner.py``) and write its drafts into
+        """A draft model's work: run it (``runtime/draft_runner.py``) and write its drafts into
         this step's inputs at the draft positions, where the driver put token 0."""
-        d = None if step.spec is None else step.spec.draft
-        self.drafts = None if d is None else self.draft.propose(d, self.buffers.put)
-        if d is not None:
-            ids[self.buffers.put("draft.target_index", d.target_index).long()] = self.drafts.to(ids.dtype)
+        d, self.drafts = step.draft, None
+        if d is None:
+            return
+        drafts = self.draft.propose(d, self.buffers.put)
+        if len(d.target_index):  # else it only computed prompt chunks alongside the target
+            ids[self.buffers.put("draft.target_index", d.target_index).long()] = drafts.to(ids.dtype)
+            self.drafts = drafts
 
     def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sampling: SamplingTensors | None):
         """Rank 0's (tokens, logits, logprobs), on the device; Nones on the other ranks: their

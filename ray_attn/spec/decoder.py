@@ -145,8 +145,6 @@ class SpecDecoder:
         logits_indices = (np.repeat(ends - seg, seg) + offset).astype(np.int32)
         drafts = [r.token_ids[len(r.token_ids) - r.num_drafts:] for r in reqs if r.num_drafts]
         spec = SpecDecodeInputs(k, np.array([t for d in drafts for t in d], np.int32), logits_indices)
-        if self.proposer is None:
-            spec.draft = build_draft_inputs(plan, reqs, k, self.block_size)
         rows = np.repeat(np.arange(len(reqs)), seg)
         sample_idx = (sample_index[rows] + offset).astype(np.int32)
         # a row's history at position j: its tokens before the drafts, then drafts 1..j
@@ -157,6 +155,13 @@ class SpecDecoder:
         sampling = build_sampling_inputs([reqs[i] for i in rows_l], [samples[i] for i in rows_l], sample_idx,
                                          eos, vocab_size, grammars, history_ends=history_ends)
         return temperatures[rows], seeds[rows], sample_idx, sampling, spec
+
+    def draft_inputs(self, plan, reqs, spec: SpecDecodeInputs | None):
+        """A draft model's work in the step (``spec/draft_inputs.py``): its speculating rows and
+        the prompt chunks it computes alongside the target; None with n-gram drafts or no work."""
+        if self.proposer is not None:
+            return None
+        return build_draft_inputs(plan, reqs, None if spec is None else spec.num_draft_tokens, self.block_size)
 
     # -- the answer -----------------------------------------------------------------------------
     def take(self, step_id: int, token_ids: np.ndarray) -> tuple[SpecStep, list[list[int]]] | None:

@@ -20,6 +20,10 @@ A prefix-cache hit shares blocks the draft may never have written for this reque
 catch-up from 0 rewrites them with the same tokens at the same positions -- the values
 another request's draft wrote there, if any -- so sharing stays harmless.
 
+Prompts are computed by the draft in the same steps as by the target, chunk for chunk
+(``build_draft_inputs``), so that a request's first speculating step catches up on two tokens,
+not on its prompt.
+
 Everything here is numpy, built from the step's plan; ``runtime/draft_runner.py`` runs it.
 """
 
@@ -48,26 +52,51 @@ def _decode_metadata(block_table: np.ndarray, positions: np.ndarray, block_size:
         slot_mapping=_slots(block_table, positions, block_size, slot_dtype))
 
 
-def build_draft_inputs(plan, reqs, num_drafts: np.ndarray, block_size: int) -> DraftInputs:
+def build_draft_inputs(plan, reqs, num_drafts: np.ndarray | None, block_size: int) -> DraftInputs | None:
     """The draft's work for a step whose rows ``reqs`` (the plan's order) verify ``num_drafts``
-    [B] drafts each (0: the row does not speculate)."""
-    rows = np.flatnonzero(num_drafts)
-    k = num_drafts[rows].astype(np.int32)
+    [B] drafts each (0 or None: the row does not speculate), or None when it has none.
+
+    Two kinds of rows: those that speculate, and those whose query carries a prompt's chunk
+    (or a preempted request's recomputed tokens), which the draft computes alongside the target
+    so that it never meets a whole prompt in one decode step: such a catch-up would stall that
+    step for a full prefill of the draft, with activations the memory profile did not count.
+    Rows that decode without drafts are left for their next speculating step."""
+    B = len(reqs)
+    k_all = np.zeros(B, np.int32) if num_drafts is None else np.asarray(num_drafts, np.int32)
     m = plan.attn
+    query = np.diff(np.asarray(m.query_start_loc, np.int64))[:B]
+    computed = np.asarray(plan.num_computed_tokens, np.int64)[:B]
+    rows, ends, starts = [], [], []
+    for r in range(B):
+        req = reqs[r]
+        if k_all[r]:
+            # n: tokens before the drafts, the last of them the row's last sampled token (the
+            # verifying query's first).  The catch-up takes at least the last two: in the steady
+            # state every row's catch-up is then exactly 2 tokens (rewriting one the draft holds,
+            # with the same values), which the draft's graphs of 2-token queries replay -- 1 token
+            # after a partly accepted run and 2 after a fully accepted one would be ragged.
+            n = len(req.token_ids) - req.num_drafts
+            have = max(0, min(req.num_draft_computed, n - CATCH_UP_TOKENS))
+        elif query[r] > 1:  # a chunk of known tokens: the draft computes it too
+            n = int(computed[r] + query[r])
+            have = min(req.num_draft_computed, n)
+            req.num_draft_computed = n  # this step writes them (lost ranks reset it: drop_pending)
+        else:
+            continue
+        if n > have:
+            rows.append(r)
+            starts.append(have)
+            ends.append(n)
+    if not rows:
+        return None
+    rows = np.asarray(rows, np.int64)
+    k = k_all[rows]
+    n, have = np.asarray(ends, np.int64), np.asarray(starts, np.int64)
     slot_dtype = np.asarray(m.slot_mapping).dtype
-    # n: tokens before the drafts, the last of them the row's last sampled token (the verifying
-    # query's first); the catch-up starts after the first ``have`` of them, which the draft
-    # holds.  It always takes at least the last two: in the steady state every row's catch-up
-    # is then exactly 2 tokens (rewriting one the draft holds, with the same values), which
-    # the draft's graphs of 2-token queries replay -- 1 token after a partly accepted run and 2
-    # after a fully accepted one would make the batch ragged.
-    n = np.array([len(reqs[r].token_ids) - reqs[r].num_drafts for r in rows.tolist()], np.int64)
-    have = np.array([max(0, min(reqs[r].num_draft_computed, int(n[i]) - CATCH_UP_TOKENS))
-                     for i, r in enumerate(rows.tolist())], np.int64)
     q = n - have
     qsl = np.zeros(len(rows) + 1, np.int32)
     np.cumsum(q, out=qsl[1:])
-    width = int(-(-(n + k - 1).max() // block_size))  # the blocks up to the last draft written
+    width = int(-(-(n + np.maximum(k, 1) - 1).max() // block_size))  # the blocks up to the last token written
     table = np.ascontiguousarray(np.asarray(m.block_table)[rows, :width])
     tokens = np.concatenate([np.asarray(reqs[r].token_ids[have[i]:n[i]], np.int32)
                              for i, r in enumerate(rows.tolist())])
@@ -83,10 +112,11 @@ def build_draft_inputs(plan, reqs, num_drafts: np.ndarray, block_size: int) -> D
         pos = n[live] - 1 + j
         passes.append(DraftPass(rows=live, positions=pos.astype(np.int32),
                                 metadata=_decode_metadata(table[live], pos, block_size, slot_dtype)))
-    ends = np.asarray(m.query_start_loc[1:], np.int64)[rows]
-    target_index = (np.repeat(ends - k, k) + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k))
+    ends_q = np.asarray(m.query_start_loc[1:], np.int64)[rows]
+    target_index = (np.repeat(ends_q - k, k) + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k))
     return DraftInputs(metadata=catchup, input_token_ids=tokens, positions=positions.astype(np.int32),
-                       num_draft_tokens=k, passes=passes, target_index=target_index.astype(np.int32))
+                       num_draft_tokens=k.astype(np.int32), passes=passes, target_index=target_index.astype(np.int32),
+                       rows=rows.astype(np.int32))
 
 
 def committed_after(computed: int, k: int, accepted: int) -> int:

@@ -86,19 +86,56 @@ def test_preempted_requests_restart_the_drafts_cache(plain):
     assert all_accepted(eng), eng.spec.stats
 
 
-def test_rows_that_did_not_speculate_catch_up_in_one_query(plain):
+def test_rows_that_did_not_speculate_catch_up_in_one_query(plain, monkeypatch):
     # Above the batch limit nothing speculates; as requests finish, the rows left speculate and
-    # first catch up on every token they made without the draft, in one query.
+    # first catch up on the tokens they made without the draft, in one query -- their prompts the
+    # draft computed alongside the target's prefill.
+    import ray_attn.spec.decoder as decoder
+
     ps = prompts()
     params = [SamplingParams(max_tokens=8 + 3 * i) for i in range(len(ps))]
     eng = engine(SELF | dict(disable_by_batch_size=4))
-    seen = []
-    draft = rank(eng).draft
-    propose = draft.propose
-    draft.propose = lambda d, put: (seen.append(int(np.diff(d.metadata.query_start_loc).max())), propose(d, put))[1]
+    catch_ups = []
+
+    def build(plan, reqs, k, block_size):
+        d = build_draft_inputs(plan, reqs, k, block_size)
+        for i, r in enumerate([] if d is None else d.rows.tolist()):
+            if d.num_draft_tokens[i]:
+                q = d.metadata.query_start_loc
+                catch_ups.append((int(q[i + 1] - q[i]), int(d.positions[q[i]]) - reqs[r].num_prompt_tokens))
+        return d
+
+    monkeypatch.setattr(decoder, "build_draft_inputs", build)
     assert tokens(eng.generate(ps, params)) == tokens(plain.generate(ps, params))
     assert all_accepted(eng), eng.spec.stats
-    assert max(seen) > 40  # a prompt and the tokens after it: the draft had seen none of them
+    assert max(n for n, _ in catch_ups) > 5  # tokens decoded without drafts, caught up at once
+    assert min(after for _, after in catch_ups) >= 0  # never the prompt: computed with the prefill
+
+
+def test_prompts_are_computed_alongside_so_catch_ups_are_two_tokens(monkeypatch):
+    import ray_attn.spec.decoder as decoder
+
+    # the prompts' prefill steps leave no budget for drafts; from then on every row verifies 4
+    # drafts a step (chunked prompts: test_the_drafts_slots_are_the_targets)
+    eng = engine(SELF)
+    lengths = []
+
+    def build(plan, reqs, k, block_size):
+        d = build_draft_inputs(plan, reqs, k, block_size)
+        if d is not None:
+            q = np.diff(d.metadata.query_start_loc)
+            lengths.extend(q[np.asarray(d.num_draft_tokens) > 0].tolist())
+        return d
+
+    monkeypatch.setattr(decoder, "build_draft_inputs", build)
+    eng.generate(prompts(), SamplingParams(max_tokens=16))
+    assert lengths and set(lengths) == {2}, lengths
+    assert all_accepted(eng), eng.spec.stats
+
+
+def engine_with(spec, **engine_fields):
+    cfg = config(spec).model_copy(update=engine_fields)
+    return LLMEngine(cfg, InProcessExecutor(cfg))
 
 
 def test_penalized_and_constrained_rows_decode_without_drafts(plain):
@@ -134,10 +171,13 @@ def test_a_draft_read_from_a_checkpoint(tmp_path, want):
     assert all_accepted(eng), eng.spec.stats
 
 
-def test_the_drafts_slots_are_the_verifying_querys(monkeypatch):
+def test_the_drafts_slots_are_the_targets(monkeypatch):
+    """Each draft row writes where the target does: a prompt chunk's tokens in the chunk's slots,
+    a speculating row's catch-up ending on its last sampled token, and pass j's draft j in the
+    verifying query's slot for it."""
     import ray_attn.spec.decoder as decoder
 
-    eng = engine(SELF)
+    eng = engine_with(SELF, max_num_batched_tokens=32)  # the 39-token prompt comes in two chunks
     captured = []
 
     def build(plan, reqs, k, block_size):
@@ -145,17 +185,26 @@ def test_the_drafts_slots_are_the_verifying_querys(monkeypatch):
         return captured[-1][1]
 
     monkeypatch.setattr(decoder, "build_draft_inputs", build)
-    # a 39-token prompt crosses pages (16 tokens each): its catch-up and passes span blocks
+    # a 39-token prompt crosses pages (16 tokens each): its chunks, catch-up and passes span blocks
     eng.generate([list(range(1, 40)), list(range(50, 60))], SamplingParams(max_tokens=10))
-    assert captured
+    kinds = set()
     for plan, d in captured:
+        if d is None:
+            continue
         m = plan.attn
         qsl, slots = np.asarray(m.query_start_loc), np.asarray(m.slot_mapping)
-        rows = np.flatnonzero(np.diff(qsl) > 1)
         cq = np.asarray(d.metadata.query_start_loc)
-        for i, r in enumerate(rows.tolist()):
-            first = qsl[r]  # the verifying query: the last sampled token, then the drafts
-            # the catch-up ends on the last sampled token, in its slot and position
+        for i, r in enumerate(d.rows.tolist()):
+            first, end, k = qsl[r], qsl[r + 1], int(d.num_draft_tokens[i])
+            if k == 0:  # a prompt chunk, computed by the draft alongside the target
+                kinds.add("chunk")
+                tail = slice(cq[i + 1] - (end - first), cq[i + 1])
+                assert list(d.metadata.slot_mapping[tail]) == list(slots[first:end])
+                assert list(d.input_token_ids[tail]) == list(plan.input_token_ids[first:end])
+                continue
+            kinds.add("spec")
+            # the verifying query: the last sampled token, then the drafts; the catch-up ends on
+            # the last sampled token, in its slot and position
             assert d.metadata.slot_mapping[cq[i + 1] - 1] == slots[first]
             assert d.positions[cq[i + 1] - 1] == plan.positions[first]
             for j, p in enumerate(d.passes, start=1):  # pass j writes draft j where the target will
@@ -163,8 +212,9 @@ def test_the_drafts_slots_are_the_verifying_querys(monkeypatch):
                 if len(at):
                     assert p.metadata.slot_mapping[at[0]] == slots[first + j]
                     assert p.positions[at[0]] == plan.positions[first + j]
-            assert list(d.target_index[np.repeat(np.arange(len(rows)), d.num_draft_tokens) == i]) == \
-                list(range(first + 1, qsl[r + 1]))
+            owner = np.repeat(np.arange(len(d.rows)), d.num_draft_tokens)
+            assert list(d.target_index[owner == i]) == list(range(first + 1, end))
+    assert kinds == {"chunk", "spec"}
 
 
 def test_a_step_with_bad_draft_inputs_is_refused_by_name():
@@ -177,16 +227,19 @@ def test_a_step_with_bad_draft_inputs_is_refused_by_name():
     w._run = lambda step: captured.append(step) or run(step)
     eng.generate(prompts(2, 0), SamplingParams(max_tokens=6))
     step = next(s for s in captured if s.spec is not None)
-    d: DraftInputs = step.spec.draft
-    bad = dataclasses.replace(step, spec=dataclasses.replace(step.spec, draft=dataclasses.replace(
-        d, target_index=d.target_index + step.plan.attn.num_actual_tokens)))
+    d: DraftInputs = step.draft
+    bad = dataclasses.replace(step, draft=dataclasses.replace(
+        d, target_index=d.target_index + step.plan.attn.num_actual_tokens))
     with pytest.raises(ValueError, match="draft.target_index must lie in"):
         w._check(bad)
     slots = d.metadata.slot_mapping.copy()
     slots[-1] = w.num_blocks * eng.config.cache.block_size
-    bad = dataclasses.replace(step, spec=dataclasses.replace(step.spec, draft=dataclasses.replace(
-        d, metadata=dataclasses.replace(d.metadata, slot_mapping=slots))))
+    bad = dataclasses.replace(step, draft=dataclasses.replace(d, metadata=dataclasses.replace(d.metadata,
+                                                                                               slot_mapping=slots)))
     with pytest.raises(ValueError, match="outside the cache"):
+        w._check(bad)
+    bad = dataclasses.replace(step, draft=dataclasses.replace(d, num_draft_tokens=d.num_draft_tokens * 0))
+    with pytest.raises(ValueError, match="draft.num_draft_tokens must be spec.num_draft_tokens"):
         w._check(bad)
     plain = engine(None)
     with pytest.raises(ValueError, match="no draft model"):
