@@ -143,6 +143,8 @@ class AttentionWorker:
         self.graphs = self._capture_graphs()
         if cfg.cache.calculate_kv_scales:
             self.model.set_calculate_kv_scales()  # after capture: its warm-ups must not set them
+            if self.draft is not None:
+                self.draft.model.set_calculate_kv_scales()
         return self.device_info()
 
     def _capture_graphs(self):

@@ -323,3 +323,25 @@ def test_a_self_draft_through_captured_graphs_on_gpu():
     assert len(replays) >= 5 and w.draft.failures == 0
     assert w.draft.graphs is not None and w.draft.replays > len(replays)  # the draft's passes replayed too
     assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens, s
+
+
+def test_the_fp8_kv_cache_with_scales_from_the_first_batch():
+    """The draft's cache is fp8 too, its scales taken from its own first batch like the target's."""
+    from ray_attn.model.attention import ParallelAttention
+
+    def fp8(spec):
+        cfg = config(spec)
+        cfg = cfg.model_copy(update={"cache": CacheConfig(num_blocks=160, kv_cache_dtype="fp8",
+                                                          calculate_kv_scales=True)})
+        return LLMEngine(cfg, InProcessExecutor(cfg))
+
+    ps = prompts(3, 3)
+    want = tokens(fp8(None).generate(ps, SamplingParams(max_tokens=16)))
+    eng = fp8(SELF)
+    draft = rank(eng).draft
+    layers = [m.attn_layer for m in draft.model.modules() if isinstance(m, ParallelAttention)]
+    assert layers and all(a.calculate_kv_scales for a in layers)
+    assert tokens(eng.generate(ps, SamplingParams(max_tokens=16))) == want
+    assert not any(a.calculate_kv_scales for a in layers)  # taken, from the draft's first batch
+    s = eng.spec.stats
+    assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0, s
