@@ -2,27 +2,31 @@
 
 The draft runs on the target's ranks with a KV cache of its own that has the target's block
 geometry, so it reads and writes through the target's block tables: a position's slot is the
-same in both caches, and the planner allocates for both at once.  It is brought up to date
-lazily.  Each request records how many of its leading tokens the draft cache holds
-(``Request.num_draft_computed``); a step that speculates a row first runs the draft over the
-row's tokens past that (the *catch-up* query, ending at the row's last sampled token, whose
-logits give draft 1; at least the row's last two tokens, see ``CATCH_UP_TOKENS``), then one
-single-token pass per further draft.  So a row that did not
-speculate for a while (a prompt's chunks, a batch above ``disable_by_batch_size``) costs the
-draft nothing until it does, and then one query.
+same in both caches, and the planner allocates for both at once.
 
-After the step the draft cache holds the row's committed tokens and drafts 1..k-1; of these,
-the accepted ones stay valid (``committed_after``).  A preempted request (its blocks given
-away) or one whose ranks died starts again from 0 (``Request.num_draft_computed`` is reset
-where ``num_preemptions`` grows, and by ``drop_pending``).
+Each request records how many of its leading tokens the draft cache holds
+(``Request.num_draft_computed``).  Two kinds of rows give the draft work in a step
+(``build_draft_inputs``):
+- a row carrying a prompt chunk (or a preempted request's recomputed tokens): the draft computes
+  the same chunk in the same step, so it never meets a whole prompt inside a decode step;
+- a row that speculates: the draft first runs a *catch-up* query over the tokens past what its
+  cache holds, ending at the row's last sampled token, whose argmax is draft 1; then one
+  single-token pass per further draft.  The catch-up takes at least the row's last two tokens
+  (``CATCH_UP_TOKENS``), so that in the steady state every row's catch-up has that length and
+  replays a graph.
 
-A prefix-cache hit shares blocks the draft may never have written for this request: the
-catch-up from 0 rewrites them with the same tokens at the same positions -- the values
-another request's draft wrote there, if any -- so sharing stays harmless.
+A row that decodes without drafts for a while (a batch above ``disable_by_batch_size``) costs
+the draft nothing until it speculates again, and then one longer catch-up.  After a verifying
+step the draft cache holds the row's committed tokens and drafts 1..k-1; of these, the accepted
+ones stay valid (``committed_after``).  A preempted request (its blocks given away) or one whose
+ranks died starts again from 0 (``Request.num_draft_computed`` is reset where
+``num_preemptions`` grows, and by ``drop_pending``).
 
-Prompts are computed by the draft in the same steps as by the target, chunk for chunk
-(``build_draft_inputs``), so that a request's first speculating step catches up on two tokens,
-not on its prompt.
+A prefix-cache hit is trusted for the draft too: a new request's draft starts where the target
+does, since the draft computed the shared blocks alongside the request that filled them.  Blocks
+filled by tokens decoded without drafts, or brought back from the host tier (which moves the
+target's cache only), hold no draft KV for their tokens; drafts read from them are worse, which
+costs acceptance, never correctness (verification is exact).
 
 Everything here is numpy, built from the step's plan; ``runtime/draft_runner.py`` runs it.
 """
@@ -79,7 +83,9 @@ def build_draft_inputs(plan, reqs, num_drafts: np.ndarray | None, block_size: in
             have = max(0, min(req.num_draft_computed, n - CATCH_UP_TOKENS))
         elif query[r] > 1:  # a chunk of known tokens: the draft computes it too
             n = int(computed[r] + query[r])
-            have = min(req.num_draft_computed, n)
+            # A new request starts where the target does: the blocks of a prefix-cache hit hold
+            # the draft KV that the draft computed alongside the request that filled them.
+            have = min(req.num_draft_computed or int(computed[r]), n)
             req.num_draft_computed = n  # this step writes them (lost ranks reset it: drop_pending)
         else:
             continue

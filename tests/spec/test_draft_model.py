@@ -133,6 +133,27 @@ def test_prompts_are_computed_alongside_so_catch_ups_are_two_tokens(monkeypatch)
     assert all_accepted(eng), eng.spec.stats
 
 
+def test_a_prefix_cache_hit_starts_the_draft_where_the_target_starts(monkeypatch):
+    import ray_attn.spec.decoder as decoder
+
+    eng = engine(SELF)
+    starts = []
+
+    def build(plan, reqs, k, block_size):
+        d = build_draft_inputs(plan, reqs, k, block_size)
+        for i, r in enumerate([] if d is None else d.rows.tolist()):
+            if not d.num_draft_tokens[i]:  # a chunk row: where its catch-up starts, where the target's does
+                starts.append((int(d.positions[d.metadata.query_start_loc[i]]), int(plan.num_computed_tokens[r])))
+        return d
+
+    monkeypatch.setattr(decoder, "build_draft_inputs", build)
+    first = prompts(1, 0)[0]
+    eng.generate([first], SamplingParams(max_tokens=8))
+    out = eng.generate([first[:32] + [5, 6, 7, 8, 9]], SamplingParams(max_tokens=16))
+    assert out[0].num_cached_tokens == 32 and starts[-1] == (32, 32), starts
+    assert all_accepted(eng), eng.spec.stats  # the shared blocks' draft KV was right
+
+
 def engine_with(spec, **engine_fields):
     cfg = config(spec).model_copy(update=engine_fields)
     return LLMEngine(cfg, InProcessExecutor(cfg))
