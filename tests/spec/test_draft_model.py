@@ -366,3 +366,23 @@ def test_the_fp8_kv_cache_with_scales_from_the_first_batch():
     assert not any(a.calculate_kv_scales for a in layers)  # taken, from the draft's first batch
     s = eng.spec.stats
     assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0, s
+
+
+def test_a_gguf_target_with_its_own_gguf_as_the_draft(tmp_path):
+    from ray_attn.config import ParallelConfig
+    from tests.model.gguf_fixture import tiny_hf, write_gguf
+
+    path = write_gguf(tiny_hf("llama", seed=4), tmp_path / "tiny.gguf", "Q8_0")
+
+    def gguf_engine(spec):
+        cfg = EngineConfig(checkpoint=str(path), cache=CacheConfig(num_blocks=64), speculative_config=spec,
+                           parallel=ParallelConfig(device="cpu", kernel="torch"), max_num_batched_tokens=64)
+        return LLMEngine(cfg, InProcessExecutor(cfg))
+
+    rng = np.random.default_rng(2)
+    eng = gguf_engine(dict(method="draft_model", num_speculative_tokens=3, model=str(path),
+                           disable_by_batch_size=None))
+    ps = [rng.integers(0, eng.config.model.vocab_size, int(n)).tolist() for n in (9, 23, 31)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert tokens(eng.generate(ps, params)) == tokens(gguf_engine(None).generate(ps, params))
+    assert all_accepted(eng), eng.spec.stats
