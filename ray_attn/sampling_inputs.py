@@ -19,7 +19,8 @@ from ray_attn.structured_output import GrammarSync
 def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], sample_index: np.ndarray,
                           eos_token_ids: frozenset[int], vocab_size: int,
                           grammars: GrammarSync | None = None,
-                          history_ends: Sequence[int] | None = None) -> SamplingInputs | None:
+                          history_ends: Sequence[int] | None = None,
+                          draft_ranges: Sequence[tuple[int, int]] | None = None) -> SamplingInputs | None:
     """The step's ``SamplingInputs`` (None when no sampling row needs any), built before the
     step's placeholders are appended: a row's history then ends in at most one placeholder, the
     previous step's token (async scheduling), which rank 0 fills from that step's ``sampled_row``.
@@ -27,7 +28,9 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
     ``grammars``: what rank 0 holds of the constrained rows' grammars (needed when any row has one).
     ``history_ends[i]``: how many of row i's tokens (``Request.token_array()``) its penalties
     see; default all.  Speculative decoding repeats a request once per draft position, each
-    seeing its history up to there (spec/decoder.py)."""
+    seeing its history up to there (spec/decoder.py).  ``draft_ranges[i]`` = (first draft's
+    token index, its index among the step's drafts), when the drafts are a draft model's: made on
+    the ranks, they enter the histories there (``history_draft_index``)."""
     if all(r.params.plain for r in reqs):
         return None
     rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and not r.params.plain]
@@ -43,7 +46,8 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
     penalized = [i for i in rows if reqs[i].params.penalized]
     if penalized:
         _penalty_inputs(si, [reqs[i] for i in penalized], vocab_size,
-                        None if history_ends is None else [history_ends[i] for i in penalized])
+                        None if history_ends is None else [history_ends[i] for i in penalized],
+                        None if draft_ranges is None else [draft_ranges[i] for i in penalized])
         si.penalty_rows = np.array(penalized, np.int32)
     mask_rows, mask_ids = [], []
     for i in rows:
@@ -74,11 +78,13 @@ def build_sampling_inputs(reqs: Sequence[Request], samples: Sequence[bool], samp
     return si
 
 
-def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int, ends=None) -> None:
+def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int, ends=None, drafts=None) -> None:
     """Each penalized row's token history (see ``SamplingInputs``): its prompt, offset by the
     vocabulary size, only when it has a repetition penalty; then its output; then the previous
-    step's token, as a placeholder, when that is still out."""
+    step's token, as a placeholder, when that is still out.  ``drafts[j]``: (first draft's token
+    index, its index among the step's drafts) of a row whose drafts rank 0 fills in."""
     parts, lens, prev_index, prev_rows, offset = [], [], [], [], 0
+    draft_index, draft_src = [], []
     presence, frequency, repetition = [], [], []
     for j, r in enumerate(reqs):
         p = r.params
@@ -92,6 +98,11 @@ def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int, en
             parts.append(toks[:n0] + np.int32(vocab_size))
             n += n0
         parts.append(toks[n0:])
+        if drafts is not None and len(toks) > drafts[j][0]:  # its last tokens: drafts made on the ranks
+            first, src = drafts[j]
+            t = np.arange(len(toks) - first)
+            draft_index += (offset + n - len(t) + t).tolist()
+            draft_src += (src + t).tolist()
         if r.pending:
             prev_index.append(offset + n)
             prev_rows.append(r.sampled_row)
@@ -109,6 +120,8 @@ def _penalty_inputs(si: SamplingInputs, reqs: list[Request], vocab_size: int, en
     si.repetition_penalty = np.array(repetition, np.float32)
     if prev_index:
         si.history_prev_index, si.history_prev_rows = np.array(prev_index, np.int32), np.array(prev_rows, np.int32)
+    if draft_index:
+        si.history_draft_index, si.history_draft_src = np.array(draft_index, np.int32), np.array(draft_src, np.int32)
 
 
 def token_logprobs(lp: LogprobsArrays, j: int, k: int) -> TokenLogprobs:

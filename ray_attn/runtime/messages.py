@@ -75,6 +75,10 @@ class SamplingInputs:
     history_lens: np.ndarray | None = None  # int32 [P]
     history_prev_index: np.ndarray | None = None  # int32 [K]
     history_prev_rows: np.ndarray | None = None  # int32 [K]
+    # A draft model's drafts in the histories of the positions after them (speculative decoding):
+    # rank 0 fills ``history_draft_index`` from the step's drafts at ``history_draft_src``.
+    history_draft_index: np.ndarray | None = None  # int32 [K']
+    history_draft_src: np.ndarray | None = None  # int32 [K'] flat draft index (row after row)
     # (row, token id) pairs masked to -inf: stop ids and EOS of rows short of min_tokens.
     min_tokens_rows: np.ndarray | None = None  # int32 [M]
     min_tokens_ids: np.ndarray | None = None  # int32 [M]

@@ -128,6 +128,8 @@ class SamplingTensors:
     history_lens: torch.Tensor | None = None  # long [P]
     history_prev_index: torch.Tensor | None = None  # long [K]; None: no placeholder
     history_prev_rows: torch.Tensor | None = None  # long [K]
+    history_draft_index: torch.Tensor | None = None  # long [K'] filled from spec_draft_ids
+    history_draft_src: torch.Tensor | None = None  # long [K']
     min_tokens_rows: torch.Tensor | None = None  # long [M]
     min_tokens_ids: torch.Tensor | None = None  # long [M]
     logit_bias_rows: torch.Tensor | None = None  # long [E]
@@ -184,6 +186,9 @@ class SamplingTensors:
                 if inputs.history_prev_index is not None and len(inputs.history_prev_index):
                     i["history_prev_index"] = ints.add(inputs.history_prev_index)
                     i["history_prev_rows"] = ints.add(inputs.history_prev_rows)
+                if inputs.history_draft_index is not None and len(inputs.history_draft_index):
+                    i["history_draft_index"] = ints.add(inputs.history_draft_index)
+                    i["history_draft_src"] = ints.add(inputs.history_draft_src)
             if inputs.min_tokens_rows is not None and len(inputs.min_tokens_rows):
                 i["min_tokens_rows"] = ints.add(inputs.min_tokens_rows)
                 i["min_tokens_ids"] = ints.add(inputs.min_tokens_ids)
@@ -260,6 +265,8 @@ def apply_raw_processors(logits: torch.Tensor, st: SamplingTensors,
                 raise RuntimeError("a penalty row's history reads the previous step's token, "
                                    "but no previous step's tokens are on this rank")
             history[st.history_prev_index] = last_tokens[st.history_prev_rows].long()
+        if st.history_draft_index is not None:  # a draft model's drafts, proposed on the ranks
+            history[st.history_draft_index] = st.spec_draft_ids[st.history_draft_src].long()
         logits[st.penalty_rows] = apply_penalties(
             logits[st.penalty_rows], history, st.history_lens, len(history),
             st.presence, st.frequency, st.repetition)

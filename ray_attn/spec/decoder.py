@@ -100,8 +100,8 @@ class SpecDecoder:
                 continue
             if self.proposer is None:
                 # Drafts made on the ranks are unknown here: a grammar could not cut them to what
-                # it takes, nor penalties' histories hold them.  Such rows decode as usual.
-                if r.grammar is not None or r.params.penalized:
+                # it takes, so a constrained row decodes as usual.  (Penalties see them on rank 0.)
+                if r.grammar is not None:
                     continue
                 drafts = np.zeros(min(self.k, room), np.int32)
             else:
@@ -152,8 +152,13 @@ class SpecDecoder:
         history_ends = (base[rows] + offset).tolist()
         self._steps[step_id] = SpecStep(k, plan.num_computed_tokens.copy(), first)
         rows_l = rows.tolist()
+        draft_ranges = None
+        if self.proposer is None:  # a draft model's drafts reach the histories on rank 0
+            src = (np.cumsum(k) - k)[rows]
+            draft_ranges = list(zip(base[rows].tolist(), src.tolist()))
         sampling = build_sampling_inputs([reqs[i] for i in rows_l], [samples[i] for i in rows_l], sample_idx,
-                                         eos, vocab_size, grammars, history_ends=history_ends)
+                                         eos, vocab_size, grammars, history_ends=history_ends,
+                                         draft_ranges=draft_ranges)
         return temperatures[rows], seeds[rows], sample_idx, sampling, spec
 
     def draft_inputs(self, plan, reqs, spec: SpecDecodeInputs | None):

@@ -159,12 +159,46 @@ def engine_with(spec, **engine_fields):
     return LLMEngine(cfg, InProcessExecutor(cfg))
 
 
-def test_penalized_and_constrained_rows_decode_without_drafts(plain):
-    ps = prompts(2, 0, seed=3)
-    params = SamplingParams(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5)
+def test_penalized_rows_speculate_and_equal_the_plain_run(plain):
+    ps = prompts(3, 3, seed=3)
+    params = [SamplingParams(max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=9, repetition_penalty=1.2)] * 3
     eng = engine(SELF)
     assert tokens(eng.generate(ps, params)) == tokens(plain.generate(ps, params))
-    assert eng.spec.stats.num_drafts == 0
+    s = eng.spec.stats
+    assert s.num_drafts > 10 and s.num_accepted_tokens > 10, s  # accepted and rejected runs
+
+
+def test_the_drafts_reach_the_penalties_histories_on_rank_0():
+    """Each draft position's penalties see the drafts before it.  Made on the ranks, a draft
+    model's drafts are 0 in the driver's histories and rank 0 writes them in
+    (``history_draft_index``): the penalised logits equal those of the same step with the drafts
+    known on the driver, as n-gram drafts are."""
+    from ray_attn.request import Request
+    from ray_attn.runtime.messages import SpecDecodeInputs
+    from ray_attn.runtime.sampling import SamplingTensors, apply_raw_processors
+    from ray_attn.sampling_inputs import build_sampling_inputs
+
+    V, drafts, k = 32, [7, 7, 9], 3
+    params = SamplingParams(max_tokens=20, repetition_penalty=2.0, presence_penalty=1.5, frequency_penalty=1.0)
+    logits = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(0))
+    ends = [5, 6, 7, 8]  # the history of logits row j: the 5 tokens before the drafts, then j drafts
+
+    def penalised(draft_tokens, draft_ranges, fill):
+        req = Request("r", [1, 2, 3, 7, 5], 3, params)
+        req.append_drafts(draft_tokens)
+        si = build_sampling_inputs([req] * (k + 1), [True] * (k + 1), np.arange(2, 6, dtype=np.int32), frozenset(),
+                                   V, history_ends=ends, draft_ranges=draft_ranges)
+        spec = SpecDecodeInputs(np.array([k], np.int32), np.array(draft_tokens, np.int32), np.arange(k + 1))
+        st = SamplingTensors.stage(np.zeros(k + 1, np.float32), np.full(k + 1, -1), np.arange(2, 6, dtype=np.int32),
+                                   torch.device("cpu"), inputs=si, spec=spec)
+        if fill:  # what the worker does once the draft has run
+            st.spec_draft_ids = torch.tensor(drafts)
+        return apply_raw_processors(logits, st)
+
+    known = penalised(drafts, None, False)
+    torch.testing.assert_close(penalised([0] * k, [(5, 0)] * (k + 1), True), known, rtol=0, atol=0)
+    assert not torch.equal(penalised([0] * k, None, False), known)  # zeros there would differ
 
 
 def test_a_failing_draft_leaves_the_output_unchanged(want, monkeypatch):
