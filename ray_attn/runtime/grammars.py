@@ -39,7 +39,7 @@ class RankGrammars:
         self.taken: dict[str, int] = {}  # output tokens each matcher has taken
         self.trial: dict[str, int] = {}  # of those, the drafts taken on trial by the last step
 
-    def bitmask(self, step: StepInput, previous: StepOutput | None) -> np.ndarray:
+    def bitmask(self, step: StepInput, previous: StepOutput | None, drafts: np.ndarray | None = None) -> np.ndarray:
         """int32 [G, words]: the allowed next tokens of the step's constrained rows.  ``previous``
         is the output of the step before (async scheduling), whose tokens fill placeholders."""
         si = step.sampling
@@ -63,7 +63,7 @@ class RankGrammars:
             self.taken[key] = len(tokens)
             self.trial.pop(key, None)
         trim_oldest(self.compiled, MAX_COMPILED)  # as GrammarSync does after the step's grammars
-        newest = self._newest_tokens(step, previous)
+        newest = self._newest_tokens(step, previous, drafts)
         keys = si.grammar_keys
         out = np.full((len(keys), self.words), -1, np.int32)  # a finished row allows anything
         batched: dict[int, GrammarState] = {}  # row -> its matcher: filled together, at the end
@@ -123,12 +123,16 @@ class RankGrammars:
         return True
 
     @staticmethod
-    def _newest_tokens(step: StepInput, previous: StepOutput | None) -> np.ndarray:
-        """Each constrained row's last input token, from the plan or from step N's output."""
+    def _newest_tokens(step: StepInput, previous: StepOutput | None, drafts: np.ndarray | None = None) -> np.ndarray:
+        """Each constrained row's last input token, from the plan or from step N's output; a
+        draft model's drafts (``drafts``, made on the ranks: 0 in the plan) from the ranks'."""
         plan, rows = step.plan, step.sampling.grammar_rows
         # a verifying step samples at each draft's position too
         pos = plan.attn.query_start_loc[rows + 1] - 1 if step.spec is None else step.spec.logits_indices[rows]
         tokens = plan.input_token_ids[pos].astype(np.int64)
+        if drafts is not None:
+            at = dict(zip(step.draft.target_index.tolist(), drafts.tolist()))
+            tokens = np.array([at.get(p, t) for p, t in zip(pos.tolist(), tokens.tolist())], np.int64)
         holes = np.flatnonzero(tokens < 0)
         if len(holes):
             if previous is None or step.prev_token_index is None:

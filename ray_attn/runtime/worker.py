@@ -325,7 +325,8 @@ class AttentionWorker:
         is queued (``runtime/grammars.py`` says why here); ``previous`` is the step before's
         output, whose tokens fill the placeholders."""
         t0 = time.perf_counter()
-        bitmask = self.grammars.bitmask(step, previous)
+        drafts = None if self.drafts is None else self.drafts.cpu().numpy()  # the matchers take them
+        bitmask = self.grammars.bitmask(step, previous, drafts)
         sampling.grammar_bitmask = self.buffers.put("grammar_bitmask", bitmask)
         self.buffers.end()  # the next step's begin() waits for this copy too
         self.grammar_s = time.perf_counter() - t0

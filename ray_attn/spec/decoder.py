@@ -99,17 +99,16 @@ class SpecDecoder:
             if room <= 0:
                 continue
             if self.proposer is None:
-                # Drafts made on the ranks are unknown here: a grammar could not cut them to what
-                # it takes, so a constrained row decodes as usual.  (Penalties see them on rank 0.)
-                if r.grammar is not None:
-                    continue
+                # Made on the ranks, a draft model's drafts are 0 here until then: rank 0 puts them
+                # in penalty histories and through its grammar matchers (a draft the grammar
+                # refuses is rejected there, and so are the ones after it).
                 drafts = np.zeros(min(self.k, room), np.int32)
             else:
                 try:
                     drafts = self.proposer.propose(r.token_array(), room)
                 except Exception:  # noqa: BLE001 -- a proposer that fails leaves the row decoding as usual
                     continue
-            if r.grammar is not None and len(drafts):  # only what the grammar takes from here
+            if r.grammar is not None and len(drafts) and self.proposer is not None:  # what the grammar takes
                 drafts = drafts[:r.grammar.accepts(drafts)]
             if len(drafts):
                 r.append_drafts(drafts)

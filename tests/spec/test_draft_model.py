@@ -19,6 +19,7 @@ from ray_attn.runtime import InProcessExecutor
 from ray_attn.runtime.messages import DraftInputs
 from ray_attn.spec.draft_inputs import build_draft_inputs
 from tests.spec.test_spec_engine import MODEL, config, engine, prompts, tokens
+from tests.spec.test_spec_grammar import tok  # noqa: F401 -- the test tokenizer fixture
 
 SELF = dict(method="draft_model", num_speculative_tokens=4, draft_model_config=MODEL, disable_by_batch_size=None)
 OTHER = SELF | dict(num_speculative_tokens=3, draft_model_config=MODEL | dict(seed=11, num_hidden_layers=1,
@@ -420,3 +421,63 @@ def test_a_gguf_target_with_its_own_gguf_as_the_draft(tmp_path):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     assert tokens(eng.generate(ps, params)) == tokens(gguf_engine(None).generate(ps, params))
     assert all_accepted(eng), eng.spec.stats
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_constrained_rows_speculate_through_rank_0s_matchers(backend, tok):
+    """A draft model's drafts are unknown to the driver, so nothing cuts them to the grammar:
+    rank 0's matchers take them on trial, a refused one is rejected, and the tokens are the
+    plain engine's (the workload of tests/spec/test_spec_grammar.py).  The draft is the target
+    unconstrained, so most of its drafts leave the grammar and few are accepted."""
+    from ray_attn.structured_output import GrammarCompiler
+    from tests.spec.test_spec_engine import looping_prompt
+    from tests.spec.test_spec_grammar import SPECS
+
+    # engines of their own: rank 0 keeps a spec's compiled grammar, whichever backend compiled it
+    plain, spec = engine(None), engine(SELF)
+    for eng in (plain, spec):
+        eng.grammar_compiler = GrammarCompiler(tok, MODEL["vocab_size"], [2], backend=backend)
+    params = [SamplingParams(max_tokens=40, structured_outputs=s, temperature=t, seed=i)
+              for i, (s, t) in enumerate((s, t) for t in (0.0, 1.0) for s in SPECS)]
+    batch = [looping_prompt(plain)] * len(params)
+    verified, accept = [], spec.spec.accept
+
+    def recording(req, row, layout, emitted):
+        if req.grammar is not None and layout.num_drafts[row]:
+            verified.append((int(layout.num_drafts[row]), len(emitted) - 1))
+        return accept(req, row, layout, emitted)
+
+    spec.spec.accept = recording
+    assert tokens(spec.generate(batch, params)) == tokens(plain.generate(batch, params))
+    # rows verified drafts, most of them refused by rank 0's matchers (the accepted path under a
+    # grammar is n-gram's: tests/spec/test_spec_grammar.py)
+    assert len(verified) >= 20 and sum(k - a for k, a in verified) >= 60, verified
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_rank_0s_matchers_take_the_ranks_drafts_not_the_plans_zeros(backend):
+    """The masks of a draft-model step, whose plan holds 0 at the draft positions and whose
+    drafts rank 0 passes in, are those of the same step with the drafts in the plan (n-gram's)."""
+    from types import SimpleNamespace
+
+    from ray_attn.runtime.grammars import RankGrammars
+    from ray_attn.structured_output import GrammarSync, StructuredOutputsParams
+    from tests.runtime.test_structured_output import byte_compiler
+    from tests.spec.test_spec_grammar import A, B, DASH, Row, step
+
+    compiler = byte_compiler(backend)
+    spec = StructuredOutputsParams(regex="(ab-|abc)+c")
+    drafts = [B, DASH, A]
+
+    def masks(as_draft_model):
+        row, sync, rank = Row(compiler, spec), GrammarSync(), RankGrammars(compiler.vocab_size)
+        assert row.driver.accept(A)
+        row.out.append(A)
+        s = step(sync, row, A, drafts)
+        if not as_draft_model:
+            return rank.bitmask(s, None)
+        s.plan.input_token_ids = np.array([A, 0, 0, 0], np.int32)
+        s.draft = SimpleNamespace(target_index=np.array([1, 2, 3], np.int32))
+        return rank.bitmask(s, None, np.array(drafts))
+
+    np.testing.assert_array_equal(masks(True), masks(False))
