@@ -324,11 +324,11 @@ def test_an_error_in_the_fill_is_raised_by_a_step(tok, monkeypatch, thread):
     calls = []
     real = RankGrammars.bitmask
 
-    def failing(self, step, previous):
+    def failing(self, step, previous, drafts=None):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected fill failure")
-        return real(self, step, previous)
+        return real(self, step, previous, drafts)
 
     monkeypatch.setattr(RankGrammars, "bitmask", failing)
     eng = engine(tok, True, thread)
