@@ -18,7 +18,8 @@
 # fp8: the FP8-weight GPU tests, the fp8_weights_* accuracy rows (gpu_accuracy_fp8_weights.json) and
 # bench_fp8 (FP8_PARTS, default error,kernels); fp8_serving: bf16 and FP8-weight engines through the
 # serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
-# spec (issue 40): bench_spec_verify, the verify cost of k drafts against a plain step.
+# spec (issue 40): bench_spec_verify, the verify cost of k drafts against a plain step; draft: the
+# draft model's GPU tests, its accuracy rows and its step cost (8B target, 1B draft).
 # fusion (issue 39): the fused kernels' GPU tests, the decode kernel table of four presets, Inductor
 # against our kernels (bench_fusion), the verify cost of drafts; fusion_rows: the bf16/FP8
 # concurrency-1 ITL (NO_SERVING=1 skips it) and accuracy rows (ACCURACY_ROWS, result
@@ -162,6 +163,17 @@ if [[ $stage == real_model ]]; then
 fi
 if [[ $stage == spec ]]; then  # issue 40: what verifying k drafts costs (k = 0..8; batch 1 and where it stops paying)
   bench scripts/bench_spec_verify.py --batch ${SPEC_BATCHES:-1 8 32 64}
+fi
+if [[ $stage == draft ]]; then  # issue 40: the draft model -- its GPU tests (captured graphs), its gate rows
+  # (the target's checkpoint as its own draft) and its step against a plain one (8B target, 1B draft)
+  step timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short \
+    tests/spec/test_draft_model.py tests/spec/test_spec_graphs.py
+  step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _draft \
+    --rows "${ACCURACY_ROWS:-spec_draft,spec_draft_fp8,spec_draft_cascade}"
+  step timeout "${BENCH_TIMEOUT_S:-200}" python3 scripts/bench_spec_verify.py --draft-preset llama-3.2-1b \
+    --k ${DRAFT_K:-0 2 4} --json benchmarks/results/bench_spec_verify_draft.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_draft.json benchmarks/results/bench_spec_verify_draft.json \
+    "$log" "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == lora_tune ]]; then
   step timeout 420 python3 scripts/bench_lora_kernels.py --write --budget-s "${TUNE_BUDGET_S:-300}" \
