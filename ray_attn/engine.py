@@ -387,6 +387,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
         req.drop_pending()
+        if self.spec is not None:
+            self.spec.finished(req)
         if req.grammar is not None:
             self.grammar_sync.drop(req.request_id)
         self.scheduler.remove(req)

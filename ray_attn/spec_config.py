@@ -32,13 +32,18 @@ CPU_DISABLE_BY_BATCH_SIZE = 4
 # On a GPU a decode step is weight-bound up to large batches and a 1+k query costs little more
 # (scripts/bench_spec_verify.py measures it on the H200): no limit until that sweep gives one.
 GPU_DISABLE_BY_BATCH_SIZE = None
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+SUFFIX_DEFAULTS = (24, 10000, 1.0, 0.1)  # vLLM's
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["ngram", "draft_model"] = Field("ngram", description=(
+    method: Literal["ngram", "draft_model", "suffix"] = Field("ngram", description=(
         "'ngram': prompt lookup -- the tokens that followed the latest earlier occurrence of the "
         "request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own "
-        "prompt and output. 'draft_model': a smaller model with the same vocabulary."))
+        "prompt and output. 'draft_model': a smaller model with the same vocabulary. 'suffix': "
+        "suffix decoding -- continuations of the request's end in the responses the engine gave "
+        "before and in its own tokens (spec/suffix.py)."))
     num_speculative_tokens: int = Field(..., description=(
         f"Draft tokens proposed per request and step (1..{MAX_SPECULATIVE_TOKENS}): a speculating "
         "request is verified as a query of 1 + k tokens."))
@@ -54,6 +59,16 @@ class SpeculativeConfig(_Strict):
     draft_tensor_parallel_size: Optional[int] = Field(None, description=(
         "draft_model: the draft runs on the target's ranks, so this must equal the target's "
         "tensor_parallel_size (vLLM's name; unset means that)."))
+    suffix_decoding_max_tree_depth: Optional[int] = Field(None, description=(
+        "suffix: the longest match looked for, in tokens (default 24, vLLM's)."))
+    suffix_decoding_max_cached_requests: Optional[int] = Field(None, description=(
+        "suffix: responses kept to draft from, oldest dropped first (default 10000, vLLM's; 0: "
+        "only the request's own tokens)."))
+    suffix_decoding_max_spec_factor: Optional[float] = Field(None, description=(
+        "suffix: at most this many drafts per matched token (default 1.0, vLLM's)."))
+    suffix_decoding_min_token_prob: Optional[float] = Field(None, description=(
+        "suffix: a draft token needs at least this share of the matched occurrences (default 0.1, "
+        "vLLM's)."))
     disable_by_batch_size: Union[StrictInt, Literal["auto"], None] = Field("auto", description=(
         "Speculate only in steps with at most this many running requests: a large batch is "
         "compute-bound, and verifying drafts there costs more than it saves. None: always. "
@@ -69,7 +84,19 @@ class SpeculativeConfig(_Strict):
         limit = self.disable_by_batch_size
         if limit is not None and limit != "auto" and limit < 1:
             raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size} must be >= 1 (or None)")
-        if self.method == "ngram":
+        suffix = [n for n in SUFFIX_FIELDS if getattr(self, n) is not None]
+        if suffix and self.method != "suffix":
+            raise ValueError(f"{suffix[0]} is for method='suffix'")
+        if self.method == "suffix":
+            for name in ("model", "draft_model_config", "draft_tensor_parallel_size", "prompt_lookup_min",
+                         "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is not for method='suffix'")
+            p = self.suffix_params
+            if p["max_depth"] < 1 or p["max_cached"] < 0 or p["spec_factor"] <= 0 or not 0 <= p["min_prob"] <= 1:
+                raise ValueError("suffix_decoding_*: max_tree_depth >= 1, max_cached_requests >= 0, "
+                                 f"max_spec_factor > 0 and min_token_prob in [0, 1], got {p}")
+        elif self.method == "ngram":
             for name in ("model", "draft_model_config", "draft_tensor_parallel_size"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is for method='draft_model'; method='ngram' has no draft model")
@@ -87,6 +114,13 @@ class SpeculativeConfig(_Strict):
                 raise ValueError("method='draft_model' needs the draft: model (a checkpoint) or "
                                  "draft_model_config (random weights)")
         return self
+
+    @property
+    def suffix_params(self) -> dict:
+        """SuffixProposer's arguments, vLLM's defaults filled in."""
+        v = [getattr(self, n) for n in SUFFIX_FIELDS]
+        return dict(zip(("max_depth", "max_cached", "spec_factor", "min_prob"),
+                        (d if x is None else x for x, d in zip(v, SUFFIX_DEFAULTS))))
 
     def batch_limit(self, device: str) -> Optional[int]:
         """``disable_by_batch_size`` with 'auto' resolved for ``device`` ('cpu', 'cuda:0', ...)."""

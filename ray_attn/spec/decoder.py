@@ -39,6 +39,7 @@ from ray_attn.runtime.spec_decode import accepted_tokens
 from ray_attn.sampling_inputs import build_sampling_inputs
 from ray_attn.spec.draft_inputs import build_draft_inputs, committed_after
 from ray_attn.spec.ngram import NgramProposer
+from ray_attn.spec.suffix import SuffixProposer
 
 
 @dataclass(slots=True)
@@ -73,7 +74,8 @@ class SpecDecoder:
         self.disable_by_batch_size = spec.batch_limit(device)  # 'auto': the device's measured break-even
         # n-gram drafts are found here; a draft model's are proposed on the ranks, in the step
         # itself (spec/draft_inputs.py), and the driver appends token 0 in their place.
-        self.proposer = NgramProposer(self.k, *spec.ngram_bounds) if spec.method == "ngram" else None
+        self.proposer = (NgramProposer(self.k, *spec.ngram_bounds) if spec.method == "ngram" else
+                         SuffixProposer(self.k, **spec.suffix_params) if spec.method == "suffix" else None)
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.planner = planner
@@ -196,6 +198,14 @@ class SpecDecoder:
         s.num_accepted_tokens += a
         for j in range(a):
             s.num_accepted_tokens_per_pos[j] += 1
+
+    def finished(self, req) -> None:
+        """A request ended: suffix decoding keeps its response (with the prompt's last tokens,
+        which a later request's end may match) to draft from."""
+        add = getattr(self.proposer, "add_response", None)
+        if add is not None and req.num_output_tokens and req.finish_reason != "error":
+            toks = req.all_token_ids
+            add(toks[max(0, req.num_prompt_tokens - self.proposer.max_depth):])
 
     def publish(self, stats: EngineStats) -> None:
         """The counters into the engine's stats (what servers read)."""
