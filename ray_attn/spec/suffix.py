@@ -30,6 +30,10 @@ import numpy as np
 
 ANCHOR = 3  # tokens an occurrence must share with the request's end to be a candidate
 MAX_CANDIDATES = 64  # the most recent occurrences of an anchor looked at
+# An anchor keeps at most this many occurrences (the oldest go first), and evicted responses
+# leave theirs behind until the index is rebuilt: an eviction then costs nothing per anchor,
+# however common its anchors are, and the index stays within a few times the cache.
+MAX_PER_ANCHOR = 4 * MAX_CANDIDATES
 
 
 def _keys(toks: np.ndarray) -> list[int]:
@@ -48,29 +52,35 @@ class SuffixProposer:
         self.k, self.max_depth, self.max_cached = num_speculative_tokens, max_depth, max_cached
         self.spec_factor, self.min_prob = spec_factor, min_prob
         self.responses: OrderedDict[int, np.ndarray] = OrderedDict()  # oldest first
-        self.index: dict[int, list[tuple[int, int]]] = defaultdict(list)  # anchor key -> (response, end)
+        # anchor key -> occurrences as response id << 32 | end (one int: ~40 bytes a cached token)
+        self.index: dict[int, list[int]] = defaultdict(list)
         self._next_id = 0
+        self._evicted = 0  # responses dropped since the index was last rebuilt
 
     # -- the cache of responses ---------------------------------------------------------------
     def add_response(self, tokens) -> None:
         """Remember a finished request's prompt tail and output (``tokens``) for later drafts."""
-        toks = np.asarray(tokens, np.int64)
+        toks = np.asarray(tokens, np.int32)
         if len(toks) <= ANCHOR or self.max_cached == 0:
             return
         rid, self._next_id = self._next_id, self._next_id + 1
         self.responses[rid] = toks
-        for end, key in enumerate(_keys(toks), start=ANCHOR):  # the anchor before toks[end]
-            self.index[key].append((rid, end))
+        self._index(rid, toks)
         while len(self.responses) > self.max_cached:
-            self._evict(*self.responses.popitem(last=False))
+            self.responses.popitem(last=False)
+            self._evicted += 1
+        if self._evicted > max(64, len(self.responses)):  # mostly stale: rebuild from what is kept
+            self.index.clear()
+            self._evicted = 0
+            for r, t in self.responses.items():
+                self._index(r, t)
 
-    def _evict(self, rid: int, toks: np.ndarray) -> None:
-        for key in set(_keys(toks)):
-            rest = [c for c in self.index[key] if c[0] != rid]
-            if rest:
-                self.index[key] = rest
-            else:
-                del self.index[key]
+    def _index(self, rid: int, toks: np.ndarray) -> None:
+        for end, key in enumerate(_keys(toks), start=ANCHOR):  # the anchor before toks[end]
+            bucket = self.index[key]
+            bucket.append(rid << 32 | end)
+            if len(bucket) > 2 * MAX_PER_ANCHOR:
+                del bucket[:MAX_PER_ANCHOR]
 
     # -- drafts -------------------------------------------------------------------------------
     def propose(self, tokens: np.ndarray, k: int | None = None) -> np.ndarray:
@@ -80,8 +90,9 @@ class SuffixProposer:
         if k <= 0 or N < ANCHOR:
             return tokens[:0]
         seqs = [(tokens, end) for end in self._own_ends(tokens)]
-        seqs += [(self.responses[rid], end) for rid, end in
-                 self.index.get(_keys(tokens[N - ANCHOR:])[0], ())[-MAX_CANDIDATES:]]
+        recent = self.index.get(_keys(tokens[N - ANCHOR:])[0], ())[-2 * MAX_CANDIDATES:]
+        live = [(self.responses[c >> 32], c & 0xFFFFFFFF) for c in recent if c >> 32 in self.responses]
+        seqs += live[-MAX_CANDIDATES:]
         if not seqs:
             return tokens[:0]
         # the match length of each occurrence, at most max_depth; keep the longest ones

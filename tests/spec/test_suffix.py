@@ -59,9 +59,14 @@ def test_the_oldest_responses_are_dropped():
     p = SuffixProposer(2, max_cached=2)
     for r in ([1, 2, 3, 10, 11], [4, 5, 6, 12, 13], [7, 8, 9, 14, 15]):
         p.add_response(r)
-    assert p.propose(arr(1, 2, 3)).tolist() == []  # evicted, index entries too
+    assert p.propose(arr(1, 2, 3)).tolist() == []  # evicted: its occurrences are skipped
     assert p.propose(arr(7, 8, 9)).tolist() == [14, 15]
-    assert all(rid in p.responses for lst in p.index.values() for rid, _ in lst)
+    # the index is rebuilt once mostly stale: it holds the kept responses' occurrences and no more
+    for i in range(200):
+        p.add_response([i, i + 1, i + 2, i + 3, i + 4])
+    entries = [c >> 32 for lst in p.index.values() for c in lst]
+    assert len(entries) <= (64 + 3) * 3 and set(p.responses) <= set(entries)
+    assert p.propose(arr(199, 200, 201)).tolist() == [202, 203]
 
 
 def test_config_defaults_and_refusals():
