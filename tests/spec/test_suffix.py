@@ -71,7 +71,7 @@ def test_the_oldest_responses_are_dropped():
 
 def test_config_defaults_and_refusals():
     s = SpeculativeConfig(**SUFFIX)
-    assert s.suffix_params == dict(max_depth=24, max_cached=10000, spec_factor=1.0, min_prob=0.1)
+    assert s.suffix_params == dict(max_depth=24, max_cached=1000, spec_factor=1.0, min_prob=0.1)
     for bad, match in ((dict(suffix_decoding_min_token_prob=1.5), "min_token_prob"),
                        (dict(prompt_lookup_max=3), "prompt_lookup_max is not for method='suffix'")):
         with pytest.raises(ValidationError, match=match):
