@@ -136,8 +136,8 @@ class RankDraft:
         return out
 
     def _forward(self, m, positions: np.ndarray, put, prefix: str, ids_host=None, ids_dev=None) -> torch.Tensor:
-        """Hidden states of one draft forward: a replayed graph when the query is one token a
-        row, else eager.  Its token ids are host ones (the catch-up's) or on the device (the
+        """Hidden states of one draft forward: a replayed graph when every row's query is one
+        token (a pass) or two (the steady-state catch-up), else eager.  Its token ids are host ones (the catch-up's) or on the device (the
         pass before's argmaxes)."""
         n = m.num_actual_tokens
         plan = SimpleNamespace(attn=m, positions=positions,

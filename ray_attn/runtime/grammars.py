@@ -129,10 +129,11 @@ class RankGrammars:
         plan, rows = step.plan, step.sampling.grammar_rows
         # a verifying step samples at each draft's position too
         pos = plan.attn.query_start_loc[rows + 1] - 1 if step.spec is None else step.spec.logits_indices[rows]
-        tokens = plan.input_token_ids[pos].astype(np.int64)
+        ids = plan.input_token_ids
         if drafts is not None:
-            at = dict(zip(step.draft.target_index.tolist(), drafts.tolist()))
-            tokens = np.array([at.get(p, t) for p, t in zip(pos.tolist(), tokens.tolist())], np.int64)
+            ids = ids.copy()
+            ids[step.draft.target_index] = drafts
+        tokens = ids[pos].astype(np.int64)
         holes = np.flatnonzero(tokens < 0)
         if len(holes):
             if previous is None or step.prev_token_index is None:

@@ -72,8 +72,9 @@ class SpecDecoder:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens
         self.disable_by_batch_size = spec.batch_limit(device)  # 'auto': the device's measured break-even
-        # n-gram drafts are found here; a draft model's are proposed on the ranks, in the step
-        # itself (spec/draft_inputs.py), and the driver appends token 0 in their place.
+        # n-gram and suffix drafts are found here; a draft model's are proposed on the ranks, in
+        # the step itself (spec/draft_inputs.py), and the driver appends token 0 in their place.
+        self.drafts_on_ranks = spec.method == "draft_model"
         self.proposer = (NgramProposer(self.k, *spec.ngram_bounds) if spec.method == "ngram" else
                          SuffixProposer(self.k, **spec.suffix_params) if spec.method == "suffix" else None)
         self.block_size = config.cache.block_size
@@ -100,7 +101,7 @@ class SpecDecoder:
             room = min(budget, r.params.max_tokens - r.num_output_tokens - 1)
             if room <= 0:
                 continue
-            if self.proposer is None:
+            if self.drafts_on_ranks:
                 # Made on the ranks, a draft model's drafts are 0 here until then: rank 0 puts them
                 # in penalty histories and through its grammar matchers (a draft the grammar
                 # refuses is rejected there, and so are the ones after it).
@@ -110,8 +111,8 @@ class SpecDecoder:
                     drafts = self.proposer.propose(r.token_array(), room)
                 except Exception:  # noqa: BLE001 -- a proposer that fails leaves the row decoding as usual
                     continue
-            if r.grammar is not None and len(drafts) and self.proposer is not None:  # what the grammar takes
-                drafts = drafts[:r.grammar.accepts(drafts)]
+                if r.grammar is not None and len(drafts):  # only what the grammar takes from here
+                    drafts = drafts[:r.grammar.accepts(drafts)]
             if len(drafts):
                 r.append_drafts(drafts)
                 out.num_new_tokens[i] += len(drafts)
@@ -154,7 +155,7 @@ class SpecDecoder:
         self._steps[step_id] = SpecStep(k, plan.num_computed_tokens.copy(), first)
         rows_l = rows.tolist()
         draft_ranges = None
-        if self.proposer is None:  # a draft model's drafts reach the histories on rank 0
+        if self.drafts_on_ranks:  # a draft model's drafts reach the histories on rank 0
             src = (np.cumsum(k) - k)[rows]
             draft_ranges = list(zip(base[rows].tolist(), src.tolist()))
         sampling = build_sampling_inputs([reqs[i] for i in rows_l], [samples[i] for i in rows_l], sample_idx,
@@ -165,7 +166,7 @@ class SpecDecoder:
     def draft_inputs(self, plan, reqs, spec: SpecDecodeInputs | None):
         """A draft model's work in the step (``spec/draft_inputs.py``): its speculating rows and
         the prompt chunks it computes alongside the target; None with n-gram drafts or no work."""
-        if self.proposer is not None:
+        if not self.drafts_on_ranks:
             return None
         return build_draft_inputs(plan, reqs, None if spec is None else spec.num_draft_tokens, self.block_size)
 
@@ -185,7 +186,7 @@ class SpecDecoder:
         if not k:
             return
         a = len(emitted) - 1  # drafts accepted
-        if self.proposer is None:
+        if self.drafts_on_ranks:
             req.num_draft_computed = committed_after(int(layout.computed[row]), k, a)
         # first, while the request is still running: a finish would index its blocks up to here
         self.planner.rollback(req.request_id, int(layout.computed[row]) + 1 + a)
