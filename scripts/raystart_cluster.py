@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,9 +29,13 @@ from pathlib import Path
 
 from simcluster import REPO, descendants, fast_node_failure, kill_pids
 
-from ray_attn.runtime.rendezvous import free_port
-
 BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -18,8 +18,6 @@ JOIN_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def free_port() -> int:
-    """A TCP port free on every interface of this host right now (so on loopback too: the scripts
-    and tests that start servers and clusters take theirs here)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

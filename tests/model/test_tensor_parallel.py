@@ -7,6 +7,7 @@ only the all-reduce's summation order differs from TP=1 (observed ~1e-6).
 
 from __future__ import annotations
 
+import socket
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ import torch.multiprocessing as mp
 
 from ray_attn.config import ModelConfig
 from ray_attn.model import LlamaForCausalLM, build_model
-from ray_attn.runtime.rendezvous import free_port
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 
 SEED = 7
@@ -73,6 +73,12 @@ def _rank(rank, world, port, folder):
                        f"{folder}/{name}_{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,13 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ray_attn.runtime.rendezvous import free_port
 from tests.scripts.test_batch_generate import reference, write_prompts
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def token_env(tmp: Path) -> dict:

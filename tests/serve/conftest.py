@@ -9,6 +9,7 @@ tests; ``/`` has room for the concurrent tests of one client.  Every deadline is
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ray_attn.runtime.rendezvous import free_port  # noqa: F401 -- the serve tests import it from here
 from tests.timescale import scaled
 from tests.tokenizer_fixture import build_tokenizer
 
@@ -33,6 +33,12 @@ FRONT = dict(max_connections=12, max_requests_per_client=4, body_timeout_s=round
              max_body_bytes=1 << 20)
 MAX_NUM_SEQS = 4
 MODEL_ID = "tiny-chat"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
