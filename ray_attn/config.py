@@ -100,7 +100,9 @@ class EngineConfig(_Strict):
         "on the device, and the host's planning, messaging and staging overlap the GPU's work. "
         "Outputs then arrive one step later, and a request that hits a stop token computes one "
         "token more than it returns. Unset: on when the ranks run on GPUs (on CPU the forward "
-        "runs on the host, so there is nothing to overlap)."))
+        "runs on the host, so there is nothing to overlap). With speculative_config, steps that "
+        "may speculate (batches up to disable_by_batch_size) are not deferred: the next plan needs "
+        "their accepted lengths."))
     num_sms: Optional[int] = Field(None, gt=0, description="SM count for the cascade heuristic; taken from the workers' GPU when unset.")
     speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
         "Speculative decoding (vLLM's SpeculativeConfig): proposed tokens verified as multi-token "
@@ -138,8 +140,7 @@ class EngineConfig(_Strict):
             raise ValueError(f"lora_config: {self.model.architecture} is not served with LoRA adapters (dense "
                              "families whose checkpoints name q/k/v/o_proj and gate/up/down_proj)")
         if self.speculative_config is not None:
-            check_speculative(self.speculative_config, self.model, self.parallel.tensor_parallel_size,
-                              self.async_scheduling)
+            check_speculative(self.speculative_config, self.model, self.parallel.tensor_parallel_size)
         return self
 
 

@@ -81,9 +81,7 @@ class LLMEngine:
         self.spec = None if config.speculative_config is None else SpecDecoder(
             config, self.planner, str((getattr(executor, "infos", None) or [{}])[0].get("device", config.parallel.device)))
         self.async_scheduling = config.async_scheduling
-        if self.spec is not None:
-            self.async_scheduling = False  # not with speculation yet (spec_config.check_speculative)
-        elif self.async_scheduling is None:
+        if self.async_scheduling is None:
             infos = getattr(executor, "infos", None) or [{}]
             self.async_scheduling = str(infos[0].get("device", "")).startswith("cuda")
         self._submitted: SubmittedStep | None = None  # async: the step whose tokens are still out
@@ -167,13 +165,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- one step -----------------------------------------------------------------------------
-    def _plan(self):
+    def _plan(self, speculate: bool = False):
         """Plan the step, preempting (by recompute) until the pool can hold it.
 
         The retry loop lives here, not in the Scheduler, because it is where the scheduler's
         proposal meets the planner's verdict: the Scheduler proposes from its queues and never
         sees an OutOfBlocksError or a StepPlan, and a preemption counts in the engine's stats."""
-        scheduler, admit, spec = self.scheduler, None, self.spec
+        scheduler, admit = self.scheduler, None
+        spec = self.spec if speculate else None
         while True:
             out = scheduler.schedule(admit)
             if not out.reqs:
@@ -201,7 +200,7 @@ class LLMEngine:
                 scheduler.preempt_one()
                 self.stats.preemptions += 1
                 admit = 0  # else the victim would be re-admitted into the same step
-                spec = self.spec
+                spec = self.spec if speculate else None
                 continue
             except BaseException:
                 if drafted:
@@ -231,13 +230,19 @@ class LLMEngine:
         step on the GPU before they wait for that one's tokens, and the driver plans the next step
         while this one runs.  Its inputs that depend on the previous step's tokens travel as
         placeholders, which the ranks fill on the device.  The price: a request that stops on a
-        stop token has already been scheduled once more, and that token is thrown away."""
+        stop token has already been scheduled once more, and that token is thrown away.  Under
+        speculative decoding, only steps that cannot speculate are deferred (``SpecDecoder.wants``:
+        batches above ``disable_by_batch_size``)."""
         t0 = time.perf_counter()
-        plan = self._plan()
+        # A step that may speculate is not deferred (spec/decoder.py says why): the one still out
+        # is collected first, so that its rows' tokens are known to propose from and plan after.
+        speculate = self.spec is not None and self.spec.wants(len(self.scheduler.running))
+        early = self.flush() if speculate else []
+        plan = self._plan(speculate)
         if plan is None:
-            return self.flush()
+            return early + self.flush()
         self.stats.prefix_cache_hit_tokens += plan.num_prefix_cache_hit_tokens
-        sub, step_in = self._submit(plan)
+        sub, step_in = self._submit(plan, defer=self.async_scheduling and not speculate)
         try:
             out = self.executor.step(step_in)
         except WorkerFailure as e:
@@ -245,11 +250,11 @@ class LLMEngine:
         if out is not None and "kv_copy_s" in out.timings:
             self.stats.kv_copy_s = out.timings["kv_copy_s"]
         self._note_lora_ready(out)
-        if self.async_scheduling:
+        if step_in.defer:
             done, self._submitted = self._submitted, sub
         else:
             done = sub
-        outputs = [] if done is None else self._apply(done, out)
+        outputs = early + ([] if done is None else self._apply(done, out))
         tiers = self.planner.kv.tiers
         if tiers is not None and tiers.has_pending_publish() and not self.scheduler.has_unfinished():
             outputs += self.flush()
@@ -290,12 +295,10 @@ class LLMEngine:
             self.lora.ready(out.lora_ready)  # adapters rank 0 has read: their requests may be admitted
 
     def set_async_scheduling(self, on: bool) -> None:
-        if on and self.spec is not None:
-            raise ValueError("async_scheduling: not supported with speculative decoding yet")
         self.flush()  # a rank refuses a plain step while a deferred answer is waiting
         self.async_scheduling = on
 
-    def _submit(self, plan) -> tuple[SubmittedStep, StepInput]:
+    def _submit(self, plan, defer: bool) -> tuple[SubmittedStep, StepInput]:
         """The step's message; each row that samples gets a placeholder token until its output
         is applied (with async scheduling the next plan reads it as that row's input)."""
         reqs = [self.requests[i] for i in plan.req_ids]
@@ -322,7 +325,7 @@ class LLMEngine:
         else:
             temps, seeds, sample_index, sampling, spec = spec
         step_in = StepInput(plan=plan, temperatures=temps, seeds=seeds, sample_index=sample_index,
-                            step_id=self._step_id, defer=self.async_scheduling,
+                            step_id=self._step_id, defer=defer,
                             prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec,
                             lora_loads=self.lora.take_loads() if self.lora is not None else None,
                             lora_prefetch=self.lora.take_prefetches() if self.lora is not None else None)

@@ -155,14 +155,8 @@ class SpeculativeConfig(_Strict):
         return ModelConfig(**(fields | over))
 
 
-def check_speculative(spec: SpeculativeConfig, target: ModelConfig, tp: int, async_scheduling) -> None:
+def check_speculative(spec: SpeculativeConfig, target: ModelConfig, tp: int) -> None:
     """What speculation needs of the engine it runs in; ``ValueError`` naming the field."""
-    if async_scheduling:
-        # The engine rolls each request back to its accepted length once the step's tokens are
-        # read; under async scheduling the next step would be planned before that length is
-        # known (placeholders covering a variable number of tokens): not built yet.
-        raise ValueError("speculative_config: async_scheduling=True is not supported with speculative "
-                         "decoding yet; leave it unset (speculation turns it off) or set it False")
     if spec.method != "draft_model":
         return
     draft = spec.draft_config()

@@ -23,7 +23,12 @@ What does not speculate, and why:
 - a prompt's last chunk: its first token is not sampled yet, so there is nothing to continue;
 - rows whose ``max_tokens`` leave no room (k is cut to what is left, minus the bonus token), and
   every row of a step with more than ``disable_by_batch_size`` running requests.
-Async scheduling is off under speculation (``spec_config.check_speculative`` says why).
+With async scheduling, a step that may speculate (``wants``) is not deferred: its drafts are
+found from the tokens before it, and how many of them it accepts sets where each row's next query
+starts, which the driver's planner must know before it plans that query.  So below
+``disable_by_batch_size`` steps are collected before the next one is planned (collecting first
+the one still out, when the batch shrinks below it), and above it, where nothing speculates,
+steps overlap as they do without speculation (``LLMEngine.step``).
 """
 
 from __future__ import annotations
@@ -84,10 +89,15 @@ class SpecDecoder:
         self._steps: dict[int, SpecStep] = {}  # step id -> its layout, until its answer is read
 
     # -- planning -------------------------------------------------------------------------------
+    def wants(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` running requests speculates (at most
+        ``disable_by_batch_size``: above it, verifying drafts costs more than it saves)."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
     def propose(self, out, num_running: int) -> int:
         """Append drafts to the decoding rows of the scheduler's proposal ``out`` (its
         ``num_new_tokens`` grow by them) within the step's token budget; returns how many."""
-        if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
+        if not self.wants(num_running):
             return 0
         budget = self.max_num_batched_tokens - sum(out.num_new_tokens)
         planner, total = self.planner, 0

@@ -18,7 +18,8 @@ from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor
 from ray_attn.runtime.messages import DraftInputs
 from ray_attn.spec.draft_inputs import build_draft_inputs
-from tests.spec.test_spec_engine import MODEL, config, engine, prompts, tokens
+from tests.spec.test_spec_engine import (MODEL, check_async_steps, config, engine, prompts, record_steps,
+                                         tokens)
 from tests.spec.test_spec_grammar import tok  # noqa: F401 -- the test tokenizer fixture
 
 SELF = dict(method="draft_model", num_speculative_tokens=4, draft_model_config=MODEL, disable_by_batch_size=None)
@@ -111,6 +112,21 @@ def test_rows_that_did_not_speculate_catch_up_in_one_query(plain, monkeypatch):
     assert all_accepted(eng), eng.spec.stats
     assert max(n for n, _ in catch_ups) > 5  # tokens decoded without drafts, caught up at once
     assert min(after for _, after in catch_ups) >= 0  # never the prompt: computed with the prefill
+
+
+def test_async_scheduling_overlaps_the_steps_above_the_batch_limit(plain):
+    # Above the limit the steps are deferred, the draft computing only prompt chunks in them; below
+    # it they speculate, collected first.  A self-draft accepts everything only if the catch-ups
+    # after the deferred steps read the right tokens at the right slots.
+    ps = prompts(4, 4, seed=8)
+    params = [SamplingParams(max_tokens=6 + 4 * i) for i in range(len(ps))]
+    eng = engine(SELF | dict(disable_by_batch_size=3))
+    eng.set_async_scheduling(True)
+    seen = record_steps(eng)
+    assert tokens(eng.generate(ps, params)) == tokens(plain.generate(ps, params))
+    check_async_steps(seen)
+    assert all_accepted(eng), eng.spec.stats
+    assert rank(eng).draft.failures == 0
 
 
 def test_prompts_are_computed_alongside_so_catch_ups_are_two_tokens(monkeypatch):

@@ -45,9 +45,8 @@ def test_bad_lookup_bounds_and_crossed_methods_are_refused():
     refused("disable_by_batch_size", {"num_speculative_tokens": 2, "disable_by_batch_size": 0})
 
 
-def test_async_scheduling_on_is_refused_with_speculation():
-    refused("async_scheduling", {"num_speculative_tokens": 2}, async_scheduling=True)
-    assert engine({"num_speculative_tokens": 2}, async_scheduling=False).async_scheduling is False
+def test_async_scheduling_is_taken_with_speculation():
+    assert engine({"num_speculative_tokens": 2}, async_scheduling=True).async_scheduling is True
 
 
 def draft(**over) -> dict:

@@ -203,11 +203,36 @@ def test_preemption_recomputes_and_the_drafts_give_way_first(engines):
     tight.planner.pool.check_invariants()
 
 
-def test_async_scheduling_is_off_under_speculation():
-    eng = engine()
-    assert eng.async_scheduling is False
-    with pytest.raises(ValueError, match="async_scheduling"):
-        eng.set_async_scheduling(True)
+def record_steps(eng) -> list[tuple[bool, bool, bool]]:
+    """(a flush, deferred, with drafts) of each message the engine sends its ranks."""
+    seen, step = [], eng.executor.step
+    eng.executor.step = lambda s: (seen.append((s.plan is None, s.defer, s.spec is not None)), step(s))[1]
+    return seen
+
+
+def check_async_steps(seen) -> None:
+    """Steps above the batch limit were deferred, steps below it speculated and were not, and
+    the engine collected a deferred step before the first speculating step that followed it."""
+    assert any(d for f, d, _ in seen if not f) and any(sp for *_, sp in seen), seen
+    assert not any(d and sp for _, d, sp in seen), seen
+    assert any(f for f, *_ in seen), seen
+
+
+def test_async_scheduling_defers_the_steps_that_cannot_speculate(engines):
+    # 8 requests ending one after another: the batch starts above the limit (steps overlap, none
+    # speculates) and shrinks below it (steps speculate, each collected before the next is planned).
+    plain, _ = engines
+    ps = prompts(4, 4, seed=8)
+    params = [SamplingParams(max_tokens=6 + 4 * i) for i in range(len(ps))]
+    want = tokens(plain.generate(ps, params))
+    eng = engine(SPEC | {"disable_by_batch_size": 3})
+    eng.set_async_scheduling(True)
+    seen = record_steps(eng)
+    assert tokens(eng.generate(ps, params)) == want
+    check_async_steps(seen)
+    assert eng.spec.stats.num_accepted_tokens > 0
+    eng.planner.pool.check_invariants()
+    assert eng.planner.stats()["num_used_blocks"] == 0 and eng._submitted is None
 
 
 def test_disable_by_batch_size():
