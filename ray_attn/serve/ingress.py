@@ -228,6 +228,12 @@ class PrefixRoutingIngress:
         if resume_requests:
             self.stores, self.front_id = _stores_here(cfg.resume_window_s)
 
+    def __del__(self):
+        # Serve calls this when it stops the replica: its entry leaves the proxies' table now,
+        # not when its stamp goes stale (proxy_auth.py), as LLMServer's does.
+        if getattr(self, "proxy_auth", None) is not None:
+            self.proxy_auth.close()
+
     async def __call__(self, request: Request) -> Response:
         refusal = self.auth.check(request.scope)
         if refusal is not None:  # before the body: a flood without a key costs no reads

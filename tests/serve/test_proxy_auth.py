@@ -222,3 +222,19 @@ def test_the_publisher_renews_its_entry_and_removes_it_on_close():
     pub.close()
     assert kv.data == {}
     assert pa.publish_from_replica(lambda: a) is None  # outside a Serve replica: nothing
+
+
+@pytest.mark.parametrize("front", ["LLMServer", "PrefixRoutingIngress"])
+def test_a_stopped_front_takes_its_entry_out(front):
+    # Serve calls __del__ when it stops a replica: the entry must go then, not when its stamp is stale
+    from ray_attn.serve import app, ingress
+
+    cls = (app.LLMServer if front == "LLMServer" else ingress.PrefixRoutingIngress).func_or_class
+    kv = FakeKV()
+    obj = cls.__new__(cls)
+    obj.proxy_auth = pa.Publisher("keyed/r1", lambda: auth([API_KEY]), every_s=60, kv=kv)
+    assert kv.data
+    done = obj.__del__()  # Serve's ingress wrapper (LLMServer's) makes it a coroutine
+    if asyncio.iscoroutine(done):
+        asyncio.run(done)
+    assert kv.data == {}
