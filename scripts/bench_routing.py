@@ -30,7 +30,6 @@ import json
 import os
 import random
 import re
-import socket
 import sys
 import time
 from collections import Counter
@@ -44,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.benchlib import stretched  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
+from ray_attn.ports import loopback_port as free_port  # noqa: E402
 
 METRIC = re.compile(r'^\w*ray_attn_prefix_cache_(hits|queries)\w*\{([^}]*)\}\s+(\S+)$', re.M)
 
@@ -112,12 +112,6 @@ async def drive(url: str, bodies: list[dict], clients: int, timeout: float):
     async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=clients)) as c:
         await asyncio.gather(*[client(c) for _ in range(clients)])
     return time.perf_counter() - t0, lat, placed, errors, tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout: float = 120.0) -> None:

@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,14 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from simcluster import REPO, descendants, fast_node_failure, kill_pids
+from ray_attn.ports import loopback_port as free_port
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

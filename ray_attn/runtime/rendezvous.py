@@ -9,18 +9,13 @@ model's collectives and the worker's token broadcast run on it.
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 
+from ray_attn.ports import free_port
+
 # Bounded, so that a rank whose peer died errors out instead of hanging forever.
 JOIN_TIMEOUT = datetime.timedelta(seconds=120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def group_address() -> tuple[str, int]:

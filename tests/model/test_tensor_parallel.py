@@ -7,7 +7,6 @@ only the all-reduce's summation order differs from TP=1 (observed ~1e-6).
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 from ray_attn.config import ModelConfig
 from ray_attn.model import LlamaForCausalLM, build_model
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
+from ray_attn.ports import loopback_port as free_port
 
 SEED = 7
 CASES = {
@@ -73,12 +73,6 @@ def _rank(rank, world, port, folder):
                        f"{folder}/{name}_{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

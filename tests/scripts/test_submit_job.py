@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,16 +19,11 @@ import pytest
 
 from tests.scripts.test_batch_generate import reference, write_prompts
 from tests.timescale import scaled
+from ray_attn.ports import loopback_port as free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def token_env(tmp: Path) -> dict:

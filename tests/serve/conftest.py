@@ -9,7 +9,6 @@ tests; ``/`` has room for the concurrent tests of one client.  Every deadline is
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from tests.timescale import scaled
 from tests.tokenizer_fixture import build_tokenizer
+from ray_attn.ports import loopback_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,12 +33,6 @@ FRONT = dict(max_connections=12, max_requests_per_client=4, body_timeout_s=round
              max_body_bytes=1 << 20)
 MAX_NUM_SEQS = 4
 MODEL_ID = "tiny-chat"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
