@@ -58,6 +58,9 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.interpreter import note_collected
+
+    note_collected(items)  # the kernel modules whose interpreted runs share one subprocess
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
