@@ -36,6 +36,7 @@ import asyncio
 import json
 import math
 import multiprocessing
+import os
 import sys
 import time
 from collections import Counter
@@ -189,7 +190,8 @@ def keyed_alone(url: str, key: str, seconds: float, max_tokens: int, timeout: fl
 
 def burst_with_health(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
                       max_tokens: int, timeout: float, health_every: float,
-                      control_path: str = "", key: str = "") -> tuple[Outcome, float, float, tuple, tuple, tuple]:
+                      control_path: str = "", key: str = "", burst_nice: int = 0
+                      ) -> tuple[Outcome, float, float, tuple, tuple, tuple]:
     """The burst, with pollers in spawned processes from before the first request until after
     the last answer: the app's ``/health``, Serve's proxy's ``/-/healthz`` and, with
     ``control_path``, an app route that awaits nothing (``/stats``).  The proxy's says how long
@@ -212,6 +214,8 @@ def burst_with_health(url: str, requests: int, addresses: int, first_address: in
         for _, ready, _ in pollers:
             if not ready.wait(timeout):
                 raise RuntimeError(f"a health poller did not start within {timeout} s")
+        if burst_nice:  # this process only (the burst), not the pollers started above
+            os.nice(burst_nice)
         out, wall, began = asyncio.run(burst(url, requests, addresses, first_address, stream_share, max_tokens,
                                              timeout))
     finally:
@@ -245,6 +249,10 @@ def main(argv=None) -> int:
                     "--idle-s first, then during the burst; its p99 during / alone is reported")
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--keyed-p99-ratio", type=float, default=1.2, help="--check: the most the keyed p99 may grow")
+    ap.add_argument("--burst-nice", type=int, default=0, help=(
+        "lower the burst's own CPU priority by this much (os.nice), so that its client takes little of "
+        "the cores the server runs on, as a flood from other machines would: 19 for that; 0 (default): "
+        "the flood's client competes with the server for this machine's cores"))
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     if not 1 <= a.addresses <= 250 - a.first_address + 1:
@@ -252,7 +260,7 @@ def main(argv=None) -> int:
     idle = keyed_alone(a.url, a.api_key, a.idle_s, a.max_tokens, a.timeout) if a.api_key else []
     out, wall, began, (proxy_polls, proxy_failures), (control_polls, control_failures), (keyed_polls, keyed_failures) = \
         burst_with_health(a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout,
-                          a.health_every, a.control_path, a.api_key)
+                          a.health_every, a.control_path, a.api_key, a.burst_nice)
     keyed = {}
     if a.api_key:
         alone = latency_summary(idle, 0.0, math.inf, a.timeout)
@@ -262,7 +270,7 @@ def main(argv=None) -> int:
                      keyed_p99_ratio=None if ratio is None else round(ratio, 3), keyed_p99_ratio_goal=a.keyed_p99_ratio)
     worst = max(out.health_s, default=None)
     proxy_s = [lat for _, lat in proxy_polls]
-    report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share,
+    report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share, burst_nice=a.burst_nice,
                   wall_s=round(wall, 2), **dict(sorted(out.counts.items())), foreign=out.num_foreign,
                   health_checks=len(out.health_s), health_failures=out.health_failures,
                   health_max_s=None if worst is None else round(worst, 3),
