@@ -397,6 +397,31 @@ def test_a_self_draft_through_captured_graphs_on_gpu():
     assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens, s
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_scheduling_on_gpu_gives_the_synchronous_tokens():
+    """On the GPU with graphs: deferred steps above the batch limit (the ranks fill their inputs
+    on the device), speculating steps below it; the tokens are the synchronous engine's, bit for
+    bit, since both plan the same steps."""
+    from tests.spec import test_spec_graphs as g
+
+    prompts, _ = g.workload()
+    params = [SamplingParams(max_tokens=n) for n in (10, 16, 22, 28, 34)]  # 5 running, then fewer
+    outs = {}
+    for on in (False, True):
+        cfg = graph_config("cuda", "bfloat16")
+        cfg = cfg.model_copy(update={"speculative_config": cfg.speculative_config.model_copy(
+            update={"disable_by_batch_size": 3})})
+        eng = LLMEngine(cfg, InProcessExecutor(cfg))
+        eng.set_async_scheduling(on)
+        seen = record_steps(eng)
+        outs[on] = [o.output_token_ids for o in eng.generate(prompts, params)]
+        if on:
+            check_async_steps(seen)
+        assert eng.spec.stats.num_drafts > 0 and eng.executor.worker.draft.failures == 0
+    assert outs[True] == outs[False]
+
+
 def test_the_fp8_kv_cache_with_scales_from_the_first_batch():
     """The draft's cache is fp8 too, its scales taken from its own first batch like the target's."""
     from ray_attn.model.attention import ParallelAttention
