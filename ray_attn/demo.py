@@ -76,10 +76,10 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int):
     """HF transformers' greedy tokens (cut after the first end-of-sequence token, as ours stop)
     and its logits at each step, from the same GGUF in float32."""
     import torch
-    import transformers
 
-    folder, name = os.path.split(os.path.abspath(path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from ray_attn.gguf_file import hf_causal_lm
+
+    model = hf_causal_lm(path, torch.float32)
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     tokens, scores = [], []

@@ -184,6 +184,40 @@ def load_tokenizer(path: str):
     return tok
 
 
+def hf_causal_lm(path: str, dtype=None):
+    """HF transformers' own model from the GGUF (``AutoModelForCausalLM`` with ``gguf_file``), the
+    reference the demo, the tests and the scripts compare against, in ``dtype`` (float32 unset).
+
+    transformers parses the file's header twice (for the config, then for the weights) and
+    rebuilds gguf's tensor-name map once for each of the model's modules: ~9 of ~18 s for
+    SmolLM2 on two cores.  Within this call both are cached; what transformers computes from
+    them is unchanged (it only reads the reader and the map)."""
+    import functools
+
+    import gguf
+    import torch
+    import transformers
+
+    folder, name = os.path.split(os.path.abspath(path))
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def reader(file, *args, **kwargs):
+        key = (os.path.abspath(str(file)), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_cls(file, *args, **kwargs)
+        return readers[key]
+
+    # transformers imports both from the gguf package inside its loader, at each call
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                  dtype=dtype or torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+    return model.eval()
+
+
 _COMPLETE = "ray_attn_complete"  # written last: a folder without it is a save that did not finish
 
 

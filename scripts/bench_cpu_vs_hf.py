@@ -89,7 +89,7 @@ def agreement(ours, hf) -> str:
 
 
 def main(argv=None):
-    from ray_attn.gguf_file import gguf_path, load_tokenizer
+    from ray_attn.gguf_file import gguf_path, hf_causal_lm, load_tokenizer
     from ray_attn.presets import default_gguf
 
     a = argparse.ArgumentParser()
@@ -114,9 +114,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = load_tokenizer(path)
-    folder, name = os.path.split(path)
     hf_threads = torch.get_num_threads()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, args.dtype)).eval()
+    hf = hf_causal_lm(path, getattr(torch, args.dtype))
     hf.generation_config.eos_token_id = None  # no early stop: every request makes max_tokens, as ours (ignore_eos)
     import statistics
 

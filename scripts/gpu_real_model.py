@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ray_attn.config import EngineConfig, ParallelConfig  # noqa: E402
 from ray_attn.demo import QUESTIONS, chat_ids  # noqa: E402
 from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
-from ray_attn.gguf_file import load_tokenizer  # noqa: E402
+from ray_attn.gguf_file import hf_causal_lm, load_tokenizer  # noqa: E402
 from ray_attn.presets import default_gguf  # noqa: E402
 
 MARGIN = 3.0
@@ -46,11 +46,7 @@ MORE_QUESTIONS = ["Explain what a hash table is.", "Give me a short recipe for p
 
 
 def hf_model(path: str, dtype, device):
-    import transformers
-
-    folder, name = os.path.split(os.path.abspath(path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    return model.to(device).eval()
+    return hf_causal_lm(path, dtype).to(device)
 
 
 @torch.no_grad()

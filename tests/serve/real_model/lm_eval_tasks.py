@@ -17,7 +17,6 @@ different summation orders, so a pick between two tokens ``TIE`` apart may diffe
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -74,14 +73,10 @@ def hf_model(path: str):
     """HF transformers' own reading of the GGUF: the model in float32 and the tokenizer (transformers'
     build from the metadata, saved once per run or machine by ``gguf_file.load_tokenizer``)."""
     import torch
-    import transformers
 
-    from ray_attn.gguf_file import load_tokenizer
+    from ray_attn.gguf_file import hf_causal_lm, load_tokenizer
 
-    folder, name = os.path.split(os.path.abspath(path))
-    tok = load_tokenizer(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tok
+    return hf_causal_lm(path, torch.float32), load_tokenizer(path)
 
 
 def hf_lm(model, tok):
