@@ -249,7 +249,7 @@ def test_the_proxy_killed_mid_stream_loses_no_stream_that_reconnects(app, clean,
     assert proxy_actor()["ActorID"] != old["ActorID"]
 
 
-def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app, clean, time_limit):
+def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app, clean, time_limit, request):
     """The node goes with its replica, its ranks and its front.  Each of the three kinds of
     request it held is shown to have crossed: the stream's log (``progress_store``) names the
     replicas that served it and the event each began at; the non-streaming answer names its
@@ -312,6 +312,10 @@ def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app
     r, ts = run_streams(url, prefills, {k: {"on_open": open_prefill, "request_id": k} for k in prefills})
     wait_until(lambda: removed.is_set() or len(opened) == len(prefills), 60, "the prefill streams did not open")
     assert removed.wait(scaled(5)), "no long-prompt stream opened on the victim"
+    # The tests after this one need two replica nodes: a failure below must not leave one
+    # (the next test would wait out its whole deadline for a replica no node can hold).
+    restored: list = []
+    request.addfinalizer(lambda: restored or sim.add_replica_node())
     for t in threads + ts + [wt]:
         t.join(scaled(240))
     results.update(r)
@@ -337,8 +341,11 @@ def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app
         # in prefill: no event had gone out.  Its front may have been on the lost node too; then
         # the client's second connection is a new request (no Last-Event-ID) and the log begins
         # there -- the client's own connections show the crossing.
+        # The client had no event when the node was removed; its processes take a moment to die,
+        # and on a slow host the victim may log the first token meanwhile (the stream then goes
+        # on from event 1: still every token once, checked above).
         s = results[key]
-        assert at_removal["events"] == 0 and began_at == 0, (key, rec.replicas, at_removal)
+        assert at_removal["events"] == 0 and began_at <= 1, (key, rec.replicas, at_removal)
         assert s.connections[0].replica == victim, (key, s.connections)
         assert first == victim or (s.reconnects >= 1 and s.connections[-1].replica == last), (
             key, rec.replicas, s.connections)
@@ -363,6 +370,7 @@ def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app
     assert any("LLMServer" in m and REPLICA_RESOURCE in m and "full" in m for m in messages), messages
     # Serve replaces the lost replica and front once a node can hold them, without a restart
     new = sim.add_replica_node()
+    restored.append(new)
     nodes = wait_replicas(APP, 2, timeout=180)
     assert new.node_id in nodes.values()
     assert new.node_id in replica_nodes(APP, "PrefixRoutingIngress").values()
