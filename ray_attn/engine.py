@@ -172,7 +172,7 @@ class LLMEngine:
         proposal meets the planner's verdict: the Scheduler proposes from its queues and never
         sees an OutOfBlocksError or a StepPlan, and a preemption counts in the engine's stats."""
         scheduler, admit = self.scheduler, None
-        spec = self.spec if speculate else None
+        spec = wanted = self.spec if speculate else None
         while True:
             out = scheduler.schedule(admit)
             if not out.reqs:
@@ -200,7 +200,7 @@ class LLMEngine:
                 scheduler.preempt_one()
                 self.stats.preemptions += 1
                 admit = 0  # else the victim would be re-admitted into the same step
-                spec = self.spec if speculate else None
+                spec = wanted  # drafts again, for the smaller batch
                 continue
             except BaseException:
                 if drafted:
