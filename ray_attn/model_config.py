@@ -132,7 +132,10 @@ class ModelConfig(_Strict):
         "--quantization fp8). A mapping is a quantized checkpoint's quantization_config, read from its "
         "config.json: compressed-tensors FP8 (per-channel weight_scale with dynamic per-token activations, "
         "or per-tensor weight_scale with a static input_scale) or block-wise fp8 (weight_block_size "
-        "[128, 128], weight_scale_inv). Other formats are refused by name. Unset: unquantized weights. "
+        "[128, 128], weight_scale_inv). 'gguf': a GGUF checkpoint's Q4_0 / Q4_1 weights run as stored, "
+        "packed for torch's int4 matmul in bfloat16, on CPU ranks (ray_attn/model/gguf_q4.py; vLLM's "
+        "quantization='gguf'). Other formats are refused by name. Unset: unquantized weights (a GGUF "
+        "dequantized to dtype). "
         "Independent of CacheConfig.kv_cache_dtype."))
     seed: int = Field(0, description="Seed for random weights when no checkpoint is given.")
     eos_token_ids: list[int] = Field(default_factory=list, description=(

@@ -44,13 +44,14 @@ def chat_prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def make_engine(path: str, tp: int, executor: str, batch: int, dtype: str = "float32"):
+def make_engine(path: str, tp: int, executor: str, batch: int, dtype: str = "float32",
+                quantization: str | None = None):
     from ray_attn.config import CacheConfig, EngineConfig, ParallelConfig
     from ray_attn.engine import LLMEngine, SamplingParams
     from ray_attn.runtime import InProcessExecutor
 
     # No prefix caching: the repeats send the same prompts, and a cached prefill is not HF's work.
-    cfg = EngineConfig(checkpoint=path, model={"dtype": dtype},
+    cfg = EngineConfig(checkpoint=path, model={"dtype": dtype, "quantization": quantization},
                        cache=CacheConfig(num_blocks=256, enable_prefix_caching=False),
                        parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
                        max_num_seqs=max(8, batch), max_num_batched_tokens=1024)
@@ -103,6 +104,9 @@ def main(argv=None):
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="both sides' weights and compute (default float32: the dequantized weights exactly)")
+    a.add_argument("--quantization", choices=["gguf"], default=None,
+                   help="ours only: 'gguf' runs the file's 4-bit blocks as stored (bfloat16 matmuls; "
+                        "ray_attn/model/gguf_q4.py); HF keeps its dequantized weights")
     args = a.parse_args(argv)
     if args.our_threads:
         os.environ["RAY_ATTN_CPU_THREADS"] = str(args.our_threads)
@@ -120,7 +124,7 @@ def main(argv=None):
     import statistics
 
     rows = []
-    eng = make_engine(path, args.tp, args.executor, max(args.batch), args.dtype)
+    eng = make_engine(path, args.tp, args.executor, max(args.batch), args.dtype, args.quantization)
     our_threads = torch.get_num_threads()  # what the in-process rank set (RAY_ATTN_CPU_THREADS or its share)
     try:
         for batch in args.batch:
@@ -140,13 +144,15 @@ def main(argv=None):
             print(rows[-1], flush=True)
     finally:
         eng.shutdown()
-    meta = dict(checkpoint=os.path.basename(path), dtype=args.dtype, tp=args.tp, executor=args.executor, hf_threads=hf_threads,
+    meta = dict(checkpoint=os.path.basename(path), dtype=args.dtype, quantization=args.quantization, tp=args.tp, executor=args.executor, hf_threads=hf_threads,
                 our_threads=our_threads if args.executor == "in_process" else os.environ.get("RAY_ATTN_CPU_THREADS"),
                 repeats=args.repeats,
                 cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__)
-    out = bl.save("bench_cpu_vs_hf" + ("" if args.dtype == "float32" else "_bf16"), rows, **meta)
+    out = bl.save("bench_cpu_vs_hf" + ("" if args.dtype == "float32" else "_bf16")
+                  + (f"_{args.quantization}" if args.quantization else ""), rows, **meta)
     bl.print_table(rows, ["batch", "max_tokens", "ours_tok_s", "hf_tok_s", "speedup", "median_speedup", "tokens"],
-                   f"CPU greedy decode, {meta['checkpoint']} {args.dtype} (ours: TP={args.tp}, {args.executor})")
+                   f"CPU greedy decode, {meta['checkpoint']} {args.dtype} (ours: TP={args.tp}, {args.executor}"
+                   + (f", quantization={args.quantization})" if args.quantization else ")"))
     print(f"wrote {out}")
 
 

@@ -23,8 +23,9 @@ from torch import nn
 from ray_attn.backend.cache import FP8_DTYPE, is_fp8_kv_cache
 from ray_attn.backend.flash_attn import FlashAttentionBackend
 from ray_attn.config import ModelConfig
+from ray_attn import gguf_file
 from ray_attn.metadata import FlashAttentionMetadata
-from ray_attn.model import weights
+from ray_attn.model import gguf_q4, weights
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.fused import add_rms_norm
 from ray_attn.model.gemv import linear
@@ -151,7 +152,10 @@ class CausalLM(nn.Module):
             for prefix in self.checkpoint_prefixes:
                 if all(prefix + n in names for n in shards):
                     weights.load_checkpoint({prefix + n: s for n, s in shards.items()}, folder, prefix=prefix, **kw)
-                    return self.process_weights_after_loading()
+                    self.process_weights_after_loading()
+                    if self.config.quantization == gguf_q4.QUANTIZATION:  # the 4-bit blocks as stored
+                        gguf_q4.pack_model(self, gguf_file.gguf_path(folder))
+                    return
         weights.load_checkpoint(self.weight_shards(), folder, **kw)  # raises, naming the missing tensors
 
     def init_random_weights(self, seed: int, std: float | None = None) -> None:

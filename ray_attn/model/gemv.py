@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.model import gguf_q4
 
 try:
     import triton
@@ -166,8 +167,13 @@ def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA, and oneDNN's matmul for
-    float32 on CPU where it is the faster (``use_onednn``)."""
+    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA, oneDNN's matmul for
+    float32 on CPU where it is the faster (``use_onednn``), and a GGUF's own 4-bit blocks on CPU
+    where the model packed them (``gguf_q4``, quantization='gguf')."""
+    if not x.is_cuda:
+        q = gguf_q4.packed(w)
+        if q is not None:
+            return gguf_q4.linear(x, q, bias)
     if use_gemv(x, w):
         return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
     if use_onednn(x, w):

@@ -28,6 +28,7 @@ from typing import Literal
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK_SIZE = (128, 128)  # the only weight_block_size we run (every published block-FP8 checkpoint)
 ONLINE = "fp8"  # ModelConfig.quantization for online quantization at load
+GGUF = "gguf"  # ModelConfig.quantization: a GGUF checkpoint's 4-bit blocks run as stored (model/gguf_q4.py)
 QUANT_METHODS = ("fp8", "compressed-tensors")
 # The modules a config may leave unquantized without changing our layers (ours never are).
 ALWAYS_UNQUANTIZED = ("lm_head",)
@@ -88,16 +89,17 @@ def _refuse(name: str, value, why: str):
 def parse_quantization(value, architecture: str | None = None) -> Fp8Config | None:
     """The scheme ``ModelConfig.quantization`` asks for (None: unquantized), or a ValueError that
     names the field and value we do not run."""
-    if value is None:
-        return None
+    if value is None or value == GGUF:
+        return None  # GGUF's 4-bit blocks (model/gguf_q4.py): no FP8 scheme
     if isinstance(value, str):
         if value != ONLINE:
             raise ValueError(f"quantization={value!r} is not supported; use {ONLINE!r} (online FP8 of a "
-                             "full-precision checkpoint) or leave it unset to take a checkpoint's own "
-                             "quantization_config (compressed-tensors FP8, block-wise fp8)")
+                             f"full-precision checkpoint), {GGUF!r} (a GGUF's 4-bit blocks as stored) or "
+                             "leave it unset to take a checkpoint's own quantization_config (compressed-tensors "
+                             "FP8, block-wise fp8)")
         return Fp8Config(ONLINE, False, "channel", "dynamic", "token")
     if not isinstance(value, dict):
-        raise ValueError(f"quantization must be 'fp8', a checkpoint's quantization_config mapping or null, "
+        raise ValueError(f"quantization must be 'fp8', 'gguf', a checkpoint's quantization_config mapping or null, "
                          f"got {type(value).__name__}")
     method = value.get("quant_method")
     if method == "fp8":
