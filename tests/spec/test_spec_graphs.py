@@ -141,13 +141,24 @@ def test_only_uniform_full_length_steps_qualify():
     assert not ex.worker.graphs.can_run(plan([0, 4, 8]))
 
 
+def plain_tokens(cfg, prompts, params) -> list[list[int]]:
+    """The greedy tokens of a plain engine of ``cfg``, run in this process and shut down after: an
+    engine left alive holds its GPU (its Ray placement group or its worker), and the next GPU test
+    of the process could not start (one did: "could not reserve 1 bundles of {'GPU': 1}")."""
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    try:
+        return [o.output_token_ids for o in eng.generate(prompts, params)]
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_verifying_graphs_match_eager_on_gpu():
     """bf16, FlashAttention through real captures (the worker's own _capture_graphs)."""
     prompts, _ = workload()
     cfg = config("cuda", "bfloat16")
-    plain_toks = [o.output_token_ids for o in LLMEngine(config("cuda", "bfloat16", spec=False)).generate(*workload())]
+    plain_toks = plain_tokens(config("cuda", "bfloat16", spec=False), *workload())
     eng = LLMEngine(cfg, InProcessExecutor(cfg))
     assert eng.executor.worker.spec_graphs is not None, eng.executor.infos[0]["kernel"]
     replays = []
