@@ -25,7 +25,7 @@ from ray_attn.backend.flash_attn import FlashAttentionBackend
 from ray_attn.config import ModelConfig
 from ray_attn import gguf_file
 from ray_attn.metadata import FlashAttentionMetadata
-from ray_attn.model import gguf_q4, weights
+from ray_attn.model import gguf_q4, gguf_weights, weights
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.fused import add_rms_norm
 from ray_attn.model.gemv import linear
@@ -154,7 +154,7 @@ class CausalLM(nn.Module):
                     weights.load_checkpoint({prefix + n: s for n, s in shards.items()}, folder, prefix=prefix, **kw)
                     self.process_weights_after_loading()
                     if self.config.quantization == gguf_q4.QUANTIZATION:  # the 4-bit blocks as stored
-                        gguf_q4.pack_model(self, gguf_file.gguf_path(folder))
+                        gguf_weights.pack_q4(self, gguf_file.gguf_path(folder))
                     return
         weights.load_checkpoint(self.weight_shards(), folder, **kw)  # raises, naming the missing tensors
 

@@ -13,8 +13,8 @@ too (a block's fp16 scale keeps 8 of its 11 significant bits), so logits move by
 rounding and greedy tokens can fork from the float32 run at near-ties -- as llama.cpp's, which
 quantizes activations to 8 bits, do.  The default (quantization unset) stays HF's float32 function.
 
-How: after the dense load (``gguf_weights.load_gguf``) every 2-D weight whose pieces all come from
-Q4_0 / Q4_1 tensors is read again as blocks, for exactly the rows and columns this rank holds,
+How: after the dense load (``gguf_weights.load_gguf``), ``gguf_weights.pack_q4`` reads every 2-D weight whose pieces all come from
+Q4_0 / Q4_1 tensors again as blocks (``q4_blocks``), for exactly the rows and columns this rank holds,
 and packed once; ``gemv.linear`` takes the packed copy wherever that weight is used on CPU (a tied
 LM head too).  Other tensor types (Q8_0, K-quants, floats) stay dense.  GPU ranks keep the dense
 weights.  The dense copy stays: the embedding, a reload and the tests read it.
@@ -34,7 +34,7 @@ import torch
 GROUP = 32  # inputs per GGUF block, and per scale of torch's kernel
 QUANTIZATION = "gguf"  # ModelConfig.quantization that asks for it
 _PACKED = "_ray_attn_gguf_q4"
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def q4_blocks(tensor, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     """Rows ``rows`` (GGUF row order) of a Q4_0 / Q4_1 ``ReaderTensor`` as (codes uint8 [R, K],
     scale float32 [R, K / 32], zero float32 [R, K / 32]): value = (code - 8) * scale + zero."""
     kind = tensor.tensor_type.name
-    nbytes = _BLOCK_BYTES[kind]
+    nbytes = BLOCK_BYTES[kind]
     k = int(tensor.shape[0])  # a GGUF lists the innermost dim first
     blocks = np.ascontiguousarray(tensor.data[rows]).reshape(len(rows), k // GROUP, nbytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -61,7 +61,7 @@ def q4_blocks(tensor, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return codes, d, zero
 
 
-class _Param:
+class Blocks:
     """One weight's blocks as its pieces fill them."""
 
     def __init__(self, w: torch.Tensor):
@@ -79,56 +79,6 @@ class _Param:
         sz = torch.stack([torch.from_numpy(self.scale), torch.from_numpy(self.zero)], -1)
         sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K / 32, N, 2], as the kernel reads
         setattr(self.w, _PACKED, (self.w._version, packed, sz))
-
-
-def _row_offset(dest: torch.Tensor, base: torch.Tensor) -> int:
-    return (dest.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
-
-
-def pack_model(model, path: str) -> int:
-    """Pack every 2-D weight of ``model`` whose pieces all come from Q4_0 / Q4_1 tensors of GGUF
-    ``path``; returns how many.  CPU ranks only (GPU ranks keep the dense weights)."""
-    from ray_attn import gguf_file
-    from ray_attn.model.gguf_weights import gguf_to_hf_names, hf_rows
-
-    if model.device.type != "cpu" or not available():
-        log.warning("quantization='gguf' runs the 4-bit blocks on CPU ranks only; this rank (%s) runs "
-                    "the dequantized weights", model.device)
-        return 0
-    hf_of = gguf_to_hf_names(path)
-    tensors = {hf_of.get(t.name, t.name): t for t in gguf_file.reader(path).tensors}
-    params: dict[int, _Param] = {}
-    for name, shard in model.weight_shards().items():
-        t = tensors.get(name)
-        for piece in shard.pieces():
-            dest = piece.dest
-            base = dest._base if dest._base is not None else dest
-            if dest.dim() != 2 or base.dim() != 2 or len(piece.full_shape) != 2:
-                continue
-            if base is model.embed_tokens and model.lm_head is not base:
-                continue  # looked up, never multiplied: its packed copy would be memory for nothing
-            p = params.setdefault(id(base), _Param(base))
-            idx = piece.index()
-            cols = idx[1] if len(idx) > 1 else slice(0, piece.full_shape[1])
-            start, stop = cols.start or 0, cols.stop if cols.stop is not None else piece.full_shape[1]
-            if t is None or t.tensor_type.name not in _BLOCK_BYTES or start % GROUP or stop % GROUP:
-                p.ok = False
-                continue
-            rows = np.arange(piece.full_shape[0])[idx[0]]
-            codes, scale, zero = q4_blocks(t, hf_rows(path, t, rows))
-            r0 = _row_offset(dest, base)
-            at = slice(r0, r0 + len(rows))
-            p.codes[at] = codes[:, start:stop]
-            p.scale[at] = scale[:, start // GROUP:stop // GROUP]
-            p.zero[at] = zero[:, start // GROUP:stop // GROUP]
-            p.filled[at] = True
-    done = 0
-    for p in params.values():
-        if p.ok and p.filled.all():
-            p.pack()
-            done += 1
-    log.info("quantization='gguf': %d weights run on their 4-bit blocks (%s)", done, path)
-    return done
 
 
 def packed(w: torch.Tensor):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ray_attn import gguf_file
+from ray_attn.model import gguf_q4
 from ray_attn.model.layers import FusedShard, Shard
 
 # The HF module names of the families a GGUF may hold (gguf_file.GGUF_ARCHITECTURES), each with a
@@ -137,3 +138,52 @@ def load_gguf(shards: dict[str, Shard | FusedShard], path: str, *, tied: bool = 
             local = block[torch.from_numpy(at)] if len(at) != len(rows) else block
             piece.dest.copy_(local[(slice(None),) + tuple(piece.index()[1:])])
         del block
+
+
+# -- quantization='gguf': each rank's slice of the Q4 weights packed as stored (model/gguf_q4.py) --
+def _row_offset(dest: torch.Tensor, base: torch.Tensor) -> int:
+    return (dest.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+
+
+def pack_q4(model, path: str) -> int:
+    """Pack every 2-D weight of ``model`` whose pieces all come from Q4_0 / Q4_1 tensors of GGUF
+    ``path``; returns how many.  CPU ranks only (GPU ranks keep the dense weights)."""
+    if model.device.type != "cpu" or not gguf_q4.available():
+        gguf_q4.log.warning("quantization='gguf' runs the 4-bit blocks on CPU ranks only; this rank (%s) "
+                            "runs the dequantized weights", model.device)
+        return 0
+    hf_of = gguf_to_hf_names(path)
+    tensors = {hf_of.get(t.name, t.name): t for t in gguf_file.reader(path).tensors}
+    G = gguf_q4.GROUP
+    params: dict[int, gguf_q4.Blocks] = {}
+    for name, shard in model.weight_shards().items():
+        t = tensors.get(name)
+        for piece in shard.pieces():
+            dest = piece.dest
+            base = dest._base if dest._base is not None else dest
+            if dest.dim() != 2 or base.dim() != 2 or len(piece.full_shape) != 2:
+                continue
+            if base is model.embed_tokens and model.lm_head is not base:
+                continue  # looked up, never multiplied: its packed copy would be memory for nothing
+            p = params.setdefault(id(base), gguf_q4.Blocks(base))
+            idx = piece.index()
+            cols = idx[1] if len(idx) > 1 else slice(0, piece.full_shape[1])
+            start, stop = cols.start or 0, cols.stop if cols.stop is not None else piece.full_shape[1]
+            if t is None or t.tensor_type.name not in gguf_q4.BLOCK_BYTES or start % G or stop % G:
+                p.ok = False
+                continue
+            rows = np.arange(piece.full_shape[0])[idx[0]]
+            codes, scale, zero = gguf_q4.q4_blocks(t, hf_rows(path, t, rows))
+            r0 = _row_offset(dest, base)
+            at = slice(r0, r0 + len(rows))
+            p.codes[at] = codes[:, start:stop]
+            p.scale[at] = scale[:, start // G:stop // G]
+            p.zero[at] = zero[:, start // G:stop // G]
+            p.filled[at] = True
+    done = 0
+    for p in params.values():
+        if p.ok and p.filled.all():
+            p.pack()
+            done += 1
+    gguf_q4.log.info("quantization='gguf': %d weights run on their 4-bit blocks (%s)", done, path)
+    return done
