@@ -13,11 +13,12 @@ too (a block's fp16 scale keeps 8 of its 11 significant bits), so logits move by
 rounding and greedy tokens can fork from the float32 run at near-ties -- as llama.cpp's, which
 quantizes activations to 8 bits, do.  The default (quantization unset) stays HF's float32 function.
 
-How: after the dense load (``gguf_weights.load_gguf``), ``gguf_weights.pack_q4`` reads every 2-D weight whose pieces all come from
-Q4_0 / Q4_1 tensors again as blocks (``q4_blocks``), for exactly the rows and columns this rank holds,
-and packed once; ``gemv.linear`` takes the packed copy wherever that weight is used on CPU (a tied
-LM head too).  Other tensor types (Q8_0, K-quants, floats) stay dense.  GPU ranks keep the dense
-weights.  The dense copy stays: the embedding, a reload and the tests read it.
+How: after the dense load (``gguf_weights.load_gguf``), ``gguf_weights.pack_q4`` reads every 2-D
+weight whose pieces all come from Q4_0 / Q4_1 tensors again as blocks (``q4_blocks``), for exactly
+the rows and columns this rank holds, and packs it once; ``gemv.linear`` takes the packed copy
+wherever that weight is used on CPU (a tied LM head too).  Other tensor types (Q8_0, K-quants,
+floats) stay dense.  GPU ranks keep the dense weights.  The dense copy stays: the embedding, a
+reload and the tests read it.
 
 Layout: a Q4_0 block is an fp16 scale d and 32 4-bit codes q (value (q - 8) d); Q4_1 adds an fp16
 minimum m (value q d + m).  torch's kernel computes (q - 8) * scale + zero: scale = d and zero = 0
