@@ -134,10 +134,12 @@ class EngineConfig(_Strict):
             raise ValueError(f"model.quantization (quant_method={self.model.quantization.get('quant_method')!r}) "
                              "describes a quantized checkpoint's tensors, and no checkpoint is given; random "
                              "weights take quantization='fp8'")
-        if self.model.quantization == "gguf":
+        if isinstance(self.model.quantization, str):  # imported lazily, as ModelConfig does: ray_attn.model loads torch
             from ray_attn import gguf_file
+            from ray_attn.model.quantization import GGUF
 
-            if self.checkpoint is None or gguf_file.gguf_path(self.checkpoint) is None:
+            if self.model.quantization == GGUF and (self.checkpoint is None
+                                                    or gguf_file.gguf_path(self.checkpoint) is None):
                 raise ValueError(f"model.quantization='gguf' runs a GGUF checkpoint's 4-bit blocks as stored, "
                                  f"but checkpoint={self.checkpoint!r} is not a GGUF file or a folder of one")
         check_runnable(self.model, self.cache, self.parallel)

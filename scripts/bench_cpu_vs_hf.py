@@ -144,7 +144,8 @@ def main(argv=None):
             print(rows[-1], flush=True)
     finally:
         eng.shutdown()
-    meta = dict(checkpoint=os.path.basename(path), dtype=args.dtype, quantization=args.quantization, tp=args.tp, executor=args.executor, hf_threads=hf_threads,
+    meta = dict(checkpoint=os.path.basename(path), dtype=args.dtype, quantization=args.quantization, tp=args.tp,
+                executor=args.executor, hf_threads=hf_threads,
                 our_threads=our_threads if args.executor == "in_process" else os.environ.get("RAY_ATTN_CPU_THREADS"),
                 repeats=args.repeats,
                 cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__)

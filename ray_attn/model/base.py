@@ -23,14 +23,13 @@ from torch import nn
 from ray_attn.backend.cache import FP8_DTYPE, is_fp8_kv_cache
 from ray_attn.backend.flash_attn import FlashAttentionBackend
 from ray_attn.config import ModelConfig
-from ray_attn import gguf_file
 from ray_attn.metadata import FlashAttentionMetadata
-from ray_attn.model import gguf_q4, gguf_weights, weights
+from ray_attn.model import gguf_weights, weights
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.fused import add_rms_norm
 from ray_attn.model.gemv import linear
 from ray_attn.model.layers import Fp8Linear, RMSNorm, RotaryEmbedding, Shard, new_param, replicated
-from ray_attn.model.quantization import check_model, parse_quantization
+from ray_attn.model.quantization import GGUF, check_model, parse_quantization
 from ray_attn.model.tp import TPGroup
 
 
@@ -153,8 +152,8 @@ class CausalLM(nn.Module):
                 if all(prefix + n in names for n in shards):
                     weights.load_checkpoint({prefix + n: s for n, s in shards.items()}, folder, prefix=prefix, **kw)
                     self.process_weights_after_loading()
-                    if self.config.quantization == gguf_q4.QUANTIZATION:  # the 4-bit blocks as stored
-                        gguf_weights.pack_q4(self, gguf_file.gguf_path(folder))
+                    if self.config.quantization == GGUF:  # the 4-bit blocks as stored
+                        gguf_weights.pack_q4(self, folder)
                     return
         weights.load_checkpoint(self.weight_shards(), folder, **kw)  # raises, naming the missing tensors
 

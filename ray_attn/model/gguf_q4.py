@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 GROUP = 32  # inputs per GGUF block, and per scale of torch's kernel
-QUANTIZATION = "gguf"  # ModelConfig.quantization that asks for it
 _PACKED = "_ray_attn_gguf_q4"
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 

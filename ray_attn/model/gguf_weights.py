@@ -64,6 +64,12 @@ def checkpoint_names(path: str) -> list[str]:
     return [names.get(t.name, t.name) for t in gguf_file.reader(path).tensors]
 
 
+def tensors_by_hf_name(path: str) -> dict:
+    """The file's ``ReaderTensor``s by HF name (by GGUF name where it has none)."""
+    hf_of = gguf_to_hf_names(path)
+    return {hf_of.get(t.name, t.name): t for t in gguf_file.reader(path).tensors}
+
+
 def hf_shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
@@ -104,8 +110,7 @@ def read_rows(path: str, t, rows: np.ndarray | None = None) -> torch.Tensor:
 def load_gguf(shards: dict[str, Shard | FusedShard], path: str, *, tied: bool = False,
               architecture: str = "model") -> None:
     """Copy each shard's slice of its GGUF tensor in; every check runs before any copy."""
-    hf_of = gguf_to_hf_names(path)
-    tensors = {hf_of.get(t.name, t.name): t for t in gguf_file.reader(path).tensors}
+    tensors = tensors_by_hf_name(path)
     missing = [n for n in shards if n not in tensors]
     if missing:
         raise ValueError(f"GGUF {path!r} lacks {len(missing)} tensor(s) the model needs: "
@@ -145,15 +150,16 @@ def _row_offset(dest: torch.Tensor, base: torch.Tensor) -> int:
     return (dest.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
 
 
-def pack_q4(model, path: str) -> int:
-    """Pack every 2-D weight of ``model`` whose pieces all come from Q4_0 / Q4_1 tensors of GGUF
-    ``path``; returns how many.  CPU ranks only (GPU ranks keep the dense weights)."""
+def pack_q4(model, checkpoint: str) -> int:
+    """Pack every 2-D weight of ``model`` whose pieces all come from Q4_0 / Q4_1 tensors of the GGUF
+    ``checkpoint`` (a file, or a folder of one); returns how many.  CPU ranks only (GPU ranks keep
+    the dense weights)."""
+    path = gguf_file.gguf_path(checkpoint)
     if model.device.type != "cpu" or not gguf_q4.available():
         gguf_q4.log.warning("quantization='gguf' runs the 4-bit blocks on CPU ranks only; this rank (%s) "
                             "runs the dequantized weights", model.device)
         return 0
-    hf_of = gguf_to_hf_names(path)
-    tensors = {hf_of.get(t.name, t.name): t for t in gguf_file.reader(path).tensors}
+    tensors = tensors_by_hf_name(path)
     G = gguf_q4.GROUP
     params: dict[int, gguf_q4.Blocks] = {}
     for name, shard in model.weight_shards().items():
