@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Tune the decode GEMVs per weight shape on this GPU: the bf16 GEMV (``ray_attn/model/gemv.py``,
+one row) and the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows), each candidate
+(BLOCK_N, BLOCK_K, SPLIT_K -- the split of K reduced in the same launch, ``splitk.py`` -- and
+the pipeline depth) replayed from a CUDA graph over 32 layers' distinct weights, so nothing is
+served from L2, against the device's copy rate.
+
+The shapes are the decode linears of the presets (``--presets``) at TP=1 that these kernels
+serve: q/k/v, o_proj and down_proj (gate_up too for FP8; bf16's goes to cuBLAS above
+``gemv.MAX_N``), the MoE router, Llama 4's shared expert.  ``--write`` stores the fastest
+config of each (shape, rows) as this device's table (``ray_attn/model/configs/<device>.json``,
+read by ``kernel_configs.tuned``); a candidate is kept only if it agrees with the default config
+to 1% of the output's scale.
+
+    python scripts/tune_decode_gemv.py [--presets llama-3-8b,qwen3-30b-a3b,llama-4-scout] [--write]
+Writes benchmarks/results/tune_decode_gemv.json (GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+from ray_attn.config import MODEL_PRESETS  # noqa: E402
+from ray_attn.model import fp8 as F8  # noqa: E402
+from ray_attn.model import gemv as G  # noqa: E402
+from ray_attn.model import kernel_configs  # noqa: E402
+
+LAYERS = 32
+SPACE = {
+    "gemv": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], SPLIT_K=[1, 2, 4, 8], num_stages=[3]),
+    "fp8_skinny": dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], SPLIT_K=[1, 2, 4, 8], num_stages=[3, 5]),
+}
+ROWS = {"gemv": [1], "fp8_skinny": [1, 4, 16]}
+
+
+def shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the preset's decode linears at TP=1 that the GEMVs serve."""
+    p = MODEL_PRESETS[preset]
+    h, heads, kv = p["hidden_size"], p["num_attention_heads"], p["num_key_value_heads"]
+    d = p.get("head_dim", h // heads)
+    out = {"qkv": ((heads + 2 * kv) * d, h), "o_proj": (h, heads * d)}
+    if p.get("num_local_experts"):
+        out["router"] = (p["num_local_experts"], h)
+        if p.get("architecture") == "Llama4ForCausalLM":  # the shared expert's down_proj (its gate_up is cuBLAS)
+            out["shared_down"] = (h, p["intermediate_size"])
+    else:
+        out["gate_up"] = (2 * p["intermediate_size"], h)
+        out["down"] = (h, p["intermediate_size"])
+    return out
+
+
+def candidates(kernel: str):
+    space = SPACE[kernel]
+    for values in itertools.product(*space.values()):
+        yield dict(zip(space, values))
+
+
+def runner(kernel: str, m: int, n: int, k: int, dev):
+    """A function of a config that runs ``kernel`` over LAYERS distinct weights, and its bytes."""
+    if kernel == "gemv":
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        return (lambda c: [G.gemv(x, w, **c) for w in ws]), n * k * 2
+    ws = [F8.quantize_per_row(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(LAYERS)]
+    xq, xs = F8.quantize_per_token_triton(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+    return (lambda c: [F8.fp8_skinny(xq, xs, q, s, torch.bfloat16, **c) for q, s in ws]), n * k
+
+
+def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev) -> dict:
+    run, nbytes = runner(kernel, m, n, k, dev)
+    ref = run({})[0].float()
+    scale = ref.abs().max().item()
+    default_us = bl.graph_timeit(lambda: run({}), iters=10) * 1e6 / LAYERS
+    best, tried = None, 0
+    for c in candidates(kernel):
+        try:
+            y = run(c)[0].float()
+            us = bl.graph_timeit(lambda: run(c), iters=10)
+        except Exception as e:  # a config Triton cannot build (shared memory, say): skip it, say so
+            print(f"  {kernel} {name} m={m} {c}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        tried += 1
+        if us is None or (y - ref).abs().max().item() > 1e-2 * scale:
+            continue
+        us = us * 1e6 / LAYERS
+        if best is None or us < best[0]:
+            best = (us, c)
+    row = dict(kernel=kernel, shape=name, n=n, k=k, rows=m, tried=tried, default_us=default_us,
+               default_frac_of_copy=nbytes / (default_us * 1e-6) / copy_bps,
+               best_us=best[0], best_cfg=best[1], best_frac_of_copy=nbytes / (best[0] * 1e-6) / copy_bps,
+               speedup=default_us / best[0])
+    print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="llama-3-8b,qwen3-30b-a3b,llama-4-scout")
+    ap.add_argument("--kernels", default="gemv,fp8_skinny")
+    ap.add_argument("--fp8-presets", default="llama-3-8b", help="the presets whose shapes the FP8 kernel is tuned for")
+    ap.add_argument("--write", action="store_true", help="store the winners as this device's table")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_decode_gemv: needs a GPU; nothing to tune here")
+        return 0
+    dev = torch.device("cuda")
+    copy_bps = bl.copy_bandwidth(1 << 30, dev)
+    # the defaults are what is measured against: a table already written must not stand in for them
+    kernel_configs.ENABLED = False
+    rows, seen = [], set()
+    for preset in a.presets.split(","):
+        for name, (n, k) in shapes(preset).items():
+            for kernel in a.kernels.split(","):
+                if (kernel == "gemv" and n > G.MAX_N or kernel == "fp8_skinny" and preset not in a.fp8_presets.split(",")
+                        or (n, k, kernel) in seen):
+                    continue
+                seen.add((n, k, kernel))
+                for m in ROWS[kernel]:
+                    rows.append(dict(preset=preset, **tune(kernel, name, m, n, k, copy_bps, dev)))
+                torch.cuda.empty_cache()
+    cols = ["preset", "kernel", "shape", "rows", "default_us", "best_us", "speedup", "default_frac_of_copy",
+            "best_frac_of_copy", "best_cfg"]
+    bl.print_table(rows, cols, "decode GEMVs: default config vs the best candidate (us per layer)")
+    path = bl.save("tune_decode_gemv", rows, copy_Bps=copy_bps)
+    print(f"wrote {path}")
+    if a.write:
+        table: dict = {}
+        for r in rows:
+            table.setdefault(r["kernel"], {}).setdefault(kernel_configs.shape_key(r["n"], r["k"]), {})[r["rows"]] = \
+                r["best_cfg"]
+        name = torch.cuda.get_device_name(dev)
+        print(f"wrote {kernel_configs.write_table(name, table, dict(source='scripts/tune_decode_gemv.py', date=bl.machine().get('date')))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
