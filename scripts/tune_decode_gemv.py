@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Tune the decode GEMVs per weight shape on this GPU: the bf16 GEMV (``ray_attn/model/gemv.py``,
 one row) and the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows), each candidate
-(BLOCK_N, BLOCK_K, SPLIT_K -- the split of K reduced in the same launch, ``splitk.py`` -- and
-the pipeline depth) replayed from a CUDA graph over 32 layers' distinct weights, so nothing is
-served from L2, against the device's copy rate.
+(BLOCK_N, BLOCK_K, the pipeline depth) replayed from a CUDA graph over 32 layers' distinct
+weights, so nothing is served from L2, against the device's copy rate.
 
 The shapes are the decode linears of the presets (``--presets``) at TP=1 that these kernels
 serve: q/k/v, o_proj and down_proj (gate_up too for FP8; bf16's goes to cuBLAS above
@@ -36,8 +35,8 @@ from ray_attn.model import kernel_configs  # noqa: E402
 
 LAYERS = 32
 SPACE = {
-    "gemv": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], SPLIT_K=[1, 2, 4, 8], num_stages=[3]),
-    "fp8_skinny": dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], SPLIT_K=[1, 2, 4, 8], num_stages=[3, 5]),
+    "gemv": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_stages=[3]),
+    "fp8_skinny": dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_stages=[3, 5]),
 }
 ROWS = {"gemv": [1], "fp8_skinny": [1, 4, 16]}
 

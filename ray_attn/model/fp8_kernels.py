@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ray_attn.model import kernel_configs, splitk
+from ray_attn.model import kernel_configs, pdl
 from ray_attn.model.quantization import FP8_E4M3_MAX
 
 try:
@@ -90,8 +90,11 @@ if triton is not None:
 
     @triton.jit
     def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, BLOCK_K: tl.constexpr,
-                                INTERPRET: tl.constexpr):
+                                INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
         """One program per row: max |x| over K, then the codes of x / (max / 448)."""
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -105,37 +108,42 @@ if triton is not None:
         tl.store(s_ptr + row, sx)
 
     @triton.jit
-    def _fp8_skinny_kernel(xq_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, counter_ptr, M, N, K, x_stride, w_stride,
-                           y_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT_K: tl.constexpr):
+    def _fp8_skinny_kernel(xq_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
         """y tile [BLOCK_M, BLOCK_N] = (codes of x) . (codes of W)^T on tensor cores, then both
         scales: few rows (decode), so the weight tile is what each K step waits for.  x arrives
         quantized: a variant that quantized it here (a pass over x for its max, then bf16 tiles
         converted in registers before each dot) ran 6-10x slower at one row on the H200.
-        SPLIT_K > 1: this program covers a share of K (``splitk.py``)."""
+        The first K step is peeled: its weight tile is loaded before the wait for the kernel
+        before (PDL, ``pdl.py``), x's codes after it."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         mmask, nmask = rm < M, rn < N
-        k0, k1 = splitk.k_range(K, BLOCK_K, SPLIT_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k0, k1, BLOCK_K):
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * w_stride
+        x_rows = xq_ptr + rm[:, None] * x_stride
+        b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+        acc = tl.dot(a, b, out_dtype=tl.float32)
+        for k in range(BLOCK_K, K, BLOCK_K):
             kk = k + rk
-            kmask = kk < k1
-            a = tl.load(xq_ptr + rm[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0)
-            b = tl.load(w_ptr + rn[None, :].to(tl.int64) * w_stride + kk[:, None], mask=nmask[None, :] & kmask[:, None],
-                        other=0.0, eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+            kmask = kk < K
+            a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_rows + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0,
+                        eviction_policy="evict_first")
             acc += tl.dot(a, b)
-        ymask = mmask[:, None] & nmask[None, :]
-        if SPLIT_K > 1:
-            acc, ymask = splitk.reduce_partials(acc, part_ptr, counter_ptr, pid_m * tl.num_programs(0) + pid_n,
-                                               rm[:, None] * N + rn[None, :], ymask, M * N, SPLIT_K)
         sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]
-        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=ymask)
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,25 +156,25 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     block_k = min(4096, triton.next_power_of_2(K))
     _quant_per_token_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=block_k, INTERPRET=INTERPRET,
-                                  num_warps=4 if block_k <= 1024 else 8)
+                                  num_warps=4 if block_k <= 1024 else 8, **pdl.launch(x.device))
     return q, s
 
 
 SMEM_BUDGET = 200 * 1024  # of the H100/H200's 227 KiB per block, for the pipelined tiles
 
 
-def skinny_config(m: int, n: int, k: int | None = None) -> dict:
+def skinny_config(m: int, n: int) -> dict:
     """From scripts/bench_fp8.py's sweep on the H200 (Llama-3-8B shapes, 1-64 rows): 16-row tiles
     (tl.dot's least M), 512-wide K steps five deep (256 from 32 rows); 64 weight rows per program
     for qkv-sized N (6144), 32 elsewhere (N = 4096 then still gives 128 programs); gate_up-sized
     N (28672) liked 256-wide steps three deep.  The stages are capped so that the tiles in flight
-    fit shared memory.  SPLIT_K 1: no split (``splitk.py``).  A device's tuned table
-    (``kernel_configs.py``, ``scripts/tune_decode_gemv.py``) overrides these per weight shape."""
+    fit shared memory.  A device's tuned table (``kernel_configs.py``, ``scripts/tune_decode_gemv.py``)
+    overrides these per weight shape."""
     wide = n >= 16384
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = (64 if 4096 < n < 16384 else 32), (256 if wide or block_m > 16 else 512)
     stage = block_m * block_k + block_k * block_n
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=4,
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                 num_stages=max(2, min(3 if wide else 5, SMEM_BUDGET // stage)))
 
 
@@ -180,13 +188,10 @@ def fp8_skinny(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, weight_scale
     M, K = xq.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    c = {**skinny_config(M, N, K), **kernel_configs.tuned("fp8_skinny", M, N, K, xq.device), **cfg}
+    c = {**skinny_config(M, N), **kernel_configs.tuned("fp8_skinny", M, N, K, xq.device), **cfg}
     grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
-    c["SPLIT_K"], counters = splitk.split_k(c["SPLIT_K"], K, c["BLOCK_K"], grid[0] * grid[1], xq.device)
-    part = splitk.workspace(c["SPLIT_K"], M, N, xq.device)
-    _fp8_skinny_kernel[grid + (c["SPLIT_K"],)](
-        xq, sx, w, weight_scale, y, part if part is not None else y, counters if counters is not None else y,
-        M, N, K, xq.stride(0), w.stride(0), y.stride(0), **c)
+    _fp8_skinny_kernel[grid](xq, sx, w, weight_scale, y, M, N, K, xq.stride(0), w.stride(0), y.stride(0),
+                             **pdl.launch(xq.device), **c)
     return y
 
 

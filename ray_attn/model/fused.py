@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.model import pdl
 from ray_attn.model.fp8 import QuantizedActivation, quantize_per_token
 from ray_attn.model.fp8_kernels import FP8_DTYPE, INTERPRET
 
@@ -54,7 +55,10 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, x_stride, d_stride, eps,
                          N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -85,7 +89,10 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, x_st, x_sh, cs_st, o_st, o_sh,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ds = tl.arange(0, BLOCK_D)
@@ -101,7 +108,10 @@ if triton is not None:
         tl.store(op + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
@@ -121,10 +131,13 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr,
-                               INTERPRET: tl.constexpr):
+                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
         """One program per row (the scale needs the row's max), the whole row in registers:
         BLOCK >= N.  A two-pass loop over 1024-wide pieces ran 15.8 us a row at N = 14336 on the
         H200 (the unfused pair: ~4.5 us), each piece's loads waiting on the last."""
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -135,10 +148,13 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, NQ, H, eps, x_st, x_sh, cs_st,
                              D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                             ROPE: tl.constexpr):
+                             ROPE: tl.constexpr, USE_PDL: tl.constexpr):
         """Qwen3's q/k heads: RMSNorm over each head (q heads by q_norm's weight, k heads by
         k_norm's), rounded as the norm kernel rounds, then neox RoPE in float32, rounded once --
         what rms_norm then apply_rope compute, in one kernel instead of four."""
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ds = tl.arange(0, BLOCK_D)
@@ -184,7 +200,7 @@ def _rms_norm_launch(x, delta, weight, eps, quant=False):
         BLOCK = triton.next_power_of_2(N)
         _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, out, s, q, scale, x2.stride(0), d2.stride(0), float(eps),
                                          N=N, BLOCK=BLOCK, ADD=delta is not None, QUANT=quant,
-                                         INTERPRET=INTERPRET, num_warps=_num_warps(BLOCK))
+                                         INTERPRET=INTERPRET, num_warps=_num_warps(BLOCK), **pdl.launch(x.device))
     return s, out, (q if quant else None), (scale if quant else None)
 
 
@@ -246,7 +262,7 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         grid = (T, triton.cdiv(H, BLOCK_H))
         _rope_kernel[grid](qk, cos, sin, out, H, qk.stride(0), qk.stride(1), cos.stride(0),
                            out.stride(0), out.stride(1), HALF=D // 2, BLOCK_H=BLOCK_H,
-                           BLOCK_D=triton.next_power_of_2(D // 2))
+                           BLOCK_D=triton.next_power_of_2(D // 2), **pdl.launch(qk.device))
     return out
 
 
@@ -274,9 +290,11 @@ def silu_mul_launch(gate_up: torch.Tensor, quant: bool = False):
         if quant:
             full = triton.next_power_of_2(N)
             _silu_mul_quant_kernel[(x2.shape[0],)](x2, out, q, scale, x2.stride(0), N=N, BLOCK=full,
-                                                   INTERPRET=INTERPRET, num_warps=_num_warps(full))
+                                                   INTERPRET=INTERPRET, num_warps=_num_warps(full),
+                                                   **pdl.launch(x2.device))
         else:
-            _silu_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](x2, out, x2.stride(0), N=N, BLOCK=BLOCK)
+            _silu_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](x2, out, x2.stride(0), N=N, BLOCK=BLOCK,
+                                                                   **pdl.launch(x2.device))
     return _quantized(out, q, scale) if quant else out
 
 
@@ -312,5 +330,5 @@ def qk_norm_rope_launch(qk, q_weight, k_weight, eps, cos, sin, num_q_heads):
         _qk_norm_rope_kernel[(T, triton.cdiv(H, BLOCK_H))](
             qk, q_weight, k_weight, cos if rope else qk, sin if rope else qk, out, num_q_heads, H, float(eps),
             qk.stride(0), qk.stride(1), cos.stride(0) if rope else 0, D=D, HALF=D // 2, BLOCK_H=BLOCK_H,
-            BLOCK_D=triton.next_power_of_2(D // 2), ROPE=rope)
+            BLOCK_D=triton.next_power_of_2(D // 2), ROPE=rope, **pdl.launch(qk.device))
     return out[:, :num_q_heads], out[:, num_q_heads:]

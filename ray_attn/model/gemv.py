@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
-from ray_attn.model import gguf_q4, kernel_configs, splitk
+from ray_attn.model import gguf_q4, kernel_configs, pdl
 
 try:
     import triton
@@ -41,59 +41,71 @@ FUSE_SILU = os.environ.get("RAY_ATTN_GEMV_SILU", "1") != "0"
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, counter_ptr, M, N, K, x_stride, w_stride, y_stride,
+    def _gemv_w(w_ptrs, k, K, nmask, rk, EVEN_K: tl.constexpr):
+        if EVEN_K:
+            return tl.load(w_ptrs, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+        return tl.load(w_ptrs, mask=nmask[:, None] & ((k + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def _gemv_step(acc, w, x_ptrs, x_dtype: tl.constexpr, k, K, mmask, rk, EVEN_K: tl.constexpr,
+                   SILU_MUL: tl.constexpr):
+        """acc += x[:, k:k+BLOCK_K] * w, elementwise per K lane (summed once at the end)."""
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0)
+        if SILU_MUL:
+            # x holds gate and up ([M, 2K]): silu(gate) * up made here, rounded where the
+            # silu_mul kernel rounds (fused.py), so the product is that kernel's to the bit.
+            u = tl.load(x_ptrs + K, mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0).to(tl.float32)
+            g = x.to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(x_dtype).to(tl.float32)
+            x = (a * u).to(x_dtype)
+        return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         mmask = rm < M
-        k0, k1 = splitk.k_range(K, BLOCK_K, SPLIT_K)
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * w_stride + k0 + rk[None, :]
-        x_ptrs = x_ptr + rm[:, None] * x_stride + k0 + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * w_stride + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * x_stride + rk[None, :]
+        # The first K step is peeled: its weight tile is loaded before the wait for the kernel
+        # before (PDL, pdl.py) -- weights are never written during a step -- and x after it.
+        w = _gemv_w(w_ptrs, 0, K, nmask, rk, EVEN_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         # Partial products stay per K lane until the end: one reduction per row, not per step.
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(k0, k1, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
-            else:
-                kmask = (k + rk) < k1
-                w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            if SILU_MUL:
-                # x holds gate and up ([M, 2K]): silu(gate) * up made here, rounded where the
-                # silu_mul kernel rounds (fused.py), so the product is that kernel's to the bit.
-                u = tl.load(x_ptrs + K, mask=mmask[:, None] & ((k + rk) < k1)[None, :], other=0.0).to(tl.float32)
-                g = x.to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
-                x = (a * u).to(x_ptr.dtype.element_ty)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = _gemv_step(acc, w, x_ptrs, x_ptr.dtype.element_ty, 0, K, mmask, rk, EVEN_K, SILU_MUL)
+        for k in range(BLOCK_K, K, BLOCK_K):
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            w = _gemv_w(w_ptrs, k, K, nmask, rk, EVEN_K)
+            acc = _gemv_step(acc, w, x_ptrs, x_ptr.dtype.element_ty, k, K, mmask, rk, EVEN_K, SILU_MUL)
         y = tl.sum(acc, axis=2)
-        ymask = mmask[:, None] & nmask[None, :]
-        if SPLIT_K > 1:
-            y, ymask = splitk.reduce_partials(y, part_ptr, counter_ptr, pid, rm[:, None] * N + rn[None, :], ymask,
-                                             M * N, SPLIT_K)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=ymask)
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
 def config(m: int, n: int, k: int) -> dict:
     """Block sizes for an (m, n, k) product: 8 rows of W per program (N = 4096 gives 512
     programs, ~4 per SM of an H200) and 16 KB of weights per K step at one row; a narrower K step
-    for more rows keeps the float32 partial sums (BLOCK_M x BLOCK_N x BLOCK_K) in registers.
-    SPLIT_K 1: no split (``splitk.py``).  A device's tuned table (``kernel_configs.py``) overrides
-    these per weight shape."""
+    for more rows keeps the float32 partial sums (BLOCK_M x BLOCK_N x BLOCK_K) in registers.  A
+    device's tuned table (``kernel_configs.py``) overrides these per weight shape."""
     block_m = triton.next_power_of_2(max(m, 1))
     block_k = 1024 if block_m == 1 else 256 if block_m <= 2 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=block_k, SPLIT_K=1, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -109,13 +121,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, sil
                          f"{' (x: gate and up, 2K)' if silu_mul else ''}, unit stride")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     c = {**config(m, n, k), **kernel_configs.tuned("gemv", m, n, k, x.device), **cfg}
-    tiles = triton.cdiv(n, c["BLOCK_N"])
-    c["SPLIT_K"], counters = splitk.split_k(c["SPLIT_K"], k, c["BLOCK_K"], tiles, x.device)
-    part = splitk.workspace(c["SPLIT_K"], m, n, x.device)
-    _gemv_kernel[(tiles, 1, c["SPLIT_K"])](
-        x, w, bias if bias is not None else w, y, part if part is not None else y,
-        counters if counters is not None else y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0, SILU_MUL=silu_mul, **c)
+    grid = (triton.cdiv(n, c["BLOCK_N"]),)
+    _gemv_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
+                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0,
+                       SILU_MUL=silu_mul, **pdl.launch(x.device), **c)
     return y
 
 

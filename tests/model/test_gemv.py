@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.model import gemv as G
-from ray_attn.model import splitk
 from tests.interpreter import interpreter_test, kernels_mark
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +74,7 @@ def test_cpu_linear_rule_is_the_vendors_and_the_env_forces_it():
 
 
 def test_kernels_under_the_interpreter():
-    interpreter_test(__file__, min_passed=20)
+    interpreter_test(__file__, min_passed=12)
 
 
 @kernels
@@ -88,36 +87,6 @@ def test_kernel_float32_matches_float64(m, n, k, bias):
     x, w, b = inputs(m, n, k, torch.float32, DEVICE, bias)
     y = G.gemv(x, w, b, BLOCK_K=256)
     torch.testing.assert_close(y.double(), ref(x, w, b), rtol=0, atol=1e-4)
-
-
-@kernels
-@pytest.mark.parametrize("split", [3, 8])
-@pytest.mark.parametrize("m,n,k", [(1, 37, 1000), (3, 130, 264)])
-def test_split_k_sums_every_share_in_a_fixed_order(split, m, n, k):
-    """K split over ``split`` programs, reduced by the last one in the same launch: within float64's
-    reach (a share left out is off by ~0.3), the same bits on every call (a fixed order, and a
-    counter not reset would leave the next launch without a last program: y uninitialised), every
-    counter back at zero, and SiLU-mul fused into it the same as apart."""
-    from ray_attn.model import fused
-
-    x, w, b = inputs(m, n, k, torch.float32, DEVICE, True)
-    y = G.gemv(x, w, b, BLOCK_K=128, SPLIT_K=split)
-    torch.testing.assert_close(y.double(), ref(x, w, b), rtol=0, atol=1e-4)
-    assert torch.equal(G.gemv(x, w, b, BLOCK_K=128, SPLIT_K=split), y)
-    assert splitk.counters(x.device).count_nonzero().item() == 0
-    gu = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
-    assert torch.equal(G.gemv(gu, w, silu_mul=True, BLOCK_K=128, SPLIT_K=split),
-                       G.gemv(fused.silu_mul_launch(gu), w, BLOCK_K=128, SPLIT_K=split))
-
-
-def test_split_k_is_bounded_by_the_k_steps_and_the_counters():
-    """No share without a K step; more output tiles than counters run unsplit."""
-    pytest.importorskip("triton")
-    assert splitk.split_k(8, 300, 128, 10, "cpu")[0] == 3
-    assert splitk.split_k(4, 4096, 512, 128, "cpu")[0] == 4
-    assert splitk.split_k(4, 4096, 512, splitk.MAX_TILES + 1, "cpu") == (1, None)
-    assert splitk.split_k(1, 4096, 512, 128, "cpu") == (1, None)
-    assert splitk.workspace(1, 2, 3, "cpu") is None and splitk.workspace(2, 1, 3, "cpu").shape == (2, 1, 3)
 
 
 @pytest.mark.gpu
@@ -146,25 +115,3 @@ def test_gpu_bf16_matches_float64(m, n, k, bias):
     else:
         assert torch.equal(G.linear(xs, w, b), F.linear(xs, w, b))
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", [2, 4, 8])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 4096), (6144, 4096)])
-def test_gpu_split_k_bf16_within_bound_and_the_same_bits_every_call(split, n, k):
-    """bf16 split-K on the GPU: the bound of ``test_gpu_bf16_matches_float64``, the same bits on
-    50 calls and inside a CUDA graph replayed 20 times (the counters reset themselves), every
-    counter back at zero."""
-    x, w, b = inputs(1, n, k, torch.bfloat16, "cuda", True)
-    r = ref(x, w, b)
-    tol = 2 ** -8 * (ref(x, w, None).abs() + b.double().abs()) + 1e-4
-    y = G.gemv(x, w, b, SPLIT_K=split)
-    assert ((y.double() - r).abs() <= tol).all()
-    assert all(torch.equal(G.gemv(x, w, b, SPLIT_K=split), y) for _ in range(50))
-    graph, out = torch.cuda.CUDAGraph(), None
-    with torch.cuda.graph(graph):
-        out = G.gemv(x, w, b, SPLIT_K=split)
-    for _ in range(20):
-        out.zero_()
-        graph.replay()
-        assert torch.equal(out, y)
-    assert splitk.counters(x.device).count_nonzero().item() == 0

@@ -13,8 +13,8 @@ from ray_attn.model import kernel_configs as KC
 
 
 def test_write_then_lookup(tmp_path):
-    cfg1 = dict(BLOCK_N=32, BLOCK_K=512, SPLIT_K=4, num_stages=5)
-    cfg16 = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_stages=3)
+    cfg1 = dict(BLOCK_N=32, BLOCK_K=512, num_stages=5)
+    cfg16 = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3)
     path = KC.write_table("NVIDIA Test-GPU 80GB", {"fp8_skinny": {KC.shape_key(4096, 4096): {1: cfg1, 16: cfg16}}},
                           dict(source="test"), folder=tmp_path)
     assert path.name == "NVIDIA_Test_GPU_80GB.json"
@@ -29,7 +29,7 @@ def test_write_then_lookup(tmp_path):
 
 
 def test_a_table_may_not_set_the_rows_tile(tmp_path):
-    body = {"device": "X", "kernels": {"gemv": {KC.shape_key(8, 8): {"1": {"BLOCK_M": 16, "SPLIT_K": 2}}}}}
+    body = {"device": "X", "kernels": {"gemv": {KC.shape_key(8, 8): {"1": {"BLOCK_M": 16, "num_stages": 2}}}}}
     (tmp_path / KC.file_name("X")).write_text(json.dumps(body))
     with pytest.raises(ValueError, match="BLOCK_M"):
         KC.device_table("X", folder=tmp_path)
