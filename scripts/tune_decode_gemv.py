@@ -4,11 +4,12 @@ one row) and the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows), each
 (BLOCK_N, BLOCK_K, the pipeline depth) replayed from a CUDA graph over 32 layers' distinct
 weights, so nothing is served from L2, against the device's copy rate.
 
-The shapes are the decode linears of the presets (``--presets``) at TP=1 that these kernels
-serve: q/k/v, o_proj and down_proj (gate_up too for FP8; bf16's goes to cuBLAS above
-``gemv.MAX_N``), the MoE router, Llama 4's shared expert.  ``--write`` stores the fastest
-config of each (shape, rows) as this device's table (``ray_attn/model/configs/<device>.json``,
-read by ``kernel_configs.tuned``); a candidate is kept only if it agrees with the default config
+The shapes are the decode linears of the presets (``--presets``) at TP=1: q/k/v, o_proj,
+gate_up and down_proj, the LM head, the MoE router, Llama 4's shared expert; bf16's beside
+cuBLAS (``F.linear``) on the same weights.  ``--write`` stores the fastest config of each
+(shape, rows) as this device's table (``ray_attn/model/configs/<device>.json``, read by
+``kernel_configs.tuned``): above ``gemv.MAX_N`` (gate_up, the LM head) the GEMV then serves a
+shape only where it beat cuBLAS.  A candidate is kept only if it agrees with the default config
 to 1% of the output's scale.
 
     python scripts/tune_decode_gemv.py [--presets llama-3-8b,qwen3-30b-a3b,llama-4-scout] [--write]
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,7 +48,7 @@ def shapes(preset: str) -> dict[str, tuple[int, int]]:
     p = MODEL_PRESETS[preset]
     h, heads, kv = p["hidden_size"], p["num_attention_heads"], p["num_key_value_heads"]
     d = p.get("head_dim", h // heads)
-    out = {"qkv": ((heads + 2 * kv) * d, h), "o_proj": (h, heads * d)}
+    out = {"qkv": ((heads + 2 * kv) * d, h), "o_proj": (h, heads * d), "lm_head": (p["vocab_size"], h)}
     if p.get("num_local_experts"):
         out["router"] = (p["num_local_experts"], h)
         if p.get("architecture") == "Llama4ForCausalLM":  # the shared expert's down_proj (its gate_up is cuBLAS)
@@ -63,22 +65,30 @@ def candidates(kernel: str):
         yield dict(zip(space, values))
 
 
+def copies(n: int, k: int) -> int:
+    """LAYERS distinct weights, or as many as 8 GB holds (an LM head is one per model)."""
+    return max(2, min(LAYERS, (8 << 30) // (n * k * 2)))
+
+
 def runner(kernel: str, m: int, n: int, k: int, dev):
-    """A function of a config that runs ``kernel`` over LAYERS distinct weights, and its bytes."""
+    """(a function of a config that runs ``kernel`` over distinct weights, cuBLAS's bf16 F.linear
+    over the same (gemv only), the weights' bytes, how many)."""
+    c = copies(n, k)
     if kernel == "gemv":
-        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(c)]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        return (lambda c: [G.gemv(x, w, **c) for w in ws]), n * k * 2
-    ws = [F8.quantize_per_row(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(LAYERS)]
+        return (lambda cfg: [G.gemv(x, w, **cfg) for w in ws]), (lambda: [F.linear(x, w) for w in ws]), n * k * 2, c
+    ws = [F8.quantize_per_row(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(c)]
     xq, xs = F8.quantize_per_token_triton(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
-    return (lambda c: [F8.fp8_skinny(xq, xs, q, s, torch.bfloat16, **c) for q, s in ws]), n * k
+    return (lambda cfg: [F8.fp8_skinny(xq, xs, q, s, torch.bfloat16, **cfg) for q, s in ws]), None, n * k, c
 
 
 def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev) -> dict:
-    run, nbytes = runner(kernel, m, n, k, dev)
+    run, cublas, nbytes, layers = runner(kernel, m, n, k, dev)
     ref = run({})[0].float()
     scale = ref.abs().max().item()
-    default_us = bl.graph_timeit(lambda: run({}), iters=10) * 1e6 / LAYERS
+    default_us = bl.graph_timeit(lambda: run({}), iters=10) * 1e6 / layers
+    cublas_us = bl.graph_timeit(cublas, iters=10) * 1e6 / layers if cublas else None
     best, tried = None, 0
     for c in candidates(kernel):
         try:
@@ -90,13 +100,14 @@ def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev) -
         tried += 1
         if us is None or (y - ref).abs().max().item() > 1e-2 * scale:
             continue
-        us = us * 1e6 / LAYERS
+        us = us * 1e6 / layers
         if best is None or us < best[0]:
             best = (us, c)
     row = dict(kernel=kernel, shape=name, n=n, k=k, rows=m, tried=tried, default_us=default_us,
                default_frac_of_copy=nbytes / (default_us * 1e-6) / copy_bps,
                best_us=best[0], best_cfg=best[1], best_frac_of_copy=nbytes / (best[0] * 1e-6) / copy_bps,
-               speedup=default_us / best[0])
+               speedup=default_us / best[0], cublas_us=cublas_us,
+               best_over_cublas=best[0] / cublas_us if cublas_us else None)
     print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
     return row
 
@@ -119,14 +130,14 @@ def main(argv=None) -> int:
     for preset in a.presets.split(","):
         for name, (n, k) in shapes(preset).items():
             for kernel in a.kernels.split(","):
-                if (kernel == "gemv" and n > G.MAX_N or kernel == "fp8_skinny" and preset not in a.fp8_presets.split(",")
-                        or (n, k, kernel) in seen):
+                if kernel == "fp8_skinny" and (preset not in a.fp8_presets.split(",") or name == "lm_head") or (
+                        (n, k, kernel) in seen):
                     continue
                 seen.add((n, k, kernel))
                 for m in ROWS[kernel]:
                     rows.append(dict(preset=preset, **tune(kernel, name, m, n, k, copy_bps, dev)))
                 torch.cuda.empty_cache()
-    cols = ["preset", "kernel", "shape", "rows", "default_us", "best_us", "speedup", "default_frac_of_copy",
+    cols = ["preset", "kernel", "shape", "rows", "default_us", "best_us", "speedup", "cublas_us", "best_over_cublas",
             "best_frac_of_copy", "best_cfg"]
     bl.print_table(rows, cols, "decode GEMVs: default config vs the best candidate (us per layer)")
     path = bl.save("tune_decode_gemv", rows, copy_Bps=copy_bps)
@@ -134,6 +145,8 @@ def main(argv=None) -> int:
     if a.write:
         table: dict = {}
         for r in rows:
+            if r["kernel"] == "gemv" and r["n"] > G.MAX_N and not r["best_over_cublas"] < 1:
+                continue  # wider than MAX_N the GEMV serves only shapes where it beat cuBLAS here
             table.setdefault(r["kernel"], {}).setdefault(kernel_configs.shape_key(r["n"], r["k"]), {})[r["rows"]] = \
                 r["best_cfg"]
         name = torch.cuda.get_device_name(dev)

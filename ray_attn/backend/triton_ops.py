@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from ray_attn.backend import pdl
 try:
     import triton
     import triton.language as tl
@@ -27,7 +28,10 @@ if triton is not None:
 
     @triton.jit
     def _cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride, v_stride, k_scale_ptr,
-                      v_scale_ptr, N: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+                      v_scale_ptr, N: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -45,7 +49,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(out_ptr, p_ptr, p_lse_ptr, s_ptr, s_lse_ptr, T, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0)
         h = tl.program_id(1)
         H = tl.num_programs(1)
@@ -85,11 +92,12 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, fp8: boo
         k_scale = v_scale = slot_mapping  # unused pointers: FP8 is a compile-time branch
     _cache_kernel[(T,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),
                         value.stride(0), k_scale, v_scale, N=N,
-                        BLOCK=triton.next_power_of_2(N), FP8=fp8)
+                        BLOCK=triton.next_power_of_2(N), FP8=fp8, **pdl.launch(key.device))
 
 
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse) -> None:
     T, H, D = output.shape
     assert output.is_contiguous() and prefix_output.is_contiguous() and suffix_output.is_contiguous()
     _merge_kernel[(T, H)](output, prefix_output, prefix_lse.contiguous(), suffix_output,
-                          suffix_lse.contiguous(), T, D=D, BLOCK_D=triton.next_power_of_2(D))
+                          suffix_lse.contiguous(), T, D=D, BLOCK_D=triton.next_power_of_2(D),
+                          **pdl.launch(output.device))

@@ -19,7 +19,8 @@ import os
 
 import torch
 
-from ray_attn.model import kernel_configs, pdl
+from ray_attn.backend import pdl
+from ray_attn.model import kernel_configs
 from ray_attn.model.quantization import FP8_E4M3_MAX
 
 try:

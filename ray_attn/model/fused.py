@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
-from ray_attn.model import pdl
+from ray_attn.backend import pdl
 from ray_attn.model.fp8 import QuantizedActivation, quantize_per_token
 from ray_attn.model.fp8_kernels import FP8_DTYPE, INTERPRET
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ray_attn.backend import pdl
 from ray_attn.model.fused import _use_triton
 
 try:
@@ -27,7 +28,10 @@ if triton is not None:
     @triton.jit
     def _llama4_qk_kernel(x_ptr, cos_ptr, sin_ptr, temp_ptr, out_ptr, NQ, H, eps, x_st, x_sh, cs_st,
                           D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                          ROPE: tl.constexpr, L2: tl.constexpr, TEMP: tl.constexpr):
+                          ROPE: tl.constexpr, L2: tl.constexpr, TEMP: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         js = tl.arange(0, BLOCK_D)  # pair j: elements 2j and 2j + 1 (Meta's interleaved layout)
@@ -65,7 +69,8 @@ def llama4_qk_launch(qk: torch.Tensor, num_q_heads: int, cos, sin, l2_eps, tempe
         _llama4_qk_kernel[(T, triton.cdiv(H, BLOCK_H))](
             qk, cos if rope else qk, sin if rope else qk, temperature if temp else qk, out, num_q_heads, H,
             float(l2_eps or 0.0), qk.stride(0), qk.stride(1), cos.stride(0) if rope else 0, D=D, HALF=D // 2,
-            BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(D // 2), ROPE=rope, L2=l2_eps is not None, TEMP=temp)
+            BLOCK_H=BLOCK_H, BLOCK_D=triton.next_power_of_2(D // 2), ROPE=rope, L2=l2_eps is not None, TEMP=temp,
+            **pdl.launch(qk.device))
     return out[:, :num_q_heads], out[:, num_q_heads:]
 
 

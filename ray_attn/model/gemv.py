@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
-from ray_attn.model import gguf_q4, kernel_configs, pdl
+from ray_attn.backend import pdl
+from ray_attn.model import gguf_q4, kernel_configs
 
 try:
     import triton
@@ -135,9 +136,11 @@ def use_gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One row on CUDA in bf16/fp16: N <= MAX_N, or a wider shape this device's tuned table holds
+    (``scripts/tune_decode_gemv.py`` writes one there only where the GEMV beat cuBLAS)."""
     return (ENABLED and available() and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-            and w.shape[0] <= MAX_N and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and w.stride(1) == 1)
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1
+            and (w.shape[0] <= MAX_N or bool(kernel_configs.tuned("gemv", 1, w.shape[0], w.shape[1], x.device))))
 
 
 def _onednn_available() -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.backend import pdl
 
 try:
     import triton
@@ -35,7 +36,10 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, l_stride, TOPK: tl.constexpr, K_POW: tl.constexpr,
-                      SOFTMAX: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                      SOFTMAX: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         re = tl.arange(0, BLOCK_E)
         mask = re < E
@@ -93,5 +97,6 @@ def fused_select_experts(router_logits: torch.Tensor, top_k: int, scoring: str,
     if T:
         _route_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0), TOPK=top_k,
                             K_POW=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
-                            BLOCK_E=max(16, triton.next_power_of_2(E)), num_warps=1 if E <= 256 else 4)
+                            BLOCK_E=max(16, triton.next_power_of_2(E)), num_warps=1 if E <= 256 else 4,
+                            **pdl.launch(router_logits.device))
     return weights, ids

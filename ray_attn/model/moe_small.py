@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.backend import pdl
 
 try:
     import triton
@@ -44,7 +45,10 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, wts_ptr, a_ptr, N, K, x_stride, w_e_stride, w_n_stride,
                         a_stride, TOPK: tl.constexpr, SCALE_INPUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid, p = tl.program_id(0), tl.program_id(1).to(tl.int64)
         t = p // TOPK
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -86,7 +90,10 @@ if triton is not None:
     @triton.jit
     def _down_kernel(a_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, N, K, a_stride, w_e_stride, w_n_stride,
                      y_stride, TOPK: tl.constexpr, WEIGHT_OUTPUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
         dt = y_ptr.dtype.element_ty
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,10 +170,10 @@ def fused_moe_small(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_i
     _gate_up_kernel[(triton.cdiv(n, block_n), T * k)](
         x, w13, ids, wts, a, n, H, x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         TOPK=k, SCALE_INPUT=apply_router_weight_on_input, BLOCK_N=block_n, BLOCK_K=bk, EVEN_K=H % bk == 0,
-        num_warps=4)
+        num_warps=4, **pdl.launch(x.device))
     bk = _block_k(n, 1024)
     _down_kernel[(triton.cdiv(H, block_n), T)](
         a, w2, ids, wts, y, H, n, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOPK=k, WEIGHT_OUTPUT=not apply_router_weight_on_input, BLOCK_N=block_n, BLOCK_K=bk,
-        EVEN_K=n % bk == 0, num_warps=4)
+        EVEN_K=n % bk == 0, num_warps=4, **pdl.launch(x.device))
     return y

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (ray_attn/model/pdl.py): the decode kernels launched with it compute
+"""Programmatic dependent launch (ray_attn/backend/pdl.py): the decode kernels launched with it compute
 what they compute without it, to the bit -- a kernel that read an activation before its wait would
 see the previous step's values (or a half-written tensor) and differ, most visibly under a CUDA
 graph replayed many times with fresh inputs."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_attn.model import pdl
+from ray_attn.backend import pdl
 
 
 def test_off_on_cpu_and_by_the_switch(monkeypatch):
