@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Tune the decode GEMVs per weight shape on this GPU: the bf16 GEMV (``ray_attn/model/gemv.py``,
-one row) and the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows), each candidate
+one row), the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows) and the weight-only FP8
+GEMV (``w8a16``: the GEMV on e4m3 weights, one row; forced by RAY_ATTN_FP8_KERNEL=w8a16), each candidate
 (BLOCK_N, BLOCK_K, the pipeline depth) replayed from a CUDA graph over 32 layers' distinct
 weights, so nothing is served from L2, against the device's copy rate.
 
@@ -39,8 +40,10 @@ LAYERS = 32
 SPACE = {
     "gemv": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_stages=[3]),
     "fp8_skinny": dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_stages=[3, 5]),
+    "w8a16": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[1024, 2048], num_stages=[3]),
 }
-ROWS = {"gemv": [1], "fp8_skinny": [1, 4, 16]}
+ROWS = {"gemv": [1], "fp8_skinny": [1, 4, 16], "w8a16": [1]}
+FP8 = ("fp8_skinny", "w8a16")  # tuned on --fp8-presets' shapes only
 
 
 def shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -79,7 +82,10 @@ def runner(kernel: str, m: int, n: int, k: int, dev):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         return (lambda cfg: [G.gemv(x, w, **cfg) for w in ws]), (lambda: [F.linear(x, w) for w in ws]), n * k * 2, c
     ws = [F8.quantize_per_row(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(c)]
-    xq, xs = F8.quantize_per_token_triton(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    if kernel == "w8a16":
+        return (lambda cfg: [G.gemv(x, q, w_scale=s, **cfg) for q, s in ws]), None, n * k, c
+    xq, xs = F8.quantize_per_token_triton(x)
     return (lambda cfg: [F8.fp8_skinny(xq, xs, q, s, torch.bfloat16, **cfg) for q, s in ws]), None, n * k, c
 
 
@@ -115,7 +121,7 @@ def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev) -
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="llama-3-8b,qwen3-30b-a3b,llama-4-scout")
-    ap.add_argument("--kernels", default="gemv,fp8_skinny")
+    ap.add_argument("--kernels", default="gemv,fp8_skinny,w8a16")
     ap.add_argument("--fp8-presets", default="llama-3-8b", help="the presets whose shapes the FP8 kernel is tuned for")
     ap.add_argument("--write", action="store_true", help="store the winners as this device's table")
     a = ap.parse_args(argv)
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
     for preset in a.presets.split(","):
         for name, (n, k) in shapes(preset).items():
             for kernel in a.kernels.split(","):
-                if kernel == "fp8_skinny" and (preset not in a.fp8_presets.split(",") or name == "lm_head") or (
+                if kernel in FP8 and (preset not in a.fp8_presets.split(",") or name == "lm_head") or (
                         (n, k, kernel) in seen):
                     continue
                 seen.add((n, k, kernel))

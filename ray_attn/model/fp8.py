@@ -21,7 +21,10 @@ token: ``max|x[m]| / 448``; per token and group of 128 features for block weight
   partial product; ``block_dequant`` (dequantize the weight, bf16 matmul) is the slower fallback.
 
 Activations are quantized on every path, decode included: a W8A16 GEMV would be more accurate,
-but then a token's logits would depend on whether its step ran the GEMV or the GEMM.
+but then a token's logits would depend on whether its step ran the GEMV or the GEMM.  That GEMV
+exists as ``w8a16`` (the bf16 GEMV reading e4m3 weights, the row scales applied to its float32
+sums; one row, CUDA), picked only when forced (``RAY_ATTN_FP8_KERNEL=w8a16``): issue 39 asks
+whether it beats the skinny kernel at one row and passes the FP8 accuracy rows.
 ``select_fp8_kernel`` is the one place that picks a path (``RAY_ATTN_FP8_KERNEL`` forces one, for
 measurements).
 """
@@ -36,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
+from ray_attn.model import gemv
 from ray_attn.model.fp8_kernels import (FP8_DTYPE, GROUP, MIN_SCALE, block_config, fp8_block_matmul,  # noqa: F401
                                         fp8_skinny, quantize_per_token_triton, skinny_config)
 from ray_attn.model.quantization import FP8_E4M3_MAX, Fp8Config
@@ -44,7 +48,7 @@ FP8_MAX = FP8_E4M3_MAX
 # Rows up to which the skinny kernel serves per-row-scaled weights (decode); above, _scaled_mm.
 # scripts/bench_fp8.py on the H200: skinny ahead of _scaled_mm at every shape up to 64 rows.
 SKINNY_MAX_M = 64
-KERNELS = ("auto", "dequant", "scaled_mm", "skinny", "block_triton", "block_dequant")
+KERNELS = ("auto", "dequant", "scaled_mm", "skinny", "w8a16", "block_triton", "block_dequant")
 # RAY_ATTN_FP8_KERNEL forces a path where it can run (an A/B switch for benchmarks; read at import,
 # and ``fp8.FORCE`` may be set by a script).
 FORCE = os.environ.get("RAY_ATTN_FP8_KERNEL", "auto")
@@ -183,6 +187,8 @@ def select_fp8_kernel(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config) 
         return "dequant"
     if FORCE != "auto":
         allowed = {"dequant"} | ({"block_triton", "block_dequant"} if block else {"scaled_mm", "skinny"})
+        if not block and M <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            allowed.add("w8a16")  # weight-only, one row: issue 39's candidate, forced to measure it
         if FORCE in allowed and (FORCE != "scaled_mm" or _scaled_mm_ok(x, N, K)):
             return FORCE
     if block:
@@ -240,6 +246,10 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
             y = fp8_skinny(xq, xs, weight, weight_scale, x.dtype)
         else:
             y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    elif kernel == "w8a16":  # the e4m3 weight against x itself: no activation quantization
+        if scheme.weight_strategy == "block" or not x.is_cuda:
+            raise ValueError("fp8 linear: w8a16 takes per-channel weights on CUDA")
+        y = gemv.gemv(x if x.stride(1) == 1 else x.contiguous(), weight, w_scale=weight_scale.float().contiguous())
     elif kernel == "block_triton":
         y = fp8_block_matmul(x, weight, weight_scale, scheme.group_size)
     else:

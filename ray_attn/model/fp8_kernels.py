@@ -111,13 +111,13 @@ if triton is not None:
     @triton.jit
     def _fp8_skinny_kernel(xq_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           PEEL: tl.constexpr, USE_PDL: tl.constexpr):
         """y tile [BLOCK_M, BLOCK_N] = (codes of x) . (codes of W)^T on tensor cores, then both
         scales: few rows (decode), so the weight tile is what each K step waits for.  x arrives
         quantized: a variant that quantized it here (a pass over x for its max, then bf16 tiles
         converted in registers before each dot) ran 6-10x slower at one row on the H200.
-        The first K step is peeled: its weight tile is loaded before the wait for the kernel
-        before (PDL, ``pdl.py``), x's codes after it."""
+        PEEL: the first K step runs before the loop, its weight tile loaded before the wait for
+        the kernel before (PDL, ``pdl.py``) and x's codes after it; else the wait comes first."""
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -127,13 +127,19 @@ if triton is not None:
         mmask, nmask = rm < M, rn < N
         w_rows = w_ptr + rn[None, :].to(tl.int64) * w_stride
         x_rows = xq_ptr + rm[:, None] * x_stride
-        b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
-        if USE_PDL:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        start = 0
+        if PEEL:
+            b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
+                        eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+            acc += tl.dot(a, b)
+            start = BLOCK_K
+        elif USE_PDL:
             tl.extra.cuda.gdc_wait()
-        a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-        acc = tl.dot(a, b, out_dtype=tl.float32)
-        for k in range(BLOCK_K, K, BLOCK_K):
+        for k in range(start, K, BLOCK_K):
             kk = k + rk
             kmask = kk < K
             a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -161,6 +167,9 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
+# RAY_ATTN_SKINNY_PEEL=0: the skinny kernel waits for the kernel before first, instead of loading
+# its first weight tile before the wait (an A/B switch, read at import; NOTES.md 2026-12-06 has why).
+SKINNY_PEEL = os.environ.get("RAY_ATTN_SKINNY_PEEL", "1") != "0"
 SMEM_BUDGET = 200 * 1024  # of the H100/H200's 227 KiB per block, for the pipelined tiles
 
 
@@ -192,7 +201,7 @@ def fp8_skinny(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, weight_scale
     c = {**skinny_config(M, N), **kernel_configs.tuned("fp8_skinny", M, N, K, xq.device), **cfg}
     grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]))
     _fp8_skinny_kernel[grid](xq, sx, w, weight_scale, y, M, N, K, xq.stride(0), w.stride(0), y.stride(0),
-                             **pdl.launch(xq.device), **c)
+                             PEEL=SKINNY_PEEL, **pdl.launch(xq.device), **c)
     return y
 
 

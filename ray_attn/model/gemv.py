@@ -65,10 +65,12 @@ if triton is not None:
         return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, ws_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     W_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+        """W_SCALE: w holds e4m3 codes with float32 scales per output row (``ws_ptr``), applied
+        to the float32 sum: weight-only FP8 (``w8a16``), x left in the model dtype."""
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -93,6 +95,8 @@ if triton is not None:
             w = _gemv_w(w_ptrs, k, K, nmask, rk, EVEN_K)
             acc = _gemv_step(acc, w, x_ptrs, x_ptr.dtype.element_ty, k, K, mmask, rk, EVEN_K, SILU_MUL)
         y = tl.sum(acc, axis=2)
+        if W_SCALE:
+            y *= tl.load(ws_ptr + rn, mask=nmask, other=0.0)[None, :]
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], y.to(y_ptr.dtype.element_ty),
@@ -110,22 +114,28 @@ def config(m: int, n: int, k: int) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-         **cfg) -> torch.Tensor:
+         w_scale: torch.Tensor | None = None, **cfg) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) on CUDA with the Triton kernel; ``cfg`` overrides ``config``.
     ``silu_mul``: x is [M, 2K], gate then up, and the kernel multiplies silu(gate) * up itself
-    (down_proj after a SwiGLU: one kernel, not two)."""
+    (down_proj after a SwiGLU: one kernel, not two).  ``w_scale``: w is e4m3 with these float32
+    scales per row [N] (weight-only FP8, ``fp8.py``'s ``w8a16``)."""
     m, k = x.shape
     k = k // 2 if silu_mul else k
     n = w.shape[0]
     if w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1 or (silu_mul and x.shape[1] != 2 * k):
         raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} must agree on K"
                          f"{' (x: gate and up, 2K)' if silu_mul else ''}, unit stride")
+    if w_scale is not None and (w.element_size() != 1 or w_scale.numel() != n or w_scale.dtype != torch.float32):
+        raise ValueError(f"gemv: a weight-only FP8 weight must be e4m3 with float32 scales [N={n}], got "
+                         f"{w.dtype} and scales {tuple(w_scale.shape)} {w_scale.dtype}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    c = {**config(m, n, k), **kernel_configs.tuned("gemv", m, n, k, x.device), **cfg}
+    table = "w8a16" if w_scale is not None else "gemv"
+    c = {**config(m, n, k), **kernel_configs.tuned(table, m, n, k, x.device), **cfg}
     grid = (triton.cdiv(n, c["BLOCK_N"]),)
-    _gemv_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
-                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0,
-                       SILU_MUL=silu_mul, **pdl.launch(x.device), **c)
+    _gemv_kernel[grid](x, w, bias if bias is not None else w, w_scale if w_scale is not None else x, y, m, n, k,
+                       x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                       EVEN_K=k % c["BLOCK_K"] == 0, SILU_MUL=silu_mul, W_SCALE=w_scale is not None,
+                       **pdl.launch(x.device), **c)
     return y
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-KERNELS = ("gemv", "fp8_skinny")
+KERNELS = ("gemv", "fp8_skinny", "w8a16")
 ENABLED = os.environ.get("RAY_ATTN_KERNEL_CONFIGS", "1") != "0"
 KEYS = frozenset({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"})  # what a table may set
 

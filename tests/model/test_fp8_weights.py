@@ -719,6 +719,25 @@ def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (200, 304)])
+def test_gpu_weight_only_path_when_forced(n, k, monkeypatch):
+    """``w8a16`` (forced; one row): the e4m3 weight times its row scales against x unquantized --
+    within one bf16 rounding of y and float32 summation of the exact float64 product; the norm
+    before it is not asked to quantize."""
+    x, wq, ws, scheme = _gpu_case("channel", 1, n, k)
+    xc, wc, sc = x.cuda(), wq.cuda(), ws.cuda()
+    monkeypatch.setattr(F8, "FORCE", "w8a16")
+    assert F8.select_fp8_kernel(xc, wc, scheme) == "w8a16"
+    assert not F8.wants_quantized_input(xc, wc, scheme)
+    assert F8.select_fp8_kernel(torch.cat([xc, xc]), wc, scheme) == "skinny"  # one row only
+    y = F8.apply_fp8_linear(xc, wc, sc, scheme)
+    w = wq.double() * ws.double()[:, None]
+    ref = x.double() @ w.T
+    bound = 2 ** -8 * ref.abs() + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert ((y.double().cpu() - ref).abs() <= bound).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["online", "block"])
 def test_gpu_model_matches_cpu_float32(kind, tmp_path):
     """The quantized model in bf16 on CUDA (its dispatch: the skinny kernel at decode, _scaled_mm or

@@ -89,6 +89,22 @@ def test_kernel_float32_matches_float64(m, n, k, bias):
     torch.testing.assert_close(y.double(), ref(x, w, b), rtol=0, atol=1e-4)
 
 
+@kernels
+@pytest.mark.parametrize("n,k", [(37, 1000), (130, 264)])
+def test_weight_only_fp8_matches_float64(n, k):
+    """e4m3 weights with float32 row scales against x itself (``w8a16``): the codes are exact in
+    float32, so only the summation order differs from float64 -- 1e-4, as above; a scale left
+    out (or applied per column) is off by orders more."""
+    from ray_attn.model import fp8 as F8
+
+    x, w, b = inputs(1, n, k, torch.float32, DEVICE, True)
+    wq, ws = F8.quantize_per_row(w)
+    want = F.linear(x.double(), wq.double() * ws.double()[:, None], b.double())
+    torch.testing.assert_close(G.gemv(x, wq, b, w_scale=ws, BLOCK_K=256).double(), want, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="weight-only FP8"):
+        G.gemv(x, wq, w_scale=ws[:-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", SHAPES)
