@@ -89,14 +89,14 @@ def runner(kernel: str, m: int, n: int, k: int, dev):
     return (lambda cfg: [F8.fp8_skinny(xq, xs, q, s, torch.bfloat16, **cfg) for q, s in ws]), None, n * k, c
 
 
-def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev) -> dict:
+def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev, defaults_only=False) -> dict:
     run, cublas, nbytes, layers = runner(kernel, m, n, k, dev)
     ref = run({})[0].float()
     scale = ref.abs().max().item()
     default_us = bl.graph_timeit(lambda: run({}), iters=10) * 1e6 / layers
     cublas_us = bl.graph_timeit(cublas, iters=10) * 1e6 / layers if cublas else None
     best, tried = None, 0
-    for c in candidates(kernel):
+    for c in ([{}] if defaults_only else candidates(kernel)):
         try:
             y = run(c)[0].float()
             us = bl.graph_timeit(lambda: run(c), iters=10)
@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="gemv,fp8_skinny,w8a16")
     ap.add_argument("--fp8-presets", default="llama-3-8b", help="the presets whose shapes the FP8 kernel is tuned for")
     ap.add_argument("--write", action="store_true", help="store the winners as this device's table")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="time each kernel's default config only (an A/B of an env switch, say)")
+    ap.add_argument("--name", default="tune_decode_gemv", help="result file name")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_decode_gemv: needs a GPU; nothing to tune here")
@@ -141,14 +144,14 @@ def main(argv=None) -> int:
                     continue
                 seen.add((n, k, kernel))
                 for m in ROWS[kernel]:
-                    rows.append(dict(preset=preset, **tune(kernel, name, m, n, k, copy_bps, dev)))
+                    rows.append(dict(preset=preset, **tune(kernel, name, m, n, k, copy_bps, dev, a.defaults_only)))
                 torch.cuda.empty_cache()
     cols = ["preset", "kernel", "shape", "rows", "default_us", "best_us", "speedup", "cublas_us", "best_over_cublas",
             "best_frac_of_copy", "best_cfg"]
     bl.print_table(rows, cols, "decode GEMVs: default config vs the best candidate (us per layer)")
-    path = bl.save("tune_decode_gemv", rows, copy_Bps=copy_bps)
+    path = bl.save(a.name, rows, copy_Bps=copy_bps)
     print(f"wrote {path}")
-    if a.write:
+    if a.write and not a.defaults_only:
         table: dict = {}
         for r in rows:
             if r["kernel"] == "gemv" and r["n"] > G.MAX_N and not r["best_over_cublas"] < 1:
