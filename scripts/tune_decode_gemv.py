@@ -10,7 +10,8 @@ gate_up and down_proj, the LM head, the MoE router, Llama 4's shared expert; bf1
 cuBLAS (``F.linear``) on the same weights.  ``--write`` stores the fastest config of each
 (shape, rows) as this device's table (``ray_attn/model/configs/<device>.json``, read by
 ``kernel_configs.tuned``): above ``gemv.MAX_N`` (gate_up, the LM head) the GEMV then serves a
-shape only where it beat cuBLAS.  A candidate is kept only if it agrees with the default config
+shape only where it beat cuBLAS, and the weight-only FP8 GEMV one where it beat the skinny kernel
+(its entry is what makes ``fp8.select_fp8_kernel`` pick it).  A candidate is kept only if it agrees with the default config
 to 1% of the output's scale.
 
     python scripts/tune_decode_gemv.py [--presets llama-3-8b,qwen3-30b-a3b,llama-4-scout] [--write]
@@ -156,6 +157,10 @@ def main(argv=None) -> int:
         for r in rows:
             if r["kernel"] == "gemv" and r["n"] > G.MAX_N and not r["best_over_cublas"] < 1:
                 continue  # wider than MAX_N the GEMV serves only shapes where it beat cuBLAS here
+            skinny = next((q["best_us"] for q in rows if q["kernel"] == "fp8_skinny" and (q["n"], q["k"], q["rows"])
+                           == (r["n"], r["k"], r["rows"])), None)
+            if r["kernel"] == "w8a16" and not (skinny and r["best_us"] < skinny):
+                continue  # the weight-only GEMV runs a shape only where it beat the skinny kernel here
             table.setdefault(r["kernel"], {}).setdefault(kernel_configs.shape_key(r["n"], r["k"]), {})[r["rows"]] = \
                 r["best_cfg"]
         name = torch.cuda.get_device_name(dev)

@@ -23,8 +23,10 @@ token: ``max|x[m]| / 448``; per token and group of 128 features for block weight
 Activations are quantized on every path, decode included: a W8A16 GEMV would be more accurate,
 but then a token's logits would depend on whether its step ran the GEMV or the GEMM.  That GEMV
 exists as ``w8a16`` (the bf16 GEMV reading e4m3 weights, the row scales applied to its float32
-sums; one row, CUDA), picked only when forced (``RAY_ATTN_FP8_KERNEL=w8a16``): issue 39 asks
-whether it beats the skinny kernel at one row and passes the FP8 accuracy rows.
+sums; one row, CUDA, dynamic activation schemes).  It runs where this GPU's tuned table
+(``kernel_configs``) holds it for the weight's shape -- ``scripts/tune_decode_gemv.py --write``
+puts it there only where it beat the skinny kernel -- or when forced (``RAY_ATTN_FP8_KERNEL=w8a16``).
+Weight-only, the norm before it does not quantize, and down_proj makes SiLU-mul itself.
 ``select_fp8_kernel`` is the one place that picks a path (``RAY_ATTN_FP8_KERNEL`` forces one, for
 measurements).
 """
@@ -39,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
-from ray_attn.model import gemv
+from ray_attn.model import gemv, kernel_configs
 from ray_attn.model.fp8_kernels import (FP8_DTYPE, GROUP, MIN_SCALE, block_config, fp8_block_matmul,  # noqa: F401
                                         fp8_skinny, quantize_per_token_triton, skinny_config)
 from ray_attn.model.quantization import FP8_E4M3_MAX, Fp8Config
@@ -193,6 +195,9 @@ def select_fp8_kernel(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config) 
             return FORCE
     if block:
         return "block_triton" if x.dtype in (torch.bfloat16, torch.float16) else "block_dequant"
+    if (M <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and scheme.activation_scheme == "dynamic"
+            and kernel_configs.tuned("w8a16", M, N, K, x.device)):
+        return "w8a16"  # this GPU's table holds it for the shape: it beat the skinny kernel there
     if M <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
         return "skinny"
     return "scaled_mm" if _scaled_mm_ok(x, N, K) else "dequant"

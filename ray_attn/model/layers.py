@@ -345,10 +345,21 @@ class RowParallelLinear(Fp8Linear):
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """``forward(silu_mul(gate_up))`` with the product made inside the one-row GEMV (bf16
-        weights, no adapter: LoRA needs the product itself); None where that kernel does not serve."""
-        if self.scheme is not None or self.lora is not None or not gemv.use_gemv_silu_mul(gate_up, self.weight):
+        weights, or FP8 ones where the dispatch runs them weight-only, ``w8a16``; no adapter: LoRA
+        needs the product itself); None where that kernel does not serve."""
+        if self.lora is not None:
             return None
-        return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True))
+        if self.scheme is None:
+            if not gemv.use_gemv_silu_mul(gate_up, self.weight):
+                return None
+            return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True))
+        K = self.weight.shape[1]
+        if not (gemv.FUSE_SILU and gate_up.dim() == 2 and gate_up.shape[-1] == 2 * K and gate_up.stride(1) == 1
+                and self.weight.dtype == fp8.FP8_DTYPE
+                and fp8.select_fp8_kernel(gate_up[:, :K], self.weight, self.scheme) == "w8a16"):
+            return None
+        return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True,
+                                            w_scale=self.weight_scale.float().contiguous()))
 
 
 def qkv_parts(num_heads: int, num_kv_heads: int, head_size: int, rank: int, size: int

@@ -738,6 +738,47 @@ def test_gpu_weight_only_path_when_forced(n, k, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_weight_only_picked_from_the_table_and_silu_mul_fused_into_down(tmp_path, monkeypatch):
+    """A device table that holds ``w8a16`` for down_proj's shape makes the dispatch pick it at one
+    row (and only there), the norm not quantize for it, and the MLP's down_proj take gate_up and
+    make SiLU-mul itself: equal to the bit to SiLU-mul apart, then the same GEMV."""
+    from ray_attn.model import fused, kernel_configs
+    from ray_attn.model.layers import MLP
+
+    mlp = _online_mlp(hidden=256, inter=512)
+    down = mlp.down
+    N, K = down.weight.shape
+    name = torch.cuda.get_device_name(0)
+    kernel_configs.write_table(name, {"w8a16": {kernel_configs.shape_key(N, K): {1: dict(BLOCK_N=8, BLOCK_K=256)}}},
+                               {}, folder=tmp_path)
+    table = kernel_configs.device_table
+    monkeypatch.setattr(kernel_configs, "device_table", lambda dev, folder=None: table(dev, tmp_path))
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    h = mlp.gate_up(x)
+    assert F8.select_fp8_kernel(h[:, :K], down.weight, down.scheme) == "w8a16"
+    assert F8.select_fp8_kernel(torch.cat([h, h])[:, :K], down.weight, down.scheme) == "skinny"
+    assert not down.wants_fp8_input(h[:, :K])
+    fusedy = down.forward_silu_mul(h)
+    assert fusedy is not None and torch.equal(fusedy, down(fused.silu_mul(h)))
+    assert torch.equal(mlp(x), fusedy)
+    assert isinstance(mlp, MLP)
+
+
+def _online_mlp(hidden: int, inter: int):
+    """The MLP of a one-layer Llama in bf16 on CUDA with its weights quantized online to FP8."""
+    from ray_attn.config import ModelConfig
+    from ray_attn.model.registry import build_model
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                      dtype="bfloat16", quantization="fp8")
+    model = build_model(cfg, device="cuda", block_size=16, kernel="torch")
+    model.init_random_weights(1)
+    model.process_weights_after_loading()
+    return model.layers[0].mlp
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["online", "block"])
 def test_gpu_model_matches_cpu_float32(kind, tmp_path):
     """The quantized model in bf16 on CUDA (its dispatch: the skinny kernel at decode, _scaled_mm or
