@@ -4,7 +4,7 @@ dequantized weights, greedy, ``--max-tokens`` new tokens per request (no early s
 ``--batch`` (a batch of distinct chat prompts; HF's left-padded in one ``generate`` call).
 
     python scripts/bench_cpu_vs_hf.py [--batch 1 8] [--max-tokens 256] [--tp 1] [--executor in_process]
-                                      [--repeats 3] [--our-threads 1]
+                                      [--repeats 3] [--our-threads 1] [--profile TOKENS]
 
 tokens/s = batch * max_tokens / wall time of the whole call (prefill included, which is a few
 percent of it here), the best of ``--repeats`` runs of each side, taken in turn (the machine is
@@ -89,6 +89,16 @@ def agreement(ours, hf) -> str:
     return f"{same}/{len(ours)} identical" + (f" (first forks at tokens {forks})" if forks else "")
 
 
+def profile_ours(eng, prompts, max_tokens: int) -> None:
+    """Where our CPU step goes: the ops of a ``generate`` by self CPU time (the linears, the LM
+    head, and the many small ops around them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_ours(eng, prompts, max_tokens)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main(argv=None):
     from ray_attn.gguf_file import gguf_path, hf_causal_lm, load_tokenizer
     from ray_attn.presets import default_gguf
@@ -107,6 +117,9 @@ def main(argv=None):
     a.add_argument("--quantization", choices=["gguf"], default=None,
                    help="ours only: 'gguf' runs the file's 4-bit blocks as stored (bfloat16 matmuls; "
                         "ray_attn/model/gguf_q4.py); HF keeps its dequantized weights")
+    a.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="after the timings, profile our generate of TOKENS tokens at the largest --batch "
+                        "(torch.profiler, in-process executor): the ops by self CPU time")
     args = a.parse_args(argv)
     if args.our_threads:
         os.environ["RAY_ATTN_CPU_THREADS"] = str(args.our_threads)
@@ -142,6 +155,8 @@ def main(argv=None):
                              speedup=best_hf / best_ours, ours_median_tok_s=n / med_ours, hf_median_tok_s=n / med_hf,
                              median_speedup=med_hf / med_ours, tokens=agreement(ours[0][1], theirs[0][1])))
             print(rows[-1], flush=True)
+        if args.profile and args.executor == "in_process":
+            profile_ours(eng, chat_prompts(tok, max(args.batch)), args.profile)
     finally:
         eng.shutdown()
     meta = dict(checkpoint=os.path.basename(path), dtype=args.dtype, quantization=args.quantization, tp=args.tp,

@@ -26,7 +26,6 @@ import torch
 
 try:
     import triton
-    import triton.language as tl
 except Exception:  # pragma: no cover - CPU machines without triton
     triton = None
 
