@@ -55,7 +55,11 @@ def test_metrics_follow_the_fake_servers_delays(tmp_path):
     assert r["input_lens"] == [12] * n and r["total_input_tokens"] == 12 * n
     for ttft, itl in zip(r["ttfts"], r["itls"]):
         assert first <= ttft < first + SLACK
-        assert len(itl) == n_out - 2 and all(gap * 0.95 <= x < gap + SLACK for x in itl)
+        assert len(itl) == n_out - 2 and all(x < gap + SLACK for x in itl)
+        # Each gap only from above: a chunk read late on a loaded machine lengthens its own gap
+        # and shortens the next (26.5 ms after 35.2 in a CI run, against 30 sent).  Their sum
+        # can't shrink: the last chunk leaves the server after the first delay and every gap.
+        assert ttft + sum(itl) >= 0.99 * (first + (n_out - 2) * gap)
     e2el = np.array([t + sum(i) for t, i in zip(r["ttfts"], r["itls"])])
     tpot = (e2el - np.array(r["ttfts"])) / (n_out - 1)
     for name, ref in (("ttft", np.array(r["ttfts"])), ("e2el", e2el), ("tpot", tpot),
