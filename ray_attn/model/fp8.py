@@ -187,16 +187,16 @@ def select_fp8_kernel(x: torch.Tensor, weight: torch.Tensor, scheme: Fp8Config) 
     gpu = x.is_cuda and available()
     if not gpu:
         return "dequant"
+    gemv_row = M <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)  # what w8a16 can take
     if FORCE != "auto":
         allowed = {"dequant"} | ({"block_triton", "block_dequant"} if block else {"scaled_mm", "skinny"})
-        if not block and M <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        if not block and gemv_row:
             allowed.add("w8a16")  # weight-only, one row: issue 39's candidate, forced to measure it
         if FORCE in allowed and (FORCE != "scaled_mm" or _scaled_mm_ok(x, N, K)):
             return FORCE
     if block:
         return "block_triton" if x.dtype in (torch.bfloat16, torch.float16) else "block_dequant"
-    if (M <= gemv.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and scheme.activation_scheme == "dynamic"
-            and kernel_configs.tuned("w8a16", M, N, K, x.device)):
+    if gemv_row and scheme.activation_scheme == "dynamic" and kernel_configs.tuned("w8a16", M, N, K, x.device):
         return "w8a16"  # this GPU's table holds it for the shape: it beat the skinny kernel there
     if M <= SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
         return "skinny"

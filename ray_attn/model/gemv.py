@@ -139,10 +139,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, sil
     return y
 
 
+def silu_mul_input_ok(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``gate_up`` is laid out for the GEMV to make silu(gate) * up itself before ``w``
+    ([M, 2K] gate then up, unit stride) and the fusion is on: the bf16 and the w8a16 paths' shared check."""
+    return FUSE_SILU and gate_up.dim() == 2 and gate_up.shape[-1] == 2 * w.shape[1] and gate_up.stride(1) == 1
+
+
 def use_gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether down_proj's GEMV can take ``gate_up`` [M, 2K] and make silu(gate) * up itself."""
-    return (FUSE_SILU and gate_up.dim() == 2 and gate_up.shape[-1] == 2 * w.shape[1] and gate_up.stride(1) == 1
-            and use_gemv(gate_up[:, :w.shape[1]], w))
+    return silu_mul_input_ok(gate_up, w) and use_gemv(gate_up[:, :w.shape[1]], w)
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -353,10 +353,8 @@ class RowParallelLinear(Fp8Linear):
             if not gemv.use_gemv_silu_mul(gate_up, self.weight):
                 return None
             return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True))
-        K = self.weight.shape[1]
-        if not (gemv.FUSE_SILU and gate_up.dim() == 2 and gate_up.shape[-1] == 2 * K and gate_up.stride(1) == 1
-                and self.weight.dtype == fp8.FP8_DTYPE
-                and fp8.select_fp8_kernel(gate_up[:, :K], self.weight, self.scheme) == "w8a16"):
+        if not (gemv.silu_mul_input_ok(gate_up, self.weight) and self.weight.dtype == fp8.FP8_DTYPE
+                and fp8.select_fp8_kernel(gate_up[:, :self.weight.shape[1]], self.weight, self.scheme) == "w8a16"):
             return None
         return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True,
                                             w_scale=self.weight_scale.float().contiguous()))
