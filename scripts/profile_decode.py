@@ -99,7 +99,8 @@ def kernel_kinds(key_averages) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["us"])
 
 
-def preset_config(spec: str, gpu: bool, block_size: int, scout_layers: int, quantization=None) -> EngineConfig:
+def preset_config(spec: str, gpu: bool, block_size: int, scout_layers: int, quantization=None,
+                  memory_fraction: float = 0.5) -> EngineConfig:
     """``name[:quantization]`` as the engine config every point of it runs."""
     name, _, quant = spec.partition(":")
     mc = ModelConfig(**MODEL_PRESETS[name], quantization=quant or quantization)
@@ -109,7 +110,7 @@ def preset_config(spec: str, gpu: bool, block_size: int, scout_layers: int, quan
                                        moe_layers=[i for i in mc.moe_layer_ids if i < L] if mc.moe_layers else None,
                                        no_rope_layers=(mc.no_rope_layers or [1] * 48)[:L]))
         mc = ModelConfig(**mc.model_dump())
-    return EngineConfig(model=mc, cache=CacheConfig(block_size=block_size, memory_fraction=0.5,
+    return EngineConfig(model=mc, cache=CacheConfig(block_size=block_size, memory_fraction=memory_fraction,
                                                     num_blocks=None if gpu else 512),
                         parallel=ParallelConfig(device="cuda" if gpu else "cpu"),
                         max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 512,
@@ -127,6 +128,8 @@ def main(argv=None):
     p.add_argument("--no-aot", action="store_true", help="FA3 without its ahead-of-time scheduler plan")
     p.add_argument("--presets", default=None, help="comma-separated name[:quantization] (overrides --model)")
     p.add_argument("--scout-layers", type=int, default=12, help="llama-4-scout's layers on one GPU")
+    p.add_argument("--memory-fraction", type=float, default=0.5,
+                   help="the GPU memory the engine may take (Qwen3-30B-A3B's 57 GB of weights need ~0.9 on 80 GB)")
     p.add_argument("--json", default=None, help="write every point's kernel table and roofline here")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="also profile N back-to-back replays: span vs busy time, longest gaps")
@@ -141,7 +144,7 @@ def main(argv=None):
     copy_Bps = bl.copy_bandwidth(1 << 30 if gpu else 1 << 24, dev)
     results = []
     for spec in specs:
-        cfg = preset_config(spec, gpu, args.block_size, args.scout_layers, args.quantization)
+        cfg = preset_config(spec, gpu, args.block_size, args.scout_layers, args.quantization, args.memory_fraction)
         ex = InProcessExecutor(cfg)
         eng = LLMEngine(cfg, ex)
         try:

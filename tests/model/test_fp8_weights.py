@@ -35,6 +35,8 @@ from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from ray_attn.hf_export import hf_config_dict
 from ray_attn.model import build_model
 from ray_attn.model import fp8 as F8
+from ray_attn.model import gemv as G
+from ray_attn.model import kernel_configs
 from ray_attn.model.quantization import parse_quantization
 from tests.model.steps import BLOCK_SIZE, SCHEDULE, random_tokens, run_schedule
 from tests.model.test_families import qwen_config, reinit
@@ -600,6 +602,8 @@ def test_other_refusals(tmp_path):
 INTERPRETED = r"""
 import torch
 from ray_attn.model import fp8 as F8
+from ray_attn.model import gemv as G
+from ray_attn.model import kernel_configs
 from ray_attn.model.quantization import parse_quantization
 g = torch.Generator().manual_seed(0)
 static = parse_quantization({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
@@ -707,7 +711,9 @@ def test_gpu_paths_match_cpu_reference(scheme_name, m, n, k):
     xc, wc, sc = x.cuda(), wq.cuda(), ws.cuda()
     pick = F8.select_fp8_kernel(xc, wc, scheme)
     gemm = "scaled_mm" if F8._scaled_mm_ok(xc, n, k) else "dequant"
-    assert pick == ("block_triton" if scheme_name == "block" else "skinny" if m <= F8.SKINNY_MAX_M else gemm)
+    tabled = m <= G.MAX_ROWS and kernel_configs.tuned("w8a16", m, n, k, xc.device)  # this GPU's table picks it
+    assert pick == ("block_triton" if scheme_name == "block" else "w8a16" if tabled else
+                    "skinny" if m <= F8.SKINNY_MAX_M else gemm)
     paths = ["block_triton", "block_dequant"] if scheme_name == "block" else ["skinny", "dequant"] + (
         ["scaled_mm"] if F8._scaled_mm_ok(xc, n, k) else [])
     excess = {}
@@ -742,7 +748,7 @@ def test_gpu_weight_only_picked_from_the_table_and_silu_mul_fused_into_down(tmp_
     """A device table that holds ``w8a16`` for down_proj's shape makes the dispatch pick it at one
     row (and only there), the norm not quantize for it, and the MLP's down_proj take gate_up and
     make SiLU-mul itself: equal to the bit to SiLU-mul apart, then the same GEMV."""
-    from ray_attn.model import fused, kernel_configs
+    from ray_attn.model import fused
     from ray_attn.model.layers import MLP
 
     mlp = _online_mlp(hidden=256, inter=512)
