@@ -9,8 +9,9 @@ stream of weight reads (``gemv.py``).  So:
 - ``_gate_up_kernel``: program (n-tile, pair) reads BLOCK_N gate rows and the matching up rows of
   the pair's expert, dots them with the pair's token, and stores SiLU(gate) * up: the gate_up GEMM
   and the activation in one pass, no sort (the pair's expert id is read on the device);
-- ``_down_kernel``: program (h-tile, token) runs the down projection of each of the token's k
-  pairs and sums them weighted by their routing weights: the down GEMM and ``_combine`` in one.
+- ``_down_kernel``: program (h-tile, token) runs the down projection of all of the token's k
+  pairs at once (the experts are an axis of its tile) and sums them weighted by their routing
+  weights: the down GEMM and ``_combine`` in one.
 
 Two launches per layer, shapes fixed by (tokens, top_k), no host sync: CUDA-graph safe.  Each
 pair's weights are read once per pair, so a token count where pairs share experts (prefill,
@@ -39,6 +40,14 @@ except Exception:  # pragma: no cover - CPU machines without triton
 # token and 164 vs 247 us at 8 (Qwen3-30B-A3B shapes; 485 vs 707 us for Llama-4-Scout's) -- ahead at
 # every count measured, 8 the largest.  "small" forces them.
 SMALL_MAX_TOKENS = 8
+# The tiles, from ``scripts/tune_moe_small.py`` on the H100 (README, "MoE"): gate_up reads BLOCK_N=16
+# rows of gate and of up a program; the down kernel 2 rows of each of the token's k experts, in a
+# float32 accumulator of DOWN_TILE = k x BLOCK_N x BLOCK_K elements (Qwen3-30B-A3B's 8 experts:
+# BLOCK_K 256; Llama 4's one: 2048).  At one token a Qwen3-30B-A3B layer's experts took 35.8 us at
+# (8, 8, 8192) and 29.8 at these; Scout's 93.2 and 85.4.
+BLOCK_N = 16
+DOWN_BLOCK_N = 2
+DOWN_TILE = 4096
 
 if triton is not None:
 
@@ -89,39 +98,43 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(a_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, N, K, a_stride, w_e_stride, w_n_stride,
-                     y_stride, TOPK: tl.constexpr, WEIGHT_OUTPUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+                     y_stride, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, WEIGHT_OUTPUT: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+        # The token's k experts are one axis of the tile, not a loop: each K step issues the loads of
+        # all k weight tiles at once.  A loop over the experts waited out one memory round trip per
+        # expert (K is short: Qwen3-30B-A3B's down reads 768 columns), ~1.7 TB/s on the H100.
         if USE_PDL:  # pdl.py: nothing an earlier kernel writes is read before the wait
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         pid, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
         dt = y_ptr.dtype.element_ty
+        rj = tl.arange(0, TOPK_P2)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        jmask = rj < TOPK
         nmask = rn < N
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in range(TOPK):  # the token's k pairs, in routing order (as _combine sums them)
-            p = t * TOPK + j
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            w_ptrs = w_ptr + e * w_e_stride + rn[:, None].to(tl.int64) * w_n_stride + rk[None, :]
-            a_ptrs = a_ptr + p * a_stride + rk
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-                    a = tl.load(a_ptrs).to(tl.float32)
-                else:
-                    kmask = (k + rk) < K
-                    w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0,
-                                eviction_policy="evict_first")
-                    a = tl.load(a_ptrs, mask=kmask, other=0.0).to(tl.float32)
-                acc += w.to(tl.float32) * a[None, :]
-                w_ptrs += BLOCK_K
-                a_ptrs += BLOCK_K
-            y = tl.sum(acc, axis=1).to(dt).to(tl.float32)  # the expert's output in the model dtype
-            if WEIGHT_OUTPUT:
-                y = y * tl.load(wts_ptr + p).to(tl.float32)
-            total += y
+        p = t * TOPK + rj  # the token's pairs, in routing order
+        e = tl.load(ids_ptr + p, mask=jmask, other=0).to(tl.int64)
+        w_ptrs = (w_ptr + e[:, None, None] * w_e_stride + rn[None, :, None].to(tl.int64) * w_n_stride
+                  + rk[None, None, :])
+        a_ptrs = a_ptr + p[:, None] * a_stride + rk[None, :]
+        wmask = jmask[:, None, None] & nmask[None, :, None]
+        acc = tl.zeros((TOPK_P2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=wmask, other=0.0, eviction_policy="evict_first")
+                a = tl.load(a_ptrs, mask=jmask[:, None], other=0.0).to(tl.float32)
+            else:
+                kmask = (k + rk) < K
+                w = tl.load(w_ptrs, mask=wmask & kmask[None, None, :], other=0.0, eviction_policy="evict_first")
+                a = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * a[:, None, :]
+            w_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=2).to(dt).to(tl.float32)  # each expert's output in the model dtype
+        if WEIGHT_OUTPUT:
+            y = y * tl.load(wts_ptr + p, mask=jmask, other=0.0).to(tl.float32)[:, None]
+        total = tl.sum(y, axis=0)  # the k outputs summed in float32 (padded experts add zeros)
         tl.store(y_ptr + t * y_stride + rn, total.to(dt), mask=nmask)
 
 
@@ -142,11 +155,14 @@ def use_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def fused_moe_small(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
-                    block_n: int = 8) -> torch.Tensor:
+                    block_n: int = BLOCK_N, down_block_n: int = DOWN_BLOCK_N,
+                    down_tile: int = DOWN_TILE) -> torch.Tensor:
     """``fused_moe_loop``'s function as two GEMV kernels over the (token, expert) pairs.
 
     ``w13`` [E, 2n, H] (gate rows, then up rows), ``w2`` [E, H, n]; ``topk_weights`` / ``topk_ids``
-    [T, k].  On a machine without a GPU the kernels run only under ``TRITON_INTERPRET=1``."""
+    [T, k].  ``block_n`` is the gate_up kernel's tile, ``down_block_n`` and ``down_tile`` the down
+    kernel's (swept by ``scripts/tune_moe_small.py``).  On a machine without a GPU the
+    kernels run only under ``TRITON_INTERPRET=1``."""
     if triton is None:
         raise RuntimeError("fused_moe_small needs triton")
     if not small_supported(x, w13, w2):
@@ -171,9 +187,10 @@ def fused_moe_small(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_i
         x, w13, ids, wts, a, n, H, x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         TOPK=k, SCALE_INPUT=apply_router_weight_on_input, BLOCK_N=block_n, BLOCK_K=bk, EVEN_K=H % bk == 0,
         num_warps=4, **pdl.launch(x.device))
-    bk = _block_k(n, 1024)
-    _down_kernel[(triton.cdiv(H, block_n), T)](
+    k_p2, dbn = triton.next_power_of_2(k), down_block_n
+    bk = _block_k(n, max(16, down_tile // (k_p2 * dbn)))  # k float32 accumulators of BLOCK_N x BLOCK_K
+    _down_kernel[(triton.cdiv(H, dbn), T)](
         a, w2, ids, wts, y, H, n, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOPK=k, WEIGHT_OUTPUT=not apply_router_weight_on_input, BLOCK_N=block_n, BLOCK_K=bk,
+        TOPK=k, TOPK_P2=k_p2, WEIGHT_OUTPUT=not apply_router_weight_on_input, BLOCK_N=dbn, BLOCK_K=bk,
         EVEN_K=n % bk == 0, num_warps=4, **pdl.launch(x.device))
     return y
