@@ -76,6 +76,11 @@ class ParallelConfig(_Strict):
     cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="Replay pure-decode steps from captured CUDA graphs (GPU workers with a flash kernel), at any tensor_parallel_size; 'auto' runs eagerly if a capture fails, 'on' raises, 'off' never captures.")
     cuda_graph_max_batch: int = Field(256, gt=0, description="Largest decode batch that replays a CUDA graph (capped at max_num_seqs); larger steps run eagerly.")
     ray_address: Optional[str] = Field(None, description="Ray cluster to join; None starts or joins via RAY_ADDRESS.")
+    batch_invariant: bool = Field(False, description=(
+        "Kernels whose per-row results do not depend on the rest of the step (vLLM's "
+        "VLLM_BATCH_INVARIANT): fixed-tile GEMMs and one FlashAttention 3 KV split, so that "
+        "speculative greedy gives plain greedy's tokens on GPUs in bf16 (ray_attn/backend/batch_invariant.py). "
+        "Slower; dense unquantized models without LoRA, on FA3 or the torch kernel."))
 
 
 class EngineConfig(_Strict):
@@ -142,6 +147,8 @@ class EngineConfig(_Strict):
                                                     or gguf_file.gguf_path(self.checkpoint) is None):
                 raise ValueError(f"model.quantization='gguf' runs a GGUF checkpoint's 4-bit blocks as stored, "
                                  f"but checkpoint={self.checkpoint!r} is not a GGUF file or a folder of one")
+        if self.parallel.batch_invariant:
+            check_batch_invariant(self.model, self.parallel, self.lora_config is not None)
         check_runnable(self.model, self.cache, self.parallel)
         if self.lora_config is not None and (self.model.architecture in MOE_ARCHITECTURES
                                              or self.model.architecture == "MptForCausalLM"):
@@ -150,6 +157,16 @@ class EngineConfig(_Strict):
         if self.speculative_config is not None:
             check_speculative(self.speculative_config, self.model, self.parallel.tensor_parallel_size)
         return self
+
+
+def check_batch_invariant(model: ModelConfig, parallel: ParallelConfig, lora: bool) -> None:
+    """What ``parallel.batch_invariant`` does not make invariant is refused by name."""
+    why = ("quantized weights (model.quantization)" if model.quantization else
+           "MoE experts" if model.moe_layer_ids else "LoRA adapters (lora_config)" if lora else
+           "FlashAttention 2 (kernel='fa2': its KV splits are its own)" if parallel.kernel == "fa2" else None)
+    if why:
+        raise ValueError(f"parallel.batch_invariant: {why} have no batch-invariant kernels here; "
+                         "it covers dense bf16/fp16/float32 models on FA3 or the torch kernel")
 
 
 def _checkpoint_fields(folder: str) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ray_attn.backend import cpu_decode
+from ray_attn.backend import batch_invariant, cpu_decode
 from ray_attn.backend.cache import FP8_DTYPE, is_fp8_kv_cache, quantize_fp8
 from ray_attn.backend.reference import paged_attention_ref
 
@@ -208,6 +208,7 @@ class FlashAttn3Kernel(Kernel):
         q_descale, k_descale, v_descale = (None if d is None else d.expand(shape)
                                            for d in (q_descale, k_descale, v_descale))
         window_size = fa3_window(window_size, max_seqlen_q, max_seqlen_k)
+        num_splits = one_split_if_invariant(num_splits)
         if FlashAttn3Kernel._raw_ok is not False:
             try:
                 lse = self._raw(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k,
@@ -253,10 +254,18 @@ class FlashAttn3Kernel(Kernel):
         from flash_attn_interface import get_scheduler_metadata
 
         window_size = fa3_window(window_size, max_seqlen_q, max_seqlen_k)
+        num_splits = one_split_if_invariant(num_splits)  # the plan and the call agree on it
         return get_scheduler_metadata(
             batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, head_size,
             cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=cu_seqlens_q, page_size=page_size,
             causal=causal, window_size=window_size, has_softcap=has_softcap, num_splits=num_splits)
+
+
+def one_split_if_invariant(num_splits: int) -> int:
+    """FA3's split count picks itself from the batch (0) or the decode graph's size; a row's
+    softmax then merges a different number of partial states in a plain step and in a verifying
+    one.  ``batch_invariant`` mode runs every row over its whole KV in one CTA."""
+    return 1 if batch_invariant.enabled() else num_splits
 
 
 def fa3_window(window_size: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
-from ray_attn.backend import pdl
+from ray_attn.backend import batch_invariant, pdl
 from ray_attn.model import gguf_q4, kernel_configs
 
 try:
@@ -154,6 +154,7 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     """One row on CUDA in bf16/fp16: N <= MAX_N, or a wider shape this device's tuned table holds
     (``scripts/tune_decode_gemv.py`` writes one there only where the GEMV beat cuBLAS)."""
     return (ENABLED and available() and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and not batch_invariant.enabled()  # its one-row sums differ from the same row in a batch
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1
             and (w.shape[0] <= MAX_N or bool(kernel_configs.tuned("gemv", 1, w.shape[0], w.shape[1], x.device))))
 
@@ -211,6 +212,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         q = gguf_q4.packed(w)
         if q is not None:
             return gguf_q4.linear(x, q, bias)
+    if batch_invariant.use(x, w):
+        return batch_invariant.matmul(x, w, bias)
     if use_gemv(x, w):
         return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
     if use_onednn(x, w):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ray_attn.config import EngineConfig
+from ray_attn.backend import batch_invariant
 from ray_attn.runtime import messages, rank_setup, rendezvous
 from ray_attn.runtime.buffers import StepBuffers
 from ray_attn.runtime.deferred import DeferredOutput, SamplingThread, TokenStaging, pack_output, unpack_output
@@ -61,6 +62,8 @@ class AttentionWorker:
             raise RuntimeError(f"rank {rank}: parallel.device='cuda' but this worker sees no GPU")
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always device 0 here.
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        # per process: a rank in the driver's process (InProcessExecutor) sets it for each engine
+        batch_invariant.set_enabled(self.config.parallel.batch_invariant)
         if not cuda:
             # Several CPU ranks share few cores: their share each avoids oversubscription stalls.
             # RAY_ATTN_CPU_THREADS overrides it (beside other work, 1 runs far faster: OpenMP
