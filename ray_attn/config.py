@@ -80,7 +80,7 @@ class ParallelConfig(_Strict):
         "Kernels whose per-row results do not depend on the rest of the step (vLLM's "
         "VLLM_BATCH_INVARIANT): fixed-tile GEMMs and one FlashAttention 3 KV split, so that "
         "speculative greedy gives plain greedy's tokens on GPUs in bf16 (ray_attn/backend/batch_invariant.py). "
-        "Slower; dense unquantized models without LoRA, on FA3 or the torch kernel."))
+        "No cascade attention in it. Slower; dense unquantized models without LoRA, on FA3 or the torch kernel."))
 
 
 class EngineConfig(_Strict):

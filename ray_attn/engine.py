@@ -67,7 +67,9 @@ class LLMEngine:
             attention_chunk_size=m.attention_chunk_size if "chunked_attention" in kinds else None,
             num_sms=config.num_sms or executor.num_sms or 132,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            enable_cascade=config.enable_cascade, max_model_len=m.max_position_embeddings,
+            # cascade makes a row's attention depend on which others share its prefix this step
+            enable_cascade=config.enable_cascade and not config.parallel.batch_invariant,
+            max_model_len=m.max_position_embeddings,
             max_num_reqs_hint=config.max_num_seqs, tiers=planner_tiers(config, executor),
             cascade_min_saved_kv_tokens=config.cascade_min_saved_kv_tokens
             if config.cascade_min_saved_kv_tokens is not None else cascade_threshold(

@@ -13,7 +13,9 @@ This is ours, ``ParallelConfig(batch_invariant=True)``; every rank sets it at st
   with fixed tiles, no split-K, M not specialized.  Each output element is the same sequence of
   tensor-core steps over K whether its row is alone or one of thousands;
 - the one-row GEMV and its fused SiLU-mul are off (``gemv.use_gemv``);
-- FlashAttention 3 runs every call with one KV split (``kernels.FlashAttn3Kernel``), its plan too.
+- FlashAttention 3 runs every call with one KV split (``kernels.FlashAttn3Kernel``), its plan too;
+- the planner does not cascade (``engine.py``): a cascaded row's attention is a merge of two
+  passes, taken or not depending on which other rows share its prefix in the step.
 
 Row-wise kernels (RMSNorm, RoPE, SiLU-mul, the KV-cache write, sampling) are invariant already.
 Not covered: FP8 weights (the skinny kernel below 17 rows, ``_scaled_mm`` above), MoE experts (the

@@ -111,7 +111,8 @@ def test_configs_it_cannot_make_invariant_are_refused_by_name(update, why):
 
 def test_each_engine_sets_the_mode_on_its_ranks():
     """A rank in the driver's process (InProcessExecutor) sets it from its config, and the next
-    engine's rank sets it back."""
+    engine's rank sets it back.  The planner never cascades in the mode: a cascaded row's
+    attention depends on which other rows share its prefix in the step."""
     from ray_attn.engine import LLMEngine
     from ray_attn.runtime import InProcessExecutor
 
@@ -122,6 +123,7 @@ def test_each_engine_sets_the_mode_on_its_ranks():
         engine = LLMEngine(cfg, InProcessExecutor(cfg))
         try:
             assert BI.enabled() is on
+            assert engine.planner.enable_cascade is (not on)
         finally:
             engine.shutdown()
 
