@@ -132,6 +132,15 @@ def copy_bandwidth(nbytes: int, dev: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / t
 
 
+def gpu_and_copy_rate(script: str) -> tuple[torch.device, float] | None:
+    """A tuning script's GPU and its copy rate (over 1 GB); None, said, where there is no GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a GPU; nothing to tune here")
+        return None
+    dev = torch.device("cuda")
+    return dev, copy_bandwidth(1 << 30, dev)
+
+
 def matmul_flops(dev: torch.device, n: int = 8192) -> float:
     """FLOP/s of a large square GEMM (bf16 on GPU, float32 on CPU): the compute ceiling."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

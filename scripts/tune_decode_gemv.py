@@ -129,11 +129,10 @@ def main(argv=None) -> int:
                     help="time each kernel's default config only (an A/B of an env switch, say)")
     ap.add_argument("--name", default="tune_decode_gemv", help="result file name")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_decode_gemv: needs a GPU; nothing to tune here")
+    gpu = bl.gpu_and_copy_rate("tune_decode_gemv")
+    if gpu is None:
         return 0
-    dev = torch.device("cuda")
-    copy_bps = bl.copy_bandwidth(1 << 30, dev)
+    dev, copy_bps = gpu
     # the defaults are what is measured against: a table already written must not stand in for them
     kernel_configs.ENABLED = False
     rows, seen = [], set()

@@ -65,11 +65,10 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="qwen3-30b-a3b,llama-4-scout")
     ap.add_argument("--tokens", default="1,4")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_moe_small: needs a GPU; nothing to tune here")
+    gpu = bl.gpu_and_copy_rate("tune_moe_small")
+    if gpu is None:
         return 0
-    dev = torch.device("cuda")
-    copy_bps = bl.copy_bandwidth(1 << 30, dev)
+    dev, copy_bps = gpu
     rows = []
     for preset in a.presets.split(","):
         for T in (int(t) for t in a.tokens.split(",")):
