@@ -20,7 +20,7 @@ This is ours, ``ParallelConfig(batch_invariant=True)``; every rank sets it at st
 Row-wise kernels (RMSNorm, RoPE, SiLU-mul, the KV-cache write, sampling) are invariant already.
 Not covered: FP8 weights (the skinny kernel below 17 rows, ``_scaled_mm`` above), MoE experts (the
 small-batch kernels below 9 tokens, the grouped GEMM above) and LoRA; a config asking for those
-with it is refused (``config.check_runnable``).  On CPU nothing changes: the torch path computes
+with it is refused by name (``config.check_batch_invariant``).  On CPU nothing changes: the torch path computes
 in float32.  The price is speed: at one row this GEMM reads the weights as a GEMV does but runs
 fewer programs.
 """
