@@ -100,7 +100,7 @@ def kernel_kinds(key_averages) -> list[dict]:
 
 
 def preset_config(spec: str, gpu: bool, block_size: int, scout_layers: int, quantization=None,
-                  memory_fraction: float = 0.5) -> EngineConfig:
+                  memory_fraction: float = 0.5, batch_invariant: bool = False) -> EngineConfig:
     """``name[:quantization]`` as the engine config every point of it runs."""
     name, _, quant = spec.partition(":")
     mc = ModelConfig(**MODEL_PRESETS[name], quantization=quant or quantization)
@@ -112,7 +112,7 @@ def preset_config(spec: str, gpu: bool, block_size: int, scout_layers: int, quan
         mc = ModelConfig(**mc.model_dump())
     return EngineConfig(model=mc, cache=CacheConfig(block_size=block_size, memory_fraction=memory_fraction,
                                                     num_blocks=None if gpu else 512),
-                        parallel=ParallelConfig(device="cuda" if gpu else "cpu"),
+                        parallel=ParallelConfig(device="cuda" if gpu else "cpu", batch_invariant=batch_invariant),
                         max_num_seqs=256, max_num_batched_tokens=8192 if gpu else 512,
                         async_scheduling=False)  # timed synchronously first, then async
 
@@ -130,6 +130,8 @@ def main(argv=None):
     p.add_argument("--scout-layers", type=int, default=12, help="llama-4-scout's layers on one GPU")
     p.add_argument("--memory-fraction", type=float, default=0.5,
                    help="the GPU memory the engine may take (Qwen3-30B-A3B's 57 GB of weights need ~0.9 on 80 GB)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="ParallelConfig.batch_invariant: what the mode costs (dense unquantized presets)")
     p.add_argument("--json", default=None, help="write every point's kernel table and roofline here")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="also profile N back-to-back replays: span vs busy time, longest gaps")
@@ -144,7 +146,8 @@ def main(argv=None):
     copy_Bps = bl.copy_bandwidth(1 << 30 if gpu else 1 << 24, dev)
     results = []
     for spec in specs:
-        cfg = preset_config(spec, gpu, args.block_size, args.scout_layers, args.quantization, args.memory_fraction)
+        cfg = preset_config(spec, gpu, args.block_size, args.scout_layers, args.quantization, args.memory_fraction,
+                            args.batch_invariant)
         ex = InProcessExecutor(cfg)
         eng = LLMEngine(cfg, ex)
         try:

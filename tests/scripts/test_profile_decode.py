@@ -30,3 +30,8 @@ def test_scout_is_cut_to_the_layers_one_gpu_holds():
     cfg = pd.preset_config("llama-4-scout", False, 16, 8)
     assert cfg.model.num_hidden_layers == 8 and len(cfg.model.layer_kinds()) == 8
     assert pd.preset_config("llama-3-8b:fp8", False, 16, 8).model.quantization == "fp8"
+
+
+def test_the_batch_invariant_flag_reaches_the_engine_config():
+    assert pd.preset_config("llama-3-8b", False, 16, 8, batch_invariant=True).parallel.batch_invariant
+    assert not pd.preset_config("llama-3-8b", False, 16, 8).parallel.batch_invariant
