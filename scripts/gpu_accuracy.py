@@ -85,6 +85,8 @@ class Row:
     # row needs their greedy tokens equal, token for token (info["spec_identical"])
     spec: dict = field(default_factory=dict)
     lora: bool = False  # accuracy_lora's adapters and base requests in one batch, each against its HF model
+    # RAY_ATTN_FP8_KERNEL for the row (fp8.FORCE): its rank then runs in this process, where it can be set
+    fp8_kernel: str = ""
     # (stats, info) -> why the feature did not run, or None
     expect: Callable[[dict, dict], str | None] = lambda s, i: None
 
@@ -163,6 +165,11 @@ def rows(gpu: bool, chunk: int, layers: int) -> list[Row]:
         Row("fp8_weights_fp8_kv", what="compressed-tensors FP8 weights with the fp8 KV cache",
             weights="compressed_tensors", cache=dict(kv_cache_dtype="fp8"), fp8=True,
             expect=lambda s, i: default(s, i) or fp8w(i)),
+        # one sequence a step, so every decode linear has one row: the weight-only GEMV (w8a16,
+        # issue 39) on all of them, where a GPU's table puts it on some shapes of real models only
+        Row("fp8_weights_w8a16", what="FP8 weights quantized at load, decoded one sequence at a time through "
+            "the weight-only GEMV (bf16 activations)", weights="online", fp8_kernel="w8a16",
+            engine=dict(max_num_seqs=1), expect=lambda s, i: default(s, i) or fp8w(i)),
         Row("json_schema", what="JSON-schema structured output (xgrammar mask on rank 0), byte vocabulary",
             grammar=True, expect=default),
         *spec_rows(default),
@@ -258,7 +265,7 @@ def engine_config(row: Row, folder: str, gpu: bool, num_blocks: int) -> EngineCo
     par = dict(tensor_parallel_size=row.tp, device="cuda" if gpu else "cpu") | row.parallel
     extra = dict(lora_config=lora.lora_config()) if row.lora else {}
     return EngineConfig(model=model, checkpoint=folder, cache=CacheConfig(**cache),
-                        parallel=ParallelConfig(**par), max_num_seqs=16, **row.engine,
+                        parallel=ParallelConfig(**par), **(dict(max_num_seqs=16) | row.engine),
                         speculative_config=draft_spec(row.spec, folder) or None, **extra)
 
 
@@ -307,6 +314,14 @@ def run_engine(row: Row, cfg: EngineConfig, prompts, prefix, loras=None,
     from ray_attn.engine import LLMEngine, SamplingParams
     from ray_attn.runtime import InProcessExecutor
 
+    if row.fp8_kernel:
+        from ray_attn.model import fp8 as F8
+
+        forced, F8.FORCE = F8.FORCE, row.fp8_kernel
+        try:
+            return run_engine(dataclasses.replace(row, fp8_kernel=""), cfg, prompts, prefix, loras, "in_process")
+        finally:
+            F8.FORCE = forced
     want = None
     if row.spec:  # the plain run first: its tokens are the drafts, then what speculation must equal
         want, _, _ = run_engine(dataclasses.replace(row, spec={}), cfg.model_copy(update={"speculative_config": None}),

@@ -32,7 +32,8 @@ def rows(gate, *names):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "cascade_multi_group", "chunked_local", "preemption", "qwen2", "qwen3",
                                   "same_step_sharing", "llama4", "llama4_cascade", "mixtral", "qwen3_moe",
-                                  "json_schema", "host_tier", "fp8_weights_online", "fp8_weights_compressed_tensors"])
+                                  "json_schema", "host_tier", "fp8_weights_online", "fp8_weights_compressed_tensors",
+                                  "fp8_weights_w8a16"])
 def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
     (row,) = rows(gate, name)
     res = gate.run(row)
@@ -52,6 +53,10 @@ def test_rows_pass_on_cpu_and_the_feature_ran(gate, name):
         assert res["json_valid"] == 12
     if name.startswith("fp8_weights"):
         assert res["fp8_linears"] > 0
+    if name == "fp8_weights_w8a16":  # its forced kernel (the dequant path on CPU) is put back after it
+        from ray_attn.model import fp8
+
+        assert fp8.FORCE == "auto" and row.fp8_kernel == "w8a16" and row.engine["max_num_seqs"] == 1
     if name == "host_tier":
         assert res["stats"]["host_hit_blocks"] > 0 and res["stats"]["onloaded_blocks"] > 0
 
