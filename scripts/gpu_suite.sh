@@ -32,6 +32,12 @@
 # scripts/device/stage_wheels.sh), the GPU tests the defects touch, the Llama 4 MoE probe and the
 # rows of the features changed; real_model (issue 38): SmolLM2 from .gg1/ + .gg2/ (the GGUF in two
 # parts, one a call: see that script) through the engine, scored against HF (gpu_real_model.py).
+# issue39_tune: this GPU's decode tables (tune_decode_gemv --write: GEMV tiles, w8a16 where it beats
+# the skinny kernel; tune_moe_small), the table to $OUT -- a card without a table runs the defaults;
+# issue39: the ratios issue 39 states, on this code: the decode kernel table of the four presets
+# (MoE at --memory-fraction 0.93 on 80 GB), then the bf16/FP8 serving suite's concurrency-1, offline
+# and decode 256 x 1k. invariant (issue 40): the batch-invariant GPU tests, the spec rows, the mode's
+# step cost (profile_decode --batch-invariant).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -190,6 +196,31 @@ if [[ $stage == lora ]]; then  # issue 41: the LoRA GPU tests (punica kernels, e
   [[ -z ${NO_LOAD:-} ]] && step timeout "${LOAD_TIMEOUT_S:-200}" python3 scripts/bench_lora_load.py \
     --json benchmarks/results/bench_lora_load_cuda.json
   [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_lora_load_cuda.json "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == issue39_tune ]]; then
+  step timeout "${TUNE_TIMEOUT_S:-300}" python3 scripts/tune_decode_gemv.py --write
+  step timeout "${TUNE_TIMEOUT_S:-200}" python3 scripts/tune_moe_small.py
+  [[ -n ${OUT:-} ]] && cp ray_attn/model/configs/*.json benchmarks/results/tune_decode_gemv.json \
+    benchmarks/results/tune_moe_small.json "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == issue39 ]]; then
+  step timeout "${PROFILE_TIMEOUT_S:-200}" python3 scripts/profile_decode.py --points 1x1024 --memory-fraction 0.93 \
+    --presets llama-3-8b,llama-3-8b:fp8,qwen3-30b-a3b,llama-4-scout --json benchmarks/results/profile_decode_issue39.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/profile_decode_issue39.json "$OUT"/ 2>/dev/null
+  step python3 scripts/gpu_serving.py --weights bf16,fp8 --kv-dtypes auto --suffix _issue39 --no-capacity \
+    --budget-sweep "" --only random_concurrency_1,offline,decode_256x1k \
+    --deadline-s "${SERVING_DEADLINE_S:-330}" ${OUT:+--mirror-dir "$OUT"}
+  [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == invariant ]]; then
+  step timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short \
+    tests/backend/test_batch_invariant.py
+  step timeout "${ROWS_TIMEOUT_S:-240}" python3 scripts/gpu_accuracy.py --suffix _invariant \
+    --rows "${ACCURACY_ROWS:-spec_ngram,spec_ngram_fp8,spec_draft,spec_draft_fp8,fp8_weights_w8a16}"
+  step timeout "${PROFILE_TIMEOUT_S:-150}" python3 scripts/profile_decode.py --points 1x1024,64x1024 \
+    --presets llama-3-8b --batch-invariant --json benchmarks/results/profile_decode_invariant.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_invariant.json benchmarks/results/profile_decode_invariant.json \
+    "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
