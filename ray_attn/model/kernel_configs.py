@@ -7,10 +7,11 @@ candidates inside CUDA graphs over up to 32 layers' weights and writes the faste
 Why per shape: at decode sizes these kernels are weight streams, and how fast one streams depends
 on how many programs share the matrix (N / BLOCK_N) against the SM count and how much each has in
 flight (BLOCK_K, the pipeline depth): on an H100, 512-wide K steps read Qwen3-30B-A3B's qkv
-1.12x faster than the default 1024, 16-row tiles Llama 4's shared down_proj 1.10x faster than 8,
-and 32-row tiles three deep the FP8 qkv 1.11x (``benchmarks/results/tune_decode_gemv.json``).  A shape or device without an entry keeps
-the kernel's own rule (``gemv.config``, ``skinny_config``), as do row counts above the largest
-tuned one (their tiles grow with the rows).  An entry also decides where a kernel runs at all:
+1.10x faster than the default 1024, 4-row tiles Llama 4's shared down_proj 1.08x faster than 8,
+and 32-row tiles three deep the FP8 qkv 1.11x (``benchmarks/results/tune_decode_gemv.json``).
+A shape or device without an entry keeps the kernel's own rule (``gemv.config``,
+``skinny_config``), as do row counts above the largest tuned one (their tiles grow with the
+rows).  An entry also decides where a kernel runs at all:
 the bf16 GEMV above ``gemv.MAX_N`` and ``w8a16`` run only on shapes their table holds (the tune
 writes those only where they beat cuBLAS and the skinny kernel).
 RAY_ATTN_KERNEL_CONFIGS=0 ignores the tables (an A/B switch; read at import).

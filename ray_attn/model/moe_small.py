@@ -187,10 +187,10 @@ def fused_moe_small(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_i
         x, w13, ids, wts, a, n, H, x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         TOPK=k, SCALE_INPUT=apply_router_weight_on_input, BLOCK_N=block_n, BLOCK_K=bk, EVEN_K=H % bk == 0,
         num_warps=4, **pdl.launch(x.device))
-    k_p2, dbn = triton.next_power_of_2(k), down_block_n
-    bk = _block_k(n, max(16, down_tile // (k_p2 * dbn)))  # k float32 accumulators of BLOCK_N x BLOCK_K
-    _down_kernel[(triton.cdiv(H, dbn), T)](
+    k_p2 = triton.next_power_of_2(k)
+    bk = _block_k(n, max(16, down_tile // (k_p2 * down_block_n)))  # k float32 accumulators of BLOCK_N x BLOCK_K
+    _down_kernel[(triton.cdiv(H, down_block_n), T)](
         a, w2, ids, wts, y, H, n, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOPK=k, TOPK_P2=k_p2, WEIGHT_OUTPUT=not apply_router_weight_on_input, BLOCK_N=dbn, BLOCK_K=bk,
+        TOPK=k, TOPK_P2=k_p2, WEIGHT_OUTPUT=not apply_router_weight_on_input, BLOCK_N=down_block_n, BLOCK_K=bk,
         EVEN_K=n % bk == 0, num_warps=4, **pdl.launch(x.device))
     return y
