@@ -80,7 +80,12 @@ class ParallelConfig(_Strict):
         "Kernels whose per-row results do not depend on the rest of the step (vLLM's "
         "VLLM_BATCH_INVARIANT): fixed-tile GEMMs and one FlashAttention 3 KV split, so that "
         "speculative greedy gives plain greedy's tokens on GPUs in bf16 (ray_attn/backend/batch_invariant.py). "
-        "No cascade attention in it. Slower; dense unquantized models without LoRA, on FA3 or the torch kernel."))
+        "Cascade attention in it runs on a fixed grid (batch_invariant_cascade_grid). Slower; dense "
+        "unquantized models without LoRA, on FA3 or the torch kernel."))
+    batch_invariant_cascade_grid: int = Field(1024, ge=0, description=(
+        "In batch_invariant mode, cascade attention splits a token's keys at the last multiple of this "
+        "many tokens before it, and prefill chunks and drafts stop at those lines "
+        "(ray_attn/planner/invariant.py); a multiple of cache.block_size. 0: no cascade in the mode."))
 
 
 class EngineConfig(_Strict):
@@ -148,7 +153,7 @@ class EngineConfig(_Strict):
                 raise ValueError(f"model.quantization='gguf' runs a GGUF checkpoint's 4-bit blocks as stored, "
                                  f"but checkpoint={self.checkpoint!r} is not a GGUF file or a folder of one")
         if self.parallel.batch_invariant:
-            check_batch_invariant(self.model, self.parallel, self.lora_config is not None)
+            check_batch_invariant(self.model, self.parallel, self.lora_config is not None, self.cache.block_size)
         check_runnable(self.model, self.cache, self.parallel)
         if self.lora_config is not None and (self.model.architecture in MOE_ARCHITECTURES
                                              or self.model.architecture == "MptForCausalLM"):
@@ -159,8 +164,12 @@ class EngineConfig(_Strict):
         return self
 
 
-def check_batch_invariant(model: ModelConfig, parallel: ParallelConfig, lora: bool) -> None:
+def check_batch_invariant(model: ModelConfig, parallel: ParallelConfig, lora: bool, block_size: int) -> None:
     """What ``parallel.batch_invariant`` does not make invariant is refused by name."""
+    grid = parallel.batch_invariant_cascade_grid
+    if grid % block_size:
+        raise ValueError(f"parallel.batch_invariant_cascade_grid={grid} is not a multiple of "
+                         f"cache.block_size={block_size}")
     why = ("quantized weights (model.quantization)" if model.quantization else
            "MoE experts" if model.moe_layer_ids else "LoRA adapters (lora_config)" if lora else
            "FlashAttention 2 (kernel='fa2': its KV splits are its own)" if parallel.kernel == "fa2" else None)

@@ -27,6 +27,7 @@ from ray_attn.planner.cascade import (  # noqa: F401  (re-exported: scripts impo
     CASCADE_BREAK_EVEN_BYTES_GRAPHED,
     cascade_threshold,
 )
+from ray_attn.planner.invariant import cascade_grid
 from ray_attn.request_checks import check_new_request
 from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams, TokenLogprobs  # noqa: F401
 from ray_attn.runtime.cluster import WorkerFailure
@@ -67,8 +68,10 @@ class LLMEngine:
             attention_chunk_size=m.attention_chunk_size if "chunked_attention" in kinds else None,
             num_sms=config.num_sms or executor.num_sms or 132,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            # cascade makes a row's attention depend on which others share its prefix this step
+            # cascade makes a row's attention depend on which others share its prefix this step;
+            # batch-invariant mode cascades on a fixed grid instead (planner/invariant.py)
             enable_cascade=config.enable_cascade and not config.parallel.batch_invariant,
+            cascade_grid=cascade_grid(config),
             max_model_len=m.max_position_embeddings,
             max_num_reqs_hint=config.max_num_seqs, tiers=planner_tiers(config, executor),
             cascade_min_saved_kv_tokens=config.cascade_min_saved_kv_tokens

@@ -16,6 +16,7 @@ from itertools import islice
 
 from ray_attn.config import EngineConfig
 from ray_attn.planner import Planner
+from ray_attn.planner.invariant import cascade_grid, grid_room
 from ray_attn.request import Request
 
 
@@ -47,6 +48,8 @@ class Scheduler:
         self.planner = planner
         self.max_num_batched_tokens = config.max_num_batched_tokens  # the config is frozen
         self.max_num_seqs = config.max_num_seqs
+        # batch-invariant mode's cascade grid: no chunk crosses one of its lines (planner/invariant.py)
+        self.cascade_grid = cascade_grid(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lora = None  # ray_attn.lora.manager.LoRAManager: admission takes each adapter's slot
@@ -70,7 +73,8 @@ class Scheduler:
                 break
             if req.last_token_in_flight:
                 continue
-            n = min(len(req.token_ids) - planner.num_computed_tokens(req.request_id), budget)
+            done = planner.num_computed_tokens(req.request_id)
+            n = min(len(req.token_ids) - done, budget, grid_room(done, self.cascade_grid) or budget)
             reqs.append(req)
             num_new.append(n)
             budget -= n
@@ -97,7 +101,7 @@ class Scheduler:
                                                       [r.token_ids for r in reqs], num_new)
                 match = index.match(tokens, read=not req.sched.skip_prefix_cache, root=req.sched.cache_root)
                 hit = match.num_tokens
-            n = min(len(tokens) - hit, budget)
+            n = min(len(tokens) - hit, budget, grid_room(hit, self.cascade_grid) or budget)
             if index is not None:
                 index.add_new(len(reqs), match, n)
             reqs.append(req)

@@ -212,9 +212,10 @@ def spec_rows(default) -> list[Row]:
     # Both runs of a row in batch-invariant mode (ParallelConfig.batch_invariant): a plain step runs
     # a request as one query row, a verifying one as 1 + k, and only kernels whose rows do not
     # depend on the batch round them alike in bf16 (without it, near-ties fork: issue 40's note).
-    # The cascade rows run without it: the mode turns cascade off (a cascaded row depends on which
-    # rows share its prefix), so in bf16 they can fork at a near-tie (README, "Speculative decoding").
+    # The cascade rows cascade as the mode does, on a fixed grid of prefix boundaries
+    # (planner/invariant.py); at 256 tokens the shared prefix spans several of its lines.
     inv = dict(batch_invariant=True)
+    grid = inv | dict(batch_invariant_cascade_grid=256)
     rows = []
     # the draft model is the target's own checkpoint: its drafts are the target's argmax, so nearly
     # all are accepted (rejections: tests/spec/test_draft_model.py, with another draft)
@@ -226,8 +227,10 @@ def spec_rows(default) -> list[Row]:
                 parallel=inv, expect=expect),
             Row(f"spec_{name}_fp8", prompts="repeating", what=f"{what} with the fp8 KV cache", spec=spec,
                 cache=dict(kv_cache_dtype="fp8"), fp8=True, parallel=inv, expect=expect),
-            Row(f"spec_{name}_cascade", prompts="repeating_prefix", what=f"{what}, cascade forced", spec=spec,
-                engine=dict(cascade_min_saved_kv_tokens=0), expect=cascaded(expect)),
+            Row(f"spec_{name}_cascade", prompts="repeating_prefix", what=f"{what}, cascade on its grid", spec=spec,
+                parallel=grid, expect=cascaded(expect)),
+            Row(f"spec_{name}_fp8_cascade", prompts="repeating_prefix", spec=spec, cache=dict(kv_cache_dtype="fp8"),
+                what=f"{what}, fp8 KV, cascade on its grid", fp8=True, parallel=grid, expect=cascaded(expect)),
         ]
     return rows
 

@@ -21,7 +21,8 @@ def merge_attn_states(
     """Write the merge of two states into ``output`` [T, H, D]; LSEs are [H, T].
 
     A state whose LSE is +inf or -inf carries no keys (FlashAttention reports an empty row either
-    way), so it gets weight zero; two empty states give a zero output.
+    way), so it gets weight zero; two empty states give a zero output. An empty prefix gives the
+    suffix's values exactly, whatever the prefix output holds.
     """
     if output.is_cuda and output_lse is None and output.dtype != torch.float64:
         from ray_attn.backend import triton_ops
@@ -49,6 +50,9 @@ def merge_attn_states_torch(output, prefix_output, prefix_lse, suffix_output, su
     p_scale = (p_w / safe_total).t().unsqueeze(-1)  # [T, H, 1]
     s_scale = (s_w / safe_total).t().unsqueeze(-1)
     merged = prefix_output.to(acc) * p_scale + suffix_output.to(acc) * s_scale
+    # an empty prefix gives the suffix's own values (as the Triton merge does)
+    only_suffix = (p_lse == float("-inf")) & (s_lse != float("-inf"))
+    merged = torch.where(only_suffix.t().unsqueeze(-1), suffix_output.to(acc), merged)
     output.copy_(merged.to(output.dtype))
     if output_lse is not None:
         output_lse.copy_(torch.where(total == 0, float("-inf"), torch.log(safe_total) + max_lse))

@@ -72,6 +72,10 @@ if triton is not None:
         p = tl.load(p_ptr + base + offs, mask=mask).to(tl.float32)
         s = tl.load(s_ptr + base + offs, mask=mask).to(tl.float32)
         o = (p * pw + s * sw) / total
+        # An empty prefix gives the suffix's own values, whatever its output holds: batch-invariant
+        # cascade (planner/invariant.py) relies on a row below the first grid line keeping the bits
+        # of a plain pass.
+        o = tl.where((p_lse == float("-inf")) & (s_lse != float("-inf")), s, o)
         tl.store(out_ptr + base + offs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 

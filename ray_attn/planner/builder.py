@@ -27,6 +27,7 @@ import numpy as np
 
 from .cascade import CascadeChoice, CascadeConfig, decide_cascade
 from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
+from .invariant import check_grid, grid_cascade
 from .kv_cache import KVCacheManager
 from .plan import ScheduledRequest, StepPlan
 from .step_prefix import StepPrefixIndex
@@ -85,6 +86,7 @@ class Planner:
         token_buckets: Sequence[int] | None = None,
         max_num_reqs_hint: int = 256,
         tiers: KVTiers | None = None,
+        cascade_grid: int | None = None,
     ):
         self.block_size = _positive("block_size", block_size)
         self.num_query_heads = _positive("num_query_heads", num_query_heads)
@@ -112,6 +114,13 @@ class Planner:
         # None: vLLM's cost model; an int: the measured policy (``measured_cascade_verdict``).
         self._cascade_min_saved_kv_tokens = cascade_min_saved_kv_tokens
         self._num_sms = _positive("num_sms", num_sms)
+        # batch-invariant mode's cascade (invariant.py): a fixed grid of prefix boundaries
+        self.cascade_grid = None
+        if cascade_grid is not None:
+            g = _positive("cascade_grid", cascade_grid)
+            if g % self.block_size:
+                raise PlannerConfigError(f"cascade_grid {g} is not a multiple of block_size {self.block_size}")
+            self.cascade_grid = g
         self._update_cascade_config()  # sets cascade_config and _cascade_cache
         bs = self.block_size
         self._shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
@@ -314,6 +323,8 @@ class Planner:
         if slots is not None and ids and raw_new.count(1) == len(ids):
             return self._plan_decode(scheduled, ids, toks, slots)
         b = self.kv.prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
+        if self.cascade_grid is not None:
+            check_grid(self.cascade_grid, b.ids, b.computed, b.num_new)
         self.kv.admit_and_allocate(b)
         plan = self._assemble(scheduled, b.ids, b.slots, b.computed, b.num_new,
                               self.table.num_blocks[b.slots], b.input_ids)
@@ -410,6 +421,8 @@ class Planner:
     def _decide_cascade(self, batch: StepBatch) -> tuple[CascadeChoice, CascadeMemo | None]:
         """Whether and how the step cascades (rows in the engine's order), and the memo of the last
         step whose verdict it reuses (None: decided afresh, or refused by a length rule)."""
+        if self.cascade_grid is not None:  # batch-invariant mode: the grid, never a kept verdict
+            return grid_cascade(self.cascade_grid, self.block_size, batch.block_table, batch.computed), None
         memo = None
         if batch.decode:  # a decode step of the last plan's slots object, in either of its orders
             for kept in self._cascade_cache:

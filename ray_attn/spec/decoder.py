@@ -22,7 +22,9 @@ step (``runtime/grammars.py``).
 What does not speculate, and why:
 - a prompt's last chunk: its first token is not sampled yet, so there is nothing to continue;
 - rows whose ``max_tokens`` leave no room (k is cut to what is left, minus the bonus token), and
-  every row of a step with more than ``disable_by_batch_size`` running requests.
+  every row of a step with more than ``disable_by_batch_size`` running requests;
+- in batch-invariant mode, drafts past the row's next cascade grid line (planner/invariant.py):
+  k is cut so that the 1 + k query ends before it.
 With async scheduling, a step that may speculate (``wants``) is not deferred: its drafts are
 found from the tokens before it, and how many of them it accepts sets where each row's next query
 starts, which the driver's planner must know before it plans that query.  So below
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ray_attn.engine_stats import EngineStats
+from ray_attn.planner.invariant import cascade_grid, grid_room
 from ray_attn.request import PLACEHOLDER
 from ray_attn.runtime.messages import SpecDecodeInputs
 from ray_attn.runtime.spec_decode import accepted_tokens
@@ -84,6 +87,8 @@ class SpecDecoder:
                          SuffixProposer(self.k, **spec.suffix_params) if spec.method == "suffix" else None)
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # batch-invariant mode's cascade grid: a row's 1 + k query stays below its next line
+        self.cascade_grid = cascade_grid(config)
         self.planner = planner
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
         self._steps: dict[int, SpecStep] = {}  # step id -> its layout, until its answer is read
@@ -109,6 +114,8 @@ class SpecDecoder:
                     or len(r.token_ids) - planner.num_computed_tokens(r.request_id) != 1):
                 continue
             room = min(budget, r.params.max_tokens - r.num_output_tokens - 1)
+            if self.cascade_grid is not None:  # the query starts at the row's last token
+                room = min(room, grid_room(len(r.token_ids) - 1, self.cascade_grid) - 1)
             if room <= 0:
                 continue
             if self.drafts_on_ranks:

@@ -111,8 +111,9 @@ def test_configs_it_cannot_make_invariant_are_refused_by_name(update, why):
 
 def test_each_engine_sets_the_mode_on_its_ranks():
     """A rank in the driver's process (InProcessExecutor) sets it from its config, and the next
-    engine's rank sets it back.  The planner never cascades in the mode: a cascaded row's
-    attention depends on which other rows share its prefix in the step."""
+    engine's rank sets it back.  The planner's own cascade choice is off in the mode (a cascaded
+    row's attention would depend on which other rows share its prefix in the step): it cascades
+    on the fixed grid instead (tests/planner/test_invariant_cascade.py)."""
     from ray_attn.engine import LLMEngine
     from ray_attn.runtime import InProcessExecutor
 
@@ -124,6 +125,7 @@ def test_each_engine_sets_the_mode_on_its_ranks():
         try:
             assert BI.enabled() is on
             assert engine.planner.enable_cascade is (not on)
+            assert engine.planner.cascade_grid == (1024 if on else None)
         finally:
             engine.shutdown()
 
@@ -196,3 +198,68 @@ def test_speculative_greedy_equals_plain_greedy_in_bf16_with_the_mode():
             engine.shutdown()
     assert stats["spec_num_accepted_tokens"] > 0
     assert outs["spec"] == outs["plain"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grid_cascade_gives_a_tokens_bits_whatever_else_is_in_the_step():
+    """The mode's cascade (planner/invariant.py) on FA3 in bf16: a token attended in a decode step
+    alone (a prefix group of one) and as the first of a 1 + 3 query beside a request that shares
+    its prefix (one group of two) and one below the first line (a group of prefix 0) gets the
+    same bits; so does the one below the line, cascaded beside them or attended plainly alone.
+    Q/K/V are functions of (token, position), so only the attention differs between the runs."""
+    from ray_attn.backend import AttentionLayer, FlashAttentionImpl
+    from ray_attn.backend.kernels import LayerKernelSpec, unsupported_reason
+    from ray_attn.planner import Planner, ScheduledRequest
+
+    heads, kv_heads, d, bs, grid, vocab = 8, 2, 128, 16, 256, 1000
+    if unsupported_reason("fa3", LayerKernelSpec(d, torch.bfloat16, "auto", bs, False), torch.device("cuda")):
+        pytest.skip("no FlashAttention 3 here")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    emb = {c: torch.randn(n, h, d, device="cuda", generator=g) for c, n, h in (
+        ("q", vocab, heads), ("qp", 1024, heads), ("k", vocab, kv_heads), ("kp", 1024, kv_heads),
+        ("v", vocab, kv_heads), ("vp", 1024, kv_heads))}
+    impl = FlashAttentionImpl(heads, d, d ** -0.5, kv_heads, None, None, "auto", dtype=torch.bfloat16,
+                              block_size=bs, device="cuda", kernel="fa3")
+    rng = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, vocab, (280,), generator=rng).tolist()
+    x = shared + torch.randint(0, vocab, (24,), generator=rng).tolist()  # 304 tokens
+    y = shared + torch.randint(0, vocab, (10,), generator=rng).tolist()
+    z = torch.randint(0, vocab, (30,), generator=rng).tolist()
+
+    def run(steps):
+        p = Planner(num_blocks=128, block_size=bs, num_query_heads=heads, num_kv_heads=kv_heads, cascade_grid=grid)
+        cache = torch.zeros(2, 128, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+        outs, plans = {}, []
+        for sched in steps:
+            plan = p.plan([ScheduledRequest(*s) for s in sched])
+            a, plans = plan.attn, plans + [plan]
+            n = a.num_actual_tokens
+            tok = torch.as_tensor(plan.input_token_ids[:n], device="cuda")
+            pos = torch.as_tensor(plan.positions[:n], device="cuda")
+            q, k, v = ((emb[c][tok] + emb[c + "p"][pos]).bfloat16() for c in "qkv")
+            out = torch.empty_like(q)
+            impl.forward(AttentionLayer(), q, k, v, cache, a.to_device("cuda"), out)
+            for i, r in enumerate(plan.req_ids):
+                lo = int(a.query_start_loc[i])
+                for j in range(int(a.query_start_loc[i + 1]) - lo):
+                    outs[r, int(plan.positions[lo + j])] = out[lo + j].clone()
+        return outs, plans
+
+    try:
+        BI.set_enabled(True)
+        alone, _ = run([[("x", x[:301], 256)], [("x", x[:301], 45)], [("x", x[:302], 1)]])
+        z_alone, z_plans = run([[("z", z + [7], 31)]])
+        together, plans = run([
+            [("x", x, 256), ("z", z, 30)],
+            [("x", x, 44), ("y", y, None), ("z", z + [7], 1)],  # y: a hit on x's first 16 blocks at least
+            [("x", x, 4), ("y", y + [9], 1), ("z", z + [7, 8], 1)],  # x verifies 300..303
+        ])
+    finally:
+        BI.set_enabled(False)
+    assert not z_plans[0].attn.use_cascade
+    for plan in plans[1:]:  # x and y past the first line over the same blocks, z below it
+        assert plan.attn.use_cascade and sorted(plan.attn.prefix_kv_lens.tolist()) == [0, 256]
+    for key in [("x", 300), ("x", 301), ("z", 30)]:
+        ref = (z_alone if key[0] == "z" else alone)[key]
+        assert torch.equal(together[key], ref), key
