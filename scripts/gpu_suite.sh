@@ -216,7 +216,7 @@ if [[ $stage == invariant ]]; then
   step timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short \
     tests/backend/test_batch_invariant.py
   step timeout "${ROWS_TIMEOUT_S:-240}" python3 scripts/gpu_accuracy.py --suffix _invariant \
-    --rows "${ACCURACY_ROWS:-spec_ngram,spec_ngram_fp8,spec_draft,spec_draft_fp8,fp8_weights_w8a16}"
+    --rows "${ACCURACY_ROWS:-spec_ngram,spec_ngram_fp8,spec_draft,spec_draft_fp8,spec_ngram_cascade,spec_ngram_fp8_cascade,spec_draft_cascade,spec_draft_fp8_cascade,fp8_weights_w8a16}"
   step timeout "${PROFILE_TIMEOUT_S:-150}" python3 scripts/profile_decode.py --points 1x1024,64x1024 \
     --presets llama-3-8b --batch-invariant --json benchmarks/results/profile_decode_invariant.json
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_invariant.json benchmarks/results/profile_decode_invariant.json \

@@ -14,8 +14,9 @@ This is ours, ``ParallelConfig(batch_invariant=True)``; every rank sets it at st
   tensor-core steps over K whether its row is alone or one of thousands;
 - the one-row GEMV and its fused SiLU-mul are off (``gemv.use_gemv``);
 - FlashAttention 3 runs every call with one KV split (``kernels.FlashAttn3Kernel``), its plan too;
-- the planner does not cascade (``engine.py``): a cascaded row's attention is a merge of two
-  passes, taken or not depending on which other rows share its prefix in the step.
+- the planner cascades only on a fixed grid (``planner/invariant.py``). Its own choice would
+  make a row's attention a merge of two passes or one pass depending on which other rows share
+  its prefix in the step; on the grid, where a token's keys split depends on its position alone.
 
 Row-wise kernels (RMSNorm, RoPE, SiLU-mul, the KV-cache write, sampling) are invariant already.
 Not covered: FP8 weights (the skinny kernel below 17 rows, ``_scaled_mm`` above), MoE experts (the
