@@ -307,18 +307,26 @@ def test_losing_a_node_while_it_holds_a_decode_a_prefill_and_a_whole_request(app
                               decode={i: len(live[i].events) for i in decode_on_victim})
             sim.remove(sim.node_of(victim_node))
             removed.set()
-    # at once (the victim holds more, so its router sends it fewer): the first to open there counts
-    prefills = {f"prefill-{k}": PREFILL for k in range(4)}
-    r, ts = run_streams(url, prefills, {k: {"on_open": open_prefill, "request_id": k} for k in prefills})
-    wait_until(lambda: removed.is_set() or len(opened) == len(prefills), 60, "the prefill streams did not open")
-    assert removed.wait(scaled(5)), "no long-prompt stream opened on the victim"
+    # at once (the victim holds more, so its router sends it fewer): the first to open there
+    # counts. The router may send a whole round elsewhere (seen once in CI): then another round.
+    rounds, ts = [], []
+    for n in range(4):
+        prefills = {f"prefill-{n}-{k}": PREFILL for k in range(4)}
+        r, t = run_streams(url, prefills, {k: {"on_open": open_prefill, "request_id": k} for k in prefills})
+        rounds.append(r)
+        ts += t
+        wait_until(lambda: removed.is_set() or opened >= set(prefills), 60, "the prefill streams did not open")
+        if removed.wait(scaled(5)):
+            break
+    assert removed.is_set(), "no long-prompt stream opened on the victim in 4 rounds of 4"
     # The tests after this one need two replica nodes: a failure below must not leave one
     # (the next test would wait out its whole deadline for a replica no node can hold).
     restored: list = []
     request.addfinalizer(lambda: restored or sim.add_replica_node())
     for t in threads + ts + [wt]:
         t.join(scaled(240))
-    results.update(r)
+    for r in rounds:
+        results.update(r)
     print(f"\nnode of replica {victim} removed under decode streams {decode_on_victim} and {at_removal}")
 
     # every stream: the fault-free tokens, each event once
