@@ -264,3 +264,18 @@ def test_serve_flags_for_kv_tiers():
     assert (plain.host_cache_gib, plain.kv_sharing) == (0.0, False)
     cache = serve_config(p.parse_args(["--host-cache-gib", "2.5", "--kv-sharing"])).engine.cache
     assert (cache.host_cache_gib, cache.kv_sharing) == (2.5, True)
+
+
+def test_serve_flag_for_batch_invariant_mode():
+    """`ray-attn serve --batch-invariant` (vLLM's VLLM_BATCH_INVARIANT=1) sets the mode, whose
+    cascade runs on its grid (planner/invariant.py)."""
+    import argparse
+
+    from ray_attn.planner.invariant import cascade_grid
+    from ray_attn.serve.cli import add_arguments, serve_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert not serve_config(p.parse_args([])).engine.parallel.batch_invariant
+    engine = serve_config(p.parse_args(["--batch-invariant"])).engine
+    assert engine.parallel.batch_invariant and cascade_grid(engine) == 1024

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's flag: a JSON object of SpeculativeConfig's fields, "
                         "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
+    p.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="kernels whose rows do not depend on the rest of the step, so that speculative "
+                        "greedy is plain greedy on GPUs (vLLM's VLLM_BATCH_INVARIANT=1); slower")
     p.add_argument("--host-cache-gib", type=float, default=None,
                    help="host-memory KV tier per rank, GiB (vLLM's --kv-offloading-size, per rank)")
     p.add_argument("--kv-sharing", action="store_true", default=None,
@@ -107,7 +110,8 @@ def serve_config(args):
         engine["checkpoint"] = args.model
     sections = {"model": {"dtype": args.dtype}, "cache": {"kv_cache_dtype": args.kv_cache_dtype, "host_cache_gib": args.host_cache_gib,
                                                    "kv_sharing": args.kv_sharing},
-                "parallel": {"tensor_parallel_size": args.tp, "device": args.device}}
+                "parallel": {"tensor_parallel_size": args.tp, "device": args.device,
+                             "batch_invariant": getattr(args, "batch_invariant", None)}}
     for section, values in sections.items():
         given = {k: v for k, v in values.items() if v is not None}
         if given:
