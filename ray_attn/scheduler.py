@@ -16,7 +16,7 @@ from itertools import islice
 
 from ray_attn.config import EngineConfig
 from ray_attn.planner import Planner
-from ray_attn.planner.invariant import cascade_grid, grid_room
+from ray_attn.planner.invariant import grid_room
 from ray_attn.request import Request
 
 
@@ -48,8 +48,9 @@ class Scheduler:
         self.planner = planner
         self.max_num_batched_tokens = config.max_num_batched_tokens  # the config is frozen
         self.max_num_seqs = config.max_num_seqs
-        # batch-invariant mode's cascade grid: no chunk crosses one of its lines (planner/invariant.py)
-        self.cascade_grid = cascade_grid(config)
+        # batch-invariant mode's cascade grid, the planner's (which refuses a query crossing one of
+        # its lines): no chunk crosses one (planner/invariant.py)
+        self.cascade_grid = planner.cascade_grid
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lora = None  # ray_attn.lora.manager.LoRAManager: admission takes each adapter's slot

@@ -74,9 +74,10 @@ def grid_cascade(grid: int, block_size: int, block_table: np.ndarray, computed: 
     # A row's prefix is named by its length and its last block: rows share a block only through
     # the prefix cache, whose hashes chain over every token before it, so the same block at the
     # same column means the same tokens before it (and, in this mode, the same KV bits). One 1-D
-    # unique, not a row-wise one over the table (milliseconds at 256 rows of 256 blocks).
+    # unique, not a row-wise one over the table (milliseconds at 256 rows of 256 blocks); block
+    # ids are int32, so the pair packs into one int64 without reading the rest of the table.
     last = np.where(pb > 0, block_table[np.arange(len(pb)), np.maximum(pb - 1, 0)], -1).astype(np.int64)
-    keys = pb * (int(block_table.max(initial=0)) + 2) + (last + 1)
+    keys = (pb << 32) | (last + 1)
     _, first, labels = np.unique(keys, return_index=True, return_inverse=True)
     labels = labels.reshape(-1)
     # groups numbered by first appearance, as ``find_prefix_groups`` numbers them

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ray_attn.engine_stats import EngineStats
-from ray_attn.planner.invariant import cascade_grid, grid_room
+from ray_attn.planner.invariant import grid_room
 from ray_attn.request import PLACEHOLDER
 from ray_attn.runtime.messages import SpecDecodeInputs
 from ray_attn.runtime.spec_decode import accepted_tokens
@@ -87,8 +87,8 @@ class SpecDecoder:
                          SuffixProposer(self.k, **spec.suffix_params) if spec.method == "suffix" else None)
         self.block_size = config.cache.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        # batch-invariant mode's cascade grid: a row's 1 + k query stays below its next line
-        self.cascade_grid = cascade_grid(config)
+        # batch-invariant mode's cascade grid, the planner's: a row's 1 + k query stays below its next line
+        self.cascade_grid = planner.cascade_grid
         self.planner = planner
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
         self._steps: dict[int, SpecStep] = {}  # step id -> its layout, until its answer is read
