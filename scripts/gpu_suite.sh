@@ -37,7 +37,8 @@
 # issue39: the ratios issue 39 states, on this code: the decode kernel table of the four presets
 # (MoE at --memory-fraction 0.93 on 80 GB), then the bf16/FP8 serving suite's concurrency-1, offline
 # and decode 256 x 1k. invariant (issue 40): the batch-invariant GPU tests, the spec rows, the mode's
-# step cost (profile_decode --batch-invariant).
+# step cost (profile_decode --batch-invariant). pages (issue 39): the FA3 split/pack-GQA/page sweep, then decode
+# 256 x 1k at the page sizes PAGES names (SPEC_PROFILE=1: and the verify cost's host profile).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -221,6 +222,23 @@ if [[ $stage == invariant ]]; then
     --presets llama-3-8b --batch-invariant --json benchmarks/results/profile_decode_invariant.json
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_invariant.json benchmarks/results/profile_decode_invariant.json \
     "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == pages ]]; then  # issue 39's decode 256 x 1k: FA3 splits x pack-GQA x page size, then the
+  # serving suite's decode workload at the page sizes PAGES names (bf16); SPEC_PROFILE=1 adds the verify cost's profile
+  step timeout "${PROBE_TIMEOUT_S:-180}" python3 scripts/probe_fa3_splits.py --points 256x1024,64x1024,64x4096 \
+    --pages 16,64,128 --pack-gqa auto,on,off
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/probe_fa3_splits.json "$OUT"/ 2>/dev/null
+  for page in ${PAGES:-16 64}; do
+    step timeout "${SERVING_TIMEOUT_S:-150}" python3 scripts/gpu_serving.py --weights bf16 --kv-dtypes auto \
+      --suffix "_page$page" --block-size "$page" --no-capacity --budget-sweep "" --only decode_256x1k \
+      ${OUT:+--mirror-dir "$OUT"}
+  done
+  if [[ -n ${SPEC_PROFILE:-} ]]; then
+    step timeout "${BENCH_TIMEOUT_S:-150}" python3 scripts/bench_spec_verify.py --k 0 4 --steps 20 --rounds 3 --profile \
+      --json benchmarks/results/bench_spec_verify_profile.json
+    [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_spec_verify_profile.json "$OUT"/ 2>/dev/null
+  fi
+  [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
