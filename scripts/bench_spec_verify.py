@@ -138,6 +138,59 @@ def host_profile(engine, sync, ctx: int, steps: int, vocab: int, rng) -> dict[st
     return {f"{Path(f).name}:{line}({fn})": v[2] / steps * 1e6 for (f, line, fn), v in pstats.Stats(pr).stats.items()}
 
 
+# (class path, method) whose wall time ``--phases`` reads, inclusive of what they call
+PHASES = [("ray_attn.engine.LLMEngine", m) for m in ("flush", "_plan", "_submit", "_apply")] + [
+    ("ray_attn.spec.decoder.SpecDecoder", m) for m in ("propose", "step_inputs", "accept")] + [
+    ("ray_attn.planner.builder.Planner", "plan"), ("ray_attn.runtime.cluster.InProcessExecutor", "step")] + [
+    ("ray_attn.runtime.worker.AttentionWorker", m) for m in (
+        "_check", "_stage_sampling_inputs", "_forward", "_finish", "_sample", "_answer", "_collect_deferred")]
+
+
+def phase_times(engine, sync, ctx: int, steps: int, vocab: int, rng) -> dict[str, float]:
+    """One row's decode steps with the wall time of each of ``PHASES`` (microseconds a step,
+    inclusive) and of the device wait after the step: where a verifying step's extra time goes on
+    the host's critical path, which cProfile's self times scatter over many small functions."""
+    import importlib
+
+    from ray_attn.engine import SamplingParams
+
+    acc: dict[str, float] = {}
+    patched = []
+
+    def timed(name, f):
+        def g(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+        return g
+
+    ids = bl.start_decoding(engine, [rng.integers(0, vocab, ctx).tolist()],
+                            [SamplingParams(max_tokens=steps * 12 + 16, ignore_eos=True)])
+    for _ in range(3):
+        engine.step()
+    try:
+        for path, meth in PHASES:
+            mod, cls = path.rsplit(".", 1)
+            c = getattr(importlib.import_module(mod), cls)
+            patched.append((c, meth, c.__dict__[meth]))
+            setattr(c, meth, timed(f"{cls}.{meth}", c.__dict__[meth]))
+        acc.clear()
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            t1 = time.perf_counter()
+            sync()
+            acc["step"] = acc.get("step", 0.0) + t1 - t
+            acc["device_wait_after_step"] = acc.get("device_wait_after_step", 0.0) + time.perf_counter() - t1
+    finally:
+        for c, meth, f in patched:
+            setattr(c, meth, f)
+    bl.end_requests(engine, ids)
+    return {k: v / steps * 1e6 for k, v in acc.items()}
+
+
 def real_text_itl(points: list[dict]) -> list[dict]:
     """For each (workload, k) bench_spec_decode.json measured: the ITL that this machine's verify
     cost at batch 1 gives with that run's steps, as a fraction of plain decode.  Its replayed steps
@@ -183,6 +236,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="plain/verifying run pairs a point, taken in turn")
     ap.add_argument("--profile", action="store_true", help="at batch 1: where a verifying step's extra host time "
                     "goes (cProfile) and, on CUDA, its GPU time by kernel kind")
+    ap.add_argument("--phases", action="store_true", help="at batch 1: the wall time a step of the engine's, "
+                    "the planner's, the decoder's and the rank's phases (plain against verifying)")
     ap.add_argument("--draft-preset", default=None, choices=sorted(MODEL_PRESETS),
                     help="drafts from a draft model of this shape (random weights) instead of forced random tokens")
     ap.add_argument("--json", default=str(RESULTS / "bench_spec_verify.json"))
@@ -251,6 +306,16 @@ def main(argv=None) -> dict:
                     prof["host_self_us_growth"] = [dict(function=f, us=round(d, 1)) for d, f in grew]
                     print(f"  k={k} batch 1 host self time a step, largest growth plain -> verifying: " + ", ".join(
                         f"{f} +{d:.0f} us" for d, f in grew), flush=True)
+                if args.phases and batch == 1:
+                    ph = {}
+                    for kk in (0, k):
+                        proposer.k = kk
+                        ph[kk] = phase_times(engine, sync, args.ctx, 20, vocab, rng)
+                    prof["phases_us"] = {n: [round(ph[0].get(n, 0.0), 1), round(ph[k].get(n, 0.0), 1)]
+                                         for n in sorted(set(ph[0]) | set(ph[k]))}
+                    print(f"  k={k} batch 1 wall time a step (us, plain -> verifying, inclusive):", flush=True)
+                    for n, (a, b) in prof["phases_us"].items():
+                        print(f"    {n:45s} {a:9.1f} -> {b:9.1f}  ({b - a:+.1f})", flush=True)
                 if args.profile and cuda and batch == 1:
                     for kk in (0, k):
                         proposer.k = kk
