@@ -38,7 +38,9 @@
 # (MoE at --memory-fraction 0.93 on 80 GB), then the bf16/FP8 serving suite's concurrency-1, offline
 # and decode 256 x 1k. invariant (issue 40): the batch-invariant GPU tests, the spec rows, the mode's
 # step cost (profile_decode --batch-invariant). pages (issue 39): the FA3 split/pack-GQA/page sweep, then decode
-# 256 x 1k at the page sizes PAGES names (SPEC_PROFILE=1: and the verify cost's host profile).
+# 256 x 1k at the page sizes PAGES names (SPEC_PROFILE=1: and the verify cost's host profile). skinny (issue
+# 40): the bf16 skinny kernel tuned against cuBLAS and written to the table, its GPU tests, the verify cost
+# (ACCURACY_ROWS=a,b adds gate rows).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -237,6 +239,22 @@ if [[ $stage == pages ]]; then  # issue 39's decode 256 x 1k: FA3 splits x pack-
     step timeout "${BENCH_TIMEOUT_S:-150}" python3 scripts/bench_spec_verify.py --k 0 4 --steps 20 --rounds 3 --profile \
       --json benchmarks/results/bench_spec_verify_profile.json
     [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_spec_verify_profile.json "$OUT"/ 2>/dev/null
+  fi
+  [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == skinny ]]; then  # issue 40: the bf16 skinny kernel for 2-16 rows -- tuned against cuBLAS on
+  # the 8B's shapes (entries written only where it won), its GPU tests, then the verify cost with it
+  step timeout "${TUNE_TIMEOUT_S:-200}" python3 scripts/tune_decode_gemv.py --presets "${TUNE_PRESETS:-llama-3-8b}" \
+    --kernels skinny --write --name tune_skinny
+  [[ -n ${OUT:-} ]] && cp ray_attn/model/configs/*.json benchmarks/results/tune_skinny.json "$OUT"/ 2>/dev/null
+  step timeout "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short \
+    tests/model/test_skinny.py tests/model/test_gemv.py tests/model/test_kernel_configs.py
+  step timeout "${BENCH_TIMEOUT_S:-150}" python3 scripts/bench_spec_verify.py --k 0 4 --steps 20 --rounds 3 --phases \
+    --json benchmarks/results/bench_spec_verify_skinny.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_spec_verify_skinny.json "$OUT"/ 2>/dev/null
+  if [[ -n ${ACCURACY_ROWS:-} ]]; then
+    step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _skinny --rows "$ACCURACY_ROWS"
+    [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_skinny.json "$OUT"/ 2>/dev/null
   fi
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
 fi

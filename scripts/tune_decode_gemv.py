@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Tune the decode GEMVs per weight shape on this GPU: the bf16 GEMV (``ray_attn/model/gemv.py``,
-one row), the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows) and the weight-only FP8
-GEMV (``w8a16``: the GEMV on e4m3 weights, one row; forced by RAY_ATTN_FP8_KERNEL=w8a16), each candidate
+one row), the FP8 skinny kernel (``fp8_kernels.fp8_skinny``, 1-16 rows), the weight-only FP8
+GEMV (``w8a16``: the GEMV on e4m3 weights, one row; forced by RAY_ATTN_FP8_KERNEL=w8a16) and the
+bf16 skinny kernel (``skinny.py``, 2-16 rows: verifying drafts, small batches), each candidate
 (BLOCK_N, BLOCK_K, the pipeline depth) replayed from a CUDA graph over 32 layers' distinct
 weights, so nothing is served from L2, against the device's copy rate.
 
@@ -11,7 +12,8 @@ cuBLAS (``F.linear``) on the same weights.  ``--write`` stores the fastest confi
 (shape, rows) as this device's table (``ray_attn/model/configs/<device>.json``, read by
 ``kernel_configs.tuned``): above ``gemv.MAX_N`` (gate_up, the LM head) the GEMV then serves a
 shape only where it beat cuBLAS, and the weight-only FP8 GEMV one where it beat the skinny kernel
-(its entry is what makes ``fp8.select_fp8_kernel`` pick it).  A candidate is kept only if it agrees with the default config
+(its entry is what makes ``fp8.select_fp8_kernel`` pick it), and the bf16 skinny kernel one only
+where it beat cuBLAS.  The kernels a run tunes replace their own entries; the others stay.  A candidate is kept only if it agrees with the default config
 to 1% of the output's scale.
 
     python scripts/tune_decode_gemv.py [--presets llama-3-8b,qwen3-30b-a3b,llama-4-scout] [--write]
@@ -36,14 +38,16 @@ from ray_attn.config import MODEL_PRESETS  # noqa: E402
 from ray_attn.model import fp8 as F8  # noqa: E402
 from ray_attn.model import gemv as G  # noqa: E402
 from ray_attn.model import kernel_configs  # noqa: E402
+from ray_attn.model import skinny as S  # noqa: E402
 
 LAYERS = 32
 SPACE = {
     "gemv": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_stages=[3]),
     "fp8_skinny": dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_stages=[3, 5]),
     "w8a16": dict(BLOCK_N=[4, 8, 16], BLOCK_K=[1024, 2048], num_stages=[3]),
+    "skinny": dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_stages=[3, 5]),
 }
-ROWS = {"gemv": [1], "fp8_skinny": [1, 4, 16], "w8a16": [1]}
+ROWS = {"gemv": [1], "fp8_skinny": [1, 4, 16], "w8a16": [1], "skinny": [2, 4, 8, 16]}
 FP8 = ("fp8_skinny", "w8a16")  # tuned on --fp8-presets' shapes only
 
 
@@ -78,10 +82,11 @@ def runner(kernel: str, m: int, n: int, k: int, dev):
     """(a function of a config that runs ``kernel`` over distinct weights, cuBLAS's bf16 F.linear
     over the same (gemv only), the weights' bytes, how many)."""
     c = copies(n, k)
-    if kernel == "gemv":
+    if kernel in ("gemv", "skinny"):
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(c)]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        return (lambda cfg: [G.gemv(x, w, **cfg) for w in ws]), (lambda: [F.linear(x, w) for w in ws]), n * k * 2, c
+        f = G.gemv if kernel == "gemv" else S.skinny
+        return (lambda cfg: [f(x, w, **cfg) for w in ws]), (lambda: [F.linear(x, w) for w in ws]), n * k * 2, c
     ws = [F8.quantize_per_row(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(c)]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     if kernel == "w8a16":
@@ -122,7 +127,7 @@ def tune(kernel: str, name: str, m: int, n: int, k: int, copy_bps: float, dev, d
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="llama-3-8b,qwen3-30b-a3b,llama-4-scout")
-    ap.add_argument("--kernels", default="gemv,fp8_skinny,w8a16")
+    ap.add_argument("--kernels", default="gemv,fp8_skinny,w8a16,skinny")
     ap.add_argument("--fp8-presets", default="llama-3-8b", help="the presets whose shapes the FP8 kernel is tuned for")
     ap.add_argument("--write", action="store_true", help="store the winners as this device's table")
     ap.add_argument("--defaults-only", action="store_true",
@@ -152,17 +157,21 @@ def main(argv=None) -> int:
     path = bl.save(a.name, rows, copy_Bps=copy_bps)
     print(f"wrote {path}")
     if a.write and not a.defaults_only:
-        table: dict = {}
+        # the kernels of this run replace their own entries; the table's other kernels stay
+        name = torch.cuda.get_device_name(dev)
+        table = {kern: shapes for kern, shapes in kernel_configs.device_table(name).items()
+                 if kern not in a.kernels.split(",")}
         for r in rows:
             if r["kernel"] == "gemv" and r["n"] > G.MAX_N and not r["best_over_cublas"] < 1:
                 continue  # wider than MAX_N the GEMV serves only shapes where it beat cuBLAS here
+            if r["kernel"] == "skinny" and not r["best_over_cublas"] < 1:
+                continue  # the bf16 skinny kernel runs only where it beat cuBLAS here
             skinny = next((q["best_us"] for q in rows if q["kernel"] == "fp8_skinny" and (q["n"], q["k"], q["rows"])
                            == (r["n"], r["k"], r["rows"])), None)
             if r["kernel"] == "w8a16" and not (skinny and r["best_us"] < skinny):
                 continue  # the weight-only GEMV runs a shape only where it beat the skinny kernel here
             table.setdefault(r["kernel"], {}).setdefault(kernel_configs.shape_key(r["n"], r["k"]), {})[r["rows"]] = \
                 r["best_cfg"]
-        name = torch.cuda.get_device_name(dev)
         print(f"wrote {kernel_configs.write_table(name, table, dict(source='scripts/tune_decode_gemv.py', date=bl.machine().get('date')))}")
     return 0
 

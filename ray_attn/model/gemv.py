@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ray_attn.backend.triton_ops import available
 from ray_attn.backend import batch_invariant, pdl
-from ray_attn.model import gguf_q4, kernel_configs
+from ray_attn.model import gguf_q4, kernel_configs, skinny
 
 try:
     import triton
@@ -205,7 +205,8 @@ def use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA, oneDNN's matmul for
+    """F.linear, with the Triton GEMV for one row and N <= MAX_N on CUDA, the skinny tensor-core
+    kernel for 2-16 rows on shapes this GPU's table gives it (``skinny.py``), oneDNN's matmul for
     float32 on CPU where it is the faster (``use_onednn``), and a GGUF's own 4-bit blocks on CPU
     where the model packed them (``gguf_q4``, quantization='gguf')."""
     if not x.is_cuda:
@@ -216,6 +217,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return batch_invariant.matmul(x, w, bias)
     if use_gemv(x, w):
         return gemv(x if x.stride(1) == 1 else x.contiguous(), w, bias)
+    if skinny.use_skinny(x, w) and (bias is None or bias.is_contiguous()):
+        return skinny.skinny(x if x.stride(1) == 1 else x.contiguous(), w, bias)
     if use_onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, onednn_weight(w), bias, "none", [], "")
     return F.linear(x, w, bias)

@@ -1,5 +1,6 @@
 """Launch settings of the decode GEMV kernels -- the bf16 GEMV (``gemv.py``), the FP8 skinny
-kernel (``fp8_kernels.fp8_skinny``) and the weight-only FP8 GEMV (``w8a16``) -- per GPU model and
+kernel (``fp8_kernels.fp8_skinny``), the weight-only FP8 GEMV (``w8a16``) and the bf16 skinny
+kernel for 2-16 rows (``skinny.py``) -- per GPU model and
 weight shape, as vLLM keeps its fused-MoE configs: ``scripts/tune_decode_gemv.py`` times
 candidates inside CUDA graphs over up to 32 layers' weights and writes the fastest to
 ``configs/<device name>.json``.
@@ -12,8 +13,8 @@ and 32-row tiles three deep the FP8 qkv 1.11x (``benchmarks/results/tune_decode_
 A shape or device without an entry keeps the kernel's own rule (``gemv.config``,
 ``skinny_config``), as do row counts above the largest tuned one (their tiles grow with the
 rows).  An entry also decides where a kernel runs at all:
-the bf16 GEMV above ``gemv.MAX_N`` and ``w8a16`` run only on shapes their table holds (the tune
-writes those only where they beat cuBLAS and the skinny kernel).
+the bf16 GEMV above ``gemv.MAX_N``, ``w8a16`` and the bf16 skinny kernel run only on shapes their
+table holds (the tune writes those only where they beat cuBLAS, or the FP8 skinny kernel).
 RAY_ATTN_KERNEL_CONFIGS=0 ignores the tables (an A/B switch; read at import).
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-KERNELS = ("gemv", "fp8_skinny", "w8a16")
+KERNELS = ("gemv", "fp8_skinny", "w8a16", "skinny")
 ENABLED = os.environ.get("RAY_ATTN_KERNEL_CONFIGS", "1") != "0"
 KEYS = frozenset({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"})  # what a table may set
 

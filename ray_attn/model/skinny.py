@@ -1,0 +1,109 @@
+"""y = x W^T for a few rows (2-16: a step verifying k drafts at batch 1, small-batch decode) on
+tensor cores, as one Triton kernel that streams W once.
+
+Why: a speculative step at batch 1 is a query of 1 + k rows, so its linears leave the one-row
+GEMV (``gemv.py``) for cuBLAS.  On an H100 that made the step's GEMMs 5.64 ms at 5 rows against
+~4.6 ms of GEMV at one (Llama-3-8B shapes; ``scripts/bench_spec_verify.py --profile``): the verify
+cost, 1.23x a plain step, was that GPU time, not the host's.  cuBLAS's small-M tiles split K for
+the narrow projections (a reduce kernel each) and read the weights at 60-89% of the copy rate.
+This kernel gives each program BLOCK_N rows of W, pads x to tl.dot's 16 rows, and streams W once
+over K: at these sizes the rows cost nothing but registers, so 5 rows should read W as fast as
+one.  It is the FP8 skinny kernel's layout (``fp8_kernels._fp8_skinny_kernel``) on half weights.
+
+Where it runs: only on (shape, rows) that this GPU's tuned table holds (``kernel_configs``,
+written by ``scripts/tune_decode_gemv.py --kernels skinny --write`` only where it beat cuBLAS);
+every other shape, a device without a table, CPU and batch-invariant mode keep ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_attn.backend import batch_invariant, pdl
+from ray_attn.backend.triton_ops import available
+from ray_attn.model import kernel_configs
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU machines without triton
+    triton = None
+
+MIN_ROWS, MAX_ROWS = 2, 16  # one row is the GEMV's; past 16 the tile's rows would double
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """y tile [BLOCK_M, BLOCK_N] = x . W^T, float32 accumulation.  The first K step is
+        peeled: its weight tile loads before the wait for the kernel before (PDL, ``pdl.py``;
+        weights are never written during a step) and x's after it."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mmask, nmask = rm < M, rn < N
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * w_stride
+        x_rows = x_ptr + rm[:, None] * x_stride
+        b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
+                    eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+        acc = tl.dot(a, b, out_dtype=tl.float32)
+        for k in range(BLOCK_K, K, BLOCK_K):
+            kk = k + rk
+            kmask = kk < K
+            a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_rows + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0,
+                        eviction_policy="evict_first")
+            acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+def config(m: int, n: int) -> dict:
+    """An untuned starting point: 16-row tiles (tl.dot's least M), 32 weight rows a program
+    (N = 4096 gives 128 programs), 64 for the wide shapes, 256-wide K steps four deep."""
+    return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=256, num_warps=4, num_stages=4)
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias) on CUDA (or Triton's interpreter) with the skinny kernel;
+    ``cfg`` overrides the config (the tuned table's first).  Shapes and strides are checked here,
+    on the host, and refused by name."""
+    if triton is None:
+        raise RuntimeError("skinny needs triton")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"skinny: x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D, agree on K and have "
+                         "unit stride along it")
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"skinny: x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"skinny: bias must be a contiguous [{n}] {x.dtype} tensor, got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    c = {**config(m, n), **kernel_configs.tuned("skinny", m, n, k, x.device), **cfg}
+    grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(m, c["BLOCK_M"]))
+    _skinny_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+                         HAS_BIAS=bias is not None, **pdl.launch(x.device), **c)
+    return y
+
+
+def use_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """2-16 rows on CUDA in bf16/fp16, on a weight shape this GPU's tuned table holds for that
+    many rows (the tune writes one only where the kernel beat cuBLAS there)."""
+    return (available() and x.is_cuda and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            and not batch_invariant.enabled()  # its sums would differ from the same row in a batch
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1
+            and bool(kernel_configs.tuned("skinny", x.shape[0], w.shape[0], w.shape[1], x.device)))
