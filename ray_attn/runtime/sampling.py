@@ -31,7 +31,7 @@ from ray_attn.runtime.logits_processors import (
     gumbel_argmax,
 )
 from ray_attn.runtime.messages import LogprobsArrays, SamplingInputs, SpecDecodeInputs
-from ray_attn.runtime.spec_decode import reject_drafts, seg_starts, spec_layout
+from ray_attn.runtime.spec_decode import reject_drafts, staged_layout
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads (seed, index) pairs apart
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's multipliers as int64
@@ -160,10 +160,9 @@ class SamplingTensors:
         f: dict[str, int] = {}
         extra: dict = {}
         if spec is not None:
-            seg_first, verify_rows = spec_layout(spec.num_draft_tokens)
-            k = np.asarray(spec.num_draft_tokens, np.int64)
+            verify_rows, seg_first, seg_start, k = staged_layout(spec.num_draft_tokens)
             for name, a in (("spec_verify_rows", verify_rows), ("spec_draft_ids", spec.draft_token_ids),
-                            ("spec_seg_first", seg_first), ("spec_seg_start", seg_starts(k)),
+                            ("spec_seg_first", seg_first), ("spec_seg_start", seg_start),
                             ("spec_num_drafts", k)):
                 i[name] = ints.add(a)
             extra["spec_max_drafts"] = int(k.max()) if len(k) else 0

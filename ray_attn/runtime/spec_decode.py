@@ -21,6 +21,8 @@ rows are the case without noise: y_j is the argmax.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -49,6 +51,26 @@ def spec_layout(num_draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     D = int(k.sum())
     verify_rows = np.repeat(seg_start, k) + np.arange(D) - np.repeat(np.cumsum(k) - k, k)
     return seg_first, verify_rows
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(k_bytes: bytes) -> np.ndarray:
+    k = np.frombuffer(k_bytes, np.int64)
+    seg_first, verify_rows = spec_layout(k)
+    out = np.concatenate([verify_rows, seg_first, seg_starts(k), k]).astype(np.int32)
+    out.flags.writeable = False
+    return out
+
+
+def staged_layout(num_draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``spec_layout``'s (verify_rows, seg_first) with ``seg_starts`` and the counts, as int32
+    views of one read-only array, kept for the layouts seen lately: a batch speculates with the
+    same draft counts step after step (k, or what a row has room for), and this runs on the
+    rank's critical path between two verifying steps."""
+    k = np.asarray(num_draft_tokens, np.int64)
+    flat = _layout_of(k.tobytes())
+    B, D = len(k), int(k.sum())
+    return flat[:D], flat[D:D + B + D], flat[B + 2 * D:2 * B + 2 * D], flat[2 * B + 2 * D:]
 
 
 if triton is not None:
