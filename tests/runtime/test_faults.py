@@ -35,8 +35,8 @@ def run_with_kills(engine, prompts, params, kill_at_steps, how, rank=1):
     return [engine.output(i) for i in ids]
 
 
-@pytest.mark.parametrize("tp,how,compiled", [(2, "ray.kill", False), (2, "process exit", False),
-                                             (2, "ray.kill", True), (4, "ray.kill", False)])
+# ray.kill on classic calls is the TP=4 case's (the same path at TP=2 added ~6 s and nothing else)
+@pytest.mark.parametrize("tp,how,compiled", [(2, "process exit", False), (2, "ray.kill", True), (4, "ray.kill", False)])
 def test_dead_rank_recovers_with_identical_tokens(ray_local, record_recovery, tp, how, compiled):
     prompts = workload(n=4)
     cfg = config()
