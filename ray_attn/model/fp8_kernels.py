@@ -39,6 +39,7 @@ MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)  # vLLM's MIN_SCALING_FACTOR
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
+    from ray_attn.model.skinny import skinny_dot  # the skinny kernels' shared K loop
 
     @triton.jit
     def _round_e4m3(q):
@@ -116,36 +117,15 @@ if triton is not None:
         scales: few rows (decode), so the weight tile is what each K step waits for.  x arrives
         quantized: a variant that quantized it here (a pass over x for its max, then bf16 tiles
         converted in registers before each dot) ran 6-10x slower at one row on the H200.
-        PEEL: the first K step runs before the loop, its weight tile loaded before the wait for
-        the kernel before (PDL, ``pdl.py``) and x's codes after it; else the wait comes first."""
+        The K loop (PEEL included) is ``skinny.skinny_dot``, shared with the bf16 skinny kernel."""
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         mmask, nmask = rm < M, rn < N
-        w_rows = w_ptr + rn[None, :].to(tl.int64) * w_stride
-        x_rows = xq_ptr + rm[:, None] * x_stride
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        start = 0
-        if PEEL:
-            b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
-                        eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-            a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-            acc += tl.dot(a, b)
-            start = BLOCK_K
-        elif USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        for k in range(start, K, BLOCK_K):
-            kk = k + rk
-            kmask = kk < K
-            a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_rows + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0,
-                        eviction_policy="evict_first")
-            acc += tl.dot(a, b)
+        acc = skinny_dot(xq_ptr + rm[:, None] * x_stride, w_ptr + rn[None, :].to(tl.int64) * w_stride, mmask, nmask,
+                         K, BLOCK_M, BLOCK_N, BLOCK_K, PEEL, USE_PDL)
         sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]

@@ -34,34 +34,49 @@ MIN_ROWS, MAX_ROWS = 2, 16  # one row is the GEMV's; past 16 the tile's rows wou
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        """y tile [BLOCK_M, BLOCK_N] = x . W^T, float32 accumulation.  The first K step is
-        peeled: its weight tile loads before the wait for the kernel before (PDL, ``pdl.py``;
-        weights are never written during a step) and x's after it."""
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    def skinny_dot(x_rows, w_rows, mmask, nmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr):
+        """The float32 [BLOCK_M, BLOCK_N] product of x's rows (pointers ``x_rows`` [BLOCK_M, 1])
+        and W's (``w_rows`` [1, BLOCK_N]) over K, in BLOCK_K steps on tensor cores: this kernel's
+        and the FP8 skinny kernel's (``fp8_kernels``) shared loop.  PEEL: the first K step runs
+        before the loop, its weight tile loaded before the wait for the kernel before (PDL,
+        ``pdl.py``; weights are never written during a step) and x's after it; else the wait
+        comes first."""
         rk = tl.arange(0, BLOCK_K)
-        mmask, nmask = rm < M, rn < N
-        w_rows = w_ptr + rn[None, :].to(tl.int64) * w_stride
-        x_rows = x_ptr + rm[:, None] * x_stride
-        b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
-                    eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
-        if USE_PDL:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        start = 0
+        if PEEL:
+            b = tl.load(w_rows + rk[:, None], mask=nmask[None, :] & (rk < K)[:, None], other=0.0,
+                        eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+            acc += tl.dot(a, b)
+            start = BLOCK_K
+        elif USE_PDL:
             tl.extra.cuda.gdc_wait()
-        a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-        acc = tl.dot(a, b, out_dtype=tl.float32)
-        for k in range(BLOCK_K, K, BLOCK_K):
+        for k in range(start, K, BLOCK_K):
             kk = k + rk
             kmask = kk < K
             a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_rows + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0,
                         eviction_policy="evict_first")
-            acc = tl.dot(a, b, acc)
+            acc += tl.dot(a, b)
+        return acc
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """y tile [BLOCK_M, BLOCK_N] = x . W^T (+ bias), float32 accumulation, the first K step peeled."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask, nmask = rm < M, rn < N
+        acc = skinny_dot(x_ptr + rm[:, None] * x_stride, w_ptr + rn[None, :].to(tl.int64) * w_stride, mmask, nmask,
+                         K, BLOCK_M, BLOCK_N, BLOCK_K, True, USE_PDL)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], acc.to(y_ptr.dtype.element_ty),

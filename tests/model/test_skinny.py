@@ -12,27 +12,16 @@ from ray_attn.model import gemv as G
 from ray_attn.model import kernel_configs
 from ray_attn.model import skinny as S
 from tests.interpreter import interpreter_test, kernels_mark
+from tests.model.test_gemv import inputs, ref  # the same random shapes and float64 product
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernels = kernels_mark(S.triton)
 
 
-def inputs(m, n, k, dtype, device, bias, seed=0):
-    g = torch.Generator().manual_seed(seed + 7 * m + n + k)
-    x = torch.randn(m, k, generator=g).to(dtype=dtype, device=device)
-    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype=dtype, device=device)
-    b = torch.randn(n, generator=g).to(dtype=dtype, device=device) if bias else None
-    return x, w, b
-
-
-def ref(x, w, b=None):
-    return F.linear(x.double(), w.double(), None if b is None else b.double())
-
-
 def bound(x, w, b, rel):
     """One rounding of the output (``rel``, relative to what it rounds: the product plus the bias)
     and float32 sums of K unit-size terms (~1e-5)."""
-    return rel * (ref(x, w).abs() + (0 if b is None else b.double().abs())) + 1e-4
+    return rel * (ref(x, w, None).abs() + (0 if b is None else b.double().abs())) + 1e-4
 
 
 def test_kernels_under_the_interpreter():
