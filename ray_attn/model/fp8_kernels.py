@@ -39,7 +39,7 @@ MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)  # vLLM's MIN_SCALING_FACTOR
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
-    from ray_attn.model.skinny import skinny_dot  # the skinny kernels' shared K loop
+    from ray_attn.model.skinny import skinny_tile  # the skinny kernels' shared tile and K loop
 
     @triton.jit
     def _round_e4m3(q):
@@ -117,15 +117,9 @@ if triton is not None:
         scales: few rows (decode), so the weight tile is what each K step waits for.  x arrives
         quantized: a variant that quantized it here (a pass over x for its max, then bf16 tiles
         converted in registers before each dot) ran 6-10x slower at one row on the H200.
-        The K loop (PEEL included) is ``skinny.skinny_dot``, shared with the bf16 skinny kernel."""
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mmask, nmask = rm < M, rn < N
-        acc = skinny_dot(xq_ptr + rm[:, None] * x_stride, w_ptr + rn[None, :].to(tl.int64) * w_stride, mmask, nmask,
-                         K, BLOCK_M, BLOCK_N, BLOCK_K, PEEL, USE_PDL)
+        The tile and its K loop (PEEL included) are ``skinny.skinny_tile``'s, shared with the bf16 kernel."""
+        acc, rm, rn, mmask, nmask = skinny_tile(xq_ptr, w_ptr, M, N, K, x_stride, w_stride, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                PEEL, USE_PDL)
         sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]

@@ -65,10 +65,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        """y tile [BLOCK_M, BLOCK_N] = x . W^T (+ bias), float32 accumulation, the first K step peeled."""
+    def skinny_tile(x_ptr, w_ptr, M, N, K, x_stride, w_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr):
+        """This program's output tile of a skinny kernel: (float32 x . W^T, its rows, its
+        columns, their masks), the program ids read as (N tile, M tile)."""
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -76,7 +76,16 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mmask, nmask = rm < M, rn < N
         acc = skinny_dot(x_ptr + rm[:, None] * x_stride, w_ptr + rn[None, :].to(tl.int64) * w_stride, mmask, nmask,
-                         K, BLOCK_M, BLOCK_N, BLOCK_K, True, USE_PDL)
+                         K, BLOCK_M, BLOCK_N, BLOCK_K, PEEL, USE_PDL)
+        return acc, rm, rn, mmask, nmask
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """y tile [BLOCK_M, BLOCK_N] = x . W^T (+ bias), float32 accumulation, the first K step peeled."""
+        acc, rm, rn, mmask, nmask = skinny_tile(x_ptr, w_ptr, M, N, K, x_stride, w_stride, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                True, USE_PDL)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], acc.to(y_ptr.dtype.element_ty),
