@@ -22,7 +22,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ray_attn.backend.triton_ops import available
 from ray_attn.backend import batch_invariant, pdl
 from ray_attn.model import gguf_q4, kernel_configs, skinny
 
@@ -153,9 +152,7 @@ def use_gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     """One row on CUDA in bf16/fp16: N <= MAX_N, or a wider shape this device's tuned table holds
     (``scripts/tune_decode_gemv.py`` writes one there only where the GEMV beat cuBLAS)."""
-    return (ENABLED and available() and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-            and not batch_invariant.enabled()  # its one-row sums differ from the same row in a batch
-            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1
+    return (ENABLED and skinny.half_rows_on_cuda(x, w, 0, MAX_ROWS)
             and (w.shape[0] <= MAX_N or bool(kernel_configs.tuned("gemv", 1, w.shape[0], w.shape[1], x.device))))
 
 

@@ -8,7 +8,7 @@ cost, 1.23x a plain step, was that GPU time, not the host's.  cuBLAS's small-M t
 the narrow projections (a reduce kernel each) and read the weights at 60-89% of the copy rate.
 This kernel gives each program BLOCK_N rows of W, pads x to tl.dot's 16 rows, and streams W once
 over K: at these sizes the rows cost nothing but registers, so 5 rows should read W as fast as
-one.  It is the FP8 skinny kernel's layout (``fp8_kernels._fp8_skinny_kernel``) on half weights.
+one.  Its tile and K loop (``skinny_tile``) are the FP8 skinny kernel's too (``fp8_kernels``).
 
 Where it runs: only on (shape, rows) that this GPU's tuned table holds (``kernel_configs``,
 written by ``scripts/tune_decode_gemv.py --kernels skinny --write`` only where it beat cuBLAS);
@@ -124,10 +124,17 @@ def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     return y
 
 
+def half_rows_on_cuda(x: torch.Tensor, w: torch.Tensor, min_rows: int, max_rows: int) -> bool:
+    """What our half-precision decode kernels (this one, ``gemv.py``'s) take: x [min_rows..max_rows,
+    K] on CUDA with Triton, bf16/fp16 like w, w unit-stride along K, and not batch-invariant mode
+    (their sums would differ from the same row in a batch)."""
+    return (available() and x.is_cuda and x.dim() == 2 and min_rows <= x.shape[0] <= max_rows
+            and not batch_invariant.enabled()
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1)
+
+
 def use_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
     """2-16 rows on CUDA in bf16/fp16, on a weight shape this GPU's tuned table holds for that
     many rows (the tune writes one only where the kernel beat cuBLAS there)."""
-    return (available() and x.is_cuda and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS
-            and not batch_invariant.enabled()  # its sums would differ from the same row in a batch
-            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1
+    return (half_rows_on_cuda(x, w, MIN_ROWS, MAX_ROWS)
             and bool(kernel_configs.tuned("skinny", x.shape[0], w.shape[0], w.shape[1], x.device)))
