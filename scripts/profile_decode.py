@@ -15,6 +15,12 @@ the copy rate measured on the device).  ``--presets`` runs several models in one
     python scripts/profile_decode.py --model qwen3-30b-a3b --points 1x1024 --top 30
     python scripts/profile_decode.py --presets llama-3-8b,llama-3-8b:fp8,qwen3-30b-a3b,llama-4-scout \
         --points 1x1024 --json benchmarks/results/profile_decode_kernels.json
+    python scripts/profile_decode.py --presets llama-3-8b,llama-3-8b:fp8 --points "" --prefill 8192
+
+``--prefill N`` also profiles one eager prefill step of N tokens (prompts of ``--prefill-len``,
+as the offline workload's chunks): its wall time against the FLOPs of its prompts over the GEMM
+rate measured at the model's shapes (FP8's ``_scaled_mm`` rate for FP8 presets), and its kernels
+by kind -- where an offline run's prefill time goes.
 """
 
 from __future__ import annotations
@@ -99,6 +105,82 @@ def kernel_kinds(key_averages) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["us"])
 
 
+def kernel_table(rec: dict, run, top: int) -> str:
+    """Profile one ``run()`` on the GPU: its kernels' count, GPU time, kinds and the ``top``
+    longest go into ``rec``; returns them as text."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    rec["kernels"] = sum(e.count for e in ka)
+    rec["kernel_ms"] = sum(e.device_time_total for e in ka) / 1e3
+    rec["kinds"] = kernel_kinds(ka)
+    rec["top"] = [dict(name=e.key[:120], count=e.count, us=e.device_time_total) for e in ka[:top]]
+    line = f"\n  {rec['kernels']} kernels, {rec['kernel_ms']:.2f} ms:"
+    line += "\n  kind               kernels      us  us/kernel  share"
+    for r in rec["kinds"]:
+        line += f"\n  {r['kind']:<18} {r['kernels']:7d} {r['us']:8.1f} {r['us_per_kernel']:9.2f} {r['share']:6.1%}"
+    for e in ka[:top]:
+        line += f"\n  {e.device_time_total / 1e3:7.3f} ms x{e.count:4d}  {e.key[:100]}"
+    return line
+
+
+def gemm_rate(cfg: EngineConfig, rates: dict, dev: torch.device) -> float:
+    """FLOP/s of the model's own GEMM shapes on this device (FP8's ``_scaled_mm`` rate for FP8
+    weights), measured once per model and kept in ``rates``."""
+    from servebench import device_rates
+
+    m = cfg.model
+    key = (m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads)
+    if key not in rates:
+        rates[key] = device_rates.measure(dev.type, rl.gemm_shapes(m), 1 << 24, "bfloat16" if dev.type == "cuda"
+                                          else "float32")
+    r = rates[key]
+    return r.get("fp8_gemm_flops", r["gemm_flops"]) if m.quantization == "fp8" else r["gemm_flops"]
+
+
+def profile_prefill(args, spec, cfg, eng, rates: dict, dev: torch.device) -> dict:
+    """One step that prefills ``args.prefill`` tokens of fresh prompts (no prefix hits): wall time,
+    the prompts' FLOPs over the GEMM rate, and (GPU) the kernels by kind."""
+    m, gpu = cfg.model, dev.type == "cuda"
+    L = min(args.prefill_len, args.prefill, m.max_position_embeddings - 1)
+    n = max(args.prefill // L, 1)
+    if n * L > cfg.max_num_batched_tokens:
+        raise SystemExit(f"--prefill {n * L} exceeds the engine's max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    rng = np.random.default_rng(1)
+    costs = rl.ModelCosts.from_config(m, 1, cfg.cache.kv_cache_dtype)
+
+    def step(rec: dict | None = None) -> float:
+        """One prefill step of fresh prompts; with ``rec``, under the profiler, its table there."""
+        ids = [eng.add_request(rng.integers(0, m.vocab_size, L).tolist(), SamplingParams(max_tokens=1))
+               for _ in range(n)]
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if rec is None:
+            eng.step()
+        else:
+            rec["table"] = kernel_table(rec, eng.step, args.top)
+        if gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        bl.end_requests(eng, ids)
+        return wall
+
+    rec = dict(preset=spec, prefill_tokens=n * L, prompt_len=L)
+    walls = sorted(step() for _ in range(3))  # the first warms cuBLAS and the allocator
+    rec["step_ms"] = walls[1] * 1e3
+    rec["roofline_ms"] = n * rl.prefill_flops(costs, L) / gemm_rate(cfg, rates, dev) * 1e3
+    rec["frac_of_roofline"] = rec["roofline_ms"] / rec["step_ms"]
+    line = (f"{spec} prefill {n} x {L} tokens: step {rec['step_ms']:.2f} ms; GEMM-rate roofline "
+            f"{rec['roofline_ms']:.2f} ms ({rec['frac_of_roofline']:.1%} of it)")
+    if gpu:
+        step(rec)
+        line += rec.pop("table")
+    print(line, flush=True)
+    return rec
+
+
 def preset_config(spec: str, gpu: bool, block_size: int, scout_layers: int, quantization=None,
                   memory_fraction: float = 0.5, batch_invariant: bool = False) -> EngineConfig:
     """``name[:quantization]`` as the engine config every point of it runs."""
@@ -132,6 +214,9 @@ def main(argv=None):
                    help="the GPU memory the engine may take (Qwen3-30B-A3B's 57 GB of weights need ~0.9 on 80 GB)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="ParallelConfig.batch_invariant: what the mode costs (dense unquantized presets)")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="also profile one prefill step of N tokens (0: none)")
+    p.add_argument("--prefill-len", type=int, default=1024, help="the prefill step's prompt length")
     p.add_argument("--json", default=None, help="write every point's kernel table and roofline here")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="also profile N back-to-back replays: span vs busy time, longest gaps")
@@ -144,6 +229,7 @@ def main(argv=None):
     specs = (args.presets or args.model or ("llama-3-8b" if gpu else "tiny")).split(",")
     dev = torch.device("cuda" if gpu else "cpu")
     copy_Bps = bl.copy_bandwidth(1 << 30 if gpu else 1 << 24, dev)
+    rates = {}
     results = []
     for spec in specs:
         cfg = preset_config(spec, gpu, args.block_size, args.scout_layers, args.quantization, args.memory_fraction,
@@ -152,6 +238,8 @@ def main(argv=None):
         eng = LLMEngine(cfg, ex)
         try:
             results += profile_points(args, spec, cfg, eng, ex, gpu, copy_Bps)
+            if args.prefill:
+                results.append(profile_prefill(args, spec, cfg, eng, rates, dev))
         finally:
             eng.shutdown()
             del eng, ex
@@ -167,7 +255,7 @@ def profile_points(args, spec, cfg, eng, ex, gpu, copy_Bps) -> list[dict]:
     costs = rl.ModelCosts.from_config(m, 1, cfg.cache.kv_cache_dtype)
     rng = np.random.default_rng(0)
     out = []
-    for point in args.points.split(","):
+    for point in filter(None, args.points.split(",")):
         B, C = (int(x) for x in point.split("x"))
         C = C if gpu else min(C, 128)
         ids = bl.start_decoding(eng, [rng.integers(0, m.vocab_size, C).tolist() for _ in range(B)],
@@ -212,21 +300,7 @@ def profile_points(args, spec, cfg, eng, ex, gpu, copy_Bps) -> list[dict]:
             rec["replay_ms"] = e0.elapsed_time(e1) / 10
             rec["replay_over_roofline"] = rec["replay_ms"] / roof_ms
             line += f"; graph replay on the GPU {rec['replay_ms']:.2f} ms ({rec['replay_over_roofline']:.2f}x roofline)"
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                g.replay()
-                torch.cuda.synchronize()
-            ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-            rec["kernels"] = sum(e.count for e in ka)
-            rec["kernel_ms"] = sum(e.device_time_total for e in ka) / 1e3
-            rec["kinds"] = kernel_kinds(ka)
-            rec["top"] = [dict(name=e.key[:120], count=e.count, us=e.device_time_total) for e in ka[:args.top]]
-            line += f"\n  {rec['kernels']} kernels, {rec['kernel_ms']:.2f} ms:"
-            line += "\n  kind               kernels      us  us/kernel  share"
-            for r in rec["kinds"]:
-                line += (f"\n  {r['kind']:<18} {r['kernels']:7d} {r['us']:8.1f} {r['us_per_kernel']:9.2f} "
-                         f"{r['share']:6.1%}")
-            for e in ka[:args.top]:
-                line += f"\n  {e.device_time_total / 1e3:7.3f} ms x{e.count:4d}  {e.key[:100]}"
+            line += kernel_table(rec, g.replay, args.top)
             if args.timeline:
                 try:
                     line += timeline(g, args.timeline)

@@ -35,3 +35,19 @@ def test_scout_is_cut_to_the_layers_one_gpu_holds():
 def test_the_batch_invariant_flag_reaches_the_engine_config():
     assert pd.preset_config("llama-3-8b", False, 16, 8, batch_invariant=True).parallel.batch_invariant
     assert not pd.preset_config("llama-3-8b", False, 16, 8).parallel.batch_invariant
+
+
+def test_prefill_step_is_timed_against_its_flops(tmp_path):
+    """``--prefill``: one step of fresh prompts (none served from the prefix cache), its FLOPs over
+    the measured GEMM rate; a prefill larger than the engine's step budget is refused by name."""
+    import json
+
+    import pytest
+
+    out = tmp_path / "p.json"
+    pd.main(["--points", "", "--prefill", "128", "--prefill-len", "64", "--json", str(out)])
+    [rec] = json.loads(out.read_text())["points"]
+    assert (rec["prefill_tokens"], rec["prompt_len"]) == (128, 64)
+    assert rec["step_ms"] > 0 and 0 < rec["frac_of_roofline"] == rec["roofline_ms"] / rec["step_ms"]
+    with pytest.raises(SystemExit, match="max_num_batched_tokens=512"):
+        pd.main(["--points", "", "--prefill", "1024", "--prefill-len", "64"])
