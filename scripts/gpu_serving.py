@@ -4,8 +4,9 @@ engine's own roofline for that workload (``servebench/roofline.py`` has the form
 
 Per configuration (bf16 KV, fp8 KV; ``--tp 2`` on a two-GPU host) ONE engine is built -- Ray
 actors, CUDA graphs, async scheduling, a compiled graph on GPUs, as the Serve app runs it,
-``max_num_seqs=256`` (``--max-num-seqs``), ``max_num_batched_tokens=8192`` -- and it runs, most wanted first (with
-``--deadline-s`` the tail is what gets skipped, marked so in the JSON):
+``max_num_seqs=256``, ``max_num_batched_tokens=8192`` (``--max-num-seqs``,
+``--max-num-batched-tokens``) -- and it runs, most wanted first (with ``--deadline-s`` the tail is
+what gets skipped, marked so in the JSON):
 
   random_rate_inf            random 1024 in / 128 out x 1000, all at once (vllm bench serve)
   random_concurrency_1       random 1024/128 x 24, one in flight: ITL against the decode roofline
@@ -151,7 +152,7 @@ class Suite:
                            parallel=ParallelConfig(tensor_parallel_size=tp, device=a.device,
                                                    use_compiled_graph=a.device == "cuda" and a.executor == "ray",
                                                    cuda_graph_max_batch=a.cuda_graph_max_batch),
-                           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=8192)
+                           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
         return make_engine(cfg, a.executor)
 
     def costs(self, engine) -> rl.ModelCosts:
@@ -364,6 +365,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="KV page size in tokens (FA3 takes any)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="the engine's max_num_seqs (vLLM's default on H100/H200-class GPUs is 1024)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the engine's token budget a step (vLLM's offline default on H100/H200-class GPUs is 16384)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="the largest decode batch replayed from a CUDA graph (vLLM captures up to 512)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every prompt count (and decode batch)")
