@@ -40,7 +40,9 @@
 # step cost (profile_decode --batch-invariant). pages (issue 39): the FA3 split/pack-GQA/page sweep, then decode
 # 256 x 1k at the page sizes PAGES names (SPEC_PROFILE=1: and the verify cost's host profile). skinny (issue
 # 40): the bf16 skinny kernel tuned against cuBLAS and written to the table, its GPU tests, the verify cost
-# (ACCURACY_ROWS=a,b adds gate rows).
+# (ACCURACY_ROWS=a,b adds gate rows). offline (issue 39): the offline workload, bf16 and FP8 weights, at
+# max_num_seqs 256 and at OFFLINE_SEQS (default 512, graphs to 512: vLLM's scale on this class of
+# GPU; sim_offline_schedule.py predicts it), then one 8192-token prefill step profiled by kernel kind.
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -259,6 +261,17 @@ if [[ $stage == skinny ]]; then  # issue 40: the bf16 skinny kernel for 2-16 row
     [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_skinny.json "$OUT"/ 2>/dev/null
   fi
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == offline ]]; then
+  tag=${SUFFIX:-}
+  for seqs in 256 "${OFFLINE_SEQS:-512}"; do
+    step timeout "${OFFLINE_TIMEOUT_S:-170}" python3 scripts/gpu_serving.py --weights "${WEIGHTS:-bf16,fp8}" \
+      --kv-dtypes auto --no-capacity --budget-sweep "" --only offline --max-num-seqs "$seqs" \
+      --cuda-graph-max-batch "$(( seqs < 512 ? seqs : 512 ))" --suffix "_offline${seqs}${tag}" ${OUT:+--mirror-dir "$OUT"}
+  done
+  step timeout "${PROFILE_TIMEOUT_S:-130}" python3 scripts/profile_decode.py --points "" --prefill 8192 \
+    --presets llama-3-8b,llama-3-8b:fp8 --top 14 --json "benchmarks/results/profile_prefill${tag}.json"
+  [[ -n ${OUT:-} ]] && cp "benchmarks/results/profile_prefill${tag}.json" "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
