@@ -77,10 +77,13 @@ def schedule(m: ModelConfig, seqs: int, tokens: int, num_blocks: int, block_size
     return np.array(ex.steps, np.int64)
 
 
-def step_seconds(steps: np.ndarray, c: rl.ModelCosts, copy: float, gemm: float, overhead_s: float) -> np.ndarray:
+def step_seconds(steps: np.ndarray, c: rl.ModelCosts, copy: float, gemm: float, attn_flops: float,
+                 overhead_s: float) -> np.ndarray:
+    """Each step's time: weights or GEMM FLOPs (``gemm``: the weights' rate), decode KV reads,
+    prefill attention FLOPs (``attn_flops``: attention stays in the model dtype), a fixed cost."""
     tok, dec, kv, pairs = steps.T.astype(float)
     gemm_s = np.maximum(c.weight_bytes / copy, 2.0 * c.layer_params * tok / gemm)
-    return gemm_s + kv * c.kv_bytes_per_token / copy + pairs * c.attn_flops_per_pair / gemm + overhead_s
+    return gemm_s + kv * c.kv_bytes_per_token / copy + pairs * c.attn_flops_per_pair / attn_flops + overhead_s
 
 
 def main(argv=None) -> int:
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     for spec in a.configs.split(","):
         seqs, tokens = (int(x) for x in spec.split("x"))
         steps = schedule(m, seqs, tokens, a.num_blocks, a.block_size, a.num_prompts, a.input_len, a.output_len)
-        est = step_seconds(steps, c, copy, gemm, a.step_overhead_ms / 1e3)
+        est = step_seconds(steps, c, copy, gemm, rates["gemm_flops"], a.step_overhead_ms / 1e3)
         roof = rl.workload_roofline(c, copy, gemm, [a.input_len] * a.num_prompts, [a.output_len] * a.num_prompts,
                                     None, min(seqs, a.num_prompts))
         only_decode = steps[:, 0] == steps[:, 1]
