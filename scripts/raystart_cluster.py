@@ -28,6 +28,7 @@ from pathlib import Path
 
 from simcluster import REPO, descendants, fast_node_failure, kill_pids
 from ray_attn.ports import loopback_port as free_port
+from ray_attn.ports import loopback_ports
 
 BIN = Path(sys.executable).parent
 
@@ -60,7 +61,8 @@ class RayStartCluster:
         self.heads_started += 1
         system = dict(fast_node_failure(), gcs_storage="rocksdb", gcs_storage_path=str(self.tmp / "gcs"))
         self.head = self._start(["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
-                                 f"--ray-client-server-port={free_port()}", f"--num-cpus={int(self.head_cpus)}",
+                                 f"--ray-client-server-port={loopback_ports(1, avoid=[self.gcs_port])[0]}",
+                                 f"--num-cpus={int(self.head_cpus)}",
                                  f"--resources={json.dumps(self.head_resources)}", f"--temp-dir={self.tmp / f'h{n}'}",
                                  f"--system-config={json.dumps(system)}"], f"head{n}.log")
 

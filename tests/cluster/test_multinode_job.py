@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from simcluster import descendants, fast_node_failure, kill_pids  # scripts/, put on sys.path by tests/cluster/conftest.py
+from ray_attn.ports import loopback_port as free_port
 from tests.scripts.test_batch_generate import reference, write_prompts
-from tests.scripts.test_submit_job import BIN, REPO, free_port, kill_group, start_group, start_head, token_env
+from tests.scripts.test_submit_job import BIN, REPO, kill_group, start_group, start_head, token_env
 from tests.timescale import scaled
 
 pytestmark = pytest.mark.slow

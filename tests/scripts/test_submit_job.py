@@ -19,7 +19,7 @@ import pytest
 
 from tests.scripts.test_batch_generate import reference, write_prompts
 from tests.timescale import scaled
-from ray_attn.ports import loopback_port as free_port
+from ray_attn.ports import loopback_ports
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -61,11 +61,11 @@ def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
 def start_head(tmp: Path, env: dict, num_cpus: int, *extra: str) -> tuple[subprocess.Popen, str, int]:
     """``ray start --head --block`` (dashboard on) in its own process group, once its dashboard
     answers: (process, dashboard address, GCS port).  A head that does not come up is stopped."""
-    gcs, dash = free_port(), free_port()
+    gcs, dash, client, agent = loopback_ports(4)  # four at once: one at a time may repeat a port
     proc = start_group([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                         f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                        f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
-                        f"--dashboard-agent-listen-port={free_port()}", f"--num-cpus={num_cpus}",
+                        f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
+                        f"--dashboard-agent-listen-port={agent}", f"--num-cpus={num_cpus}",
                         f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats", *extra], env, tmp / "head.log")
     address = f"http://127.0.0.1:{dash}"
     try:
