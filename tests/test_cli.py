@@ -48,20 +48,18 @@ def test_cuda_on_a_cluster_without_gpus_fails_at_once(capsys):
 
 
 class Serving:
-    """``ray-attn serve ARGV`` in a subprocess on a free port (its own Ray cluster), started at
+    """``ray-attn serve ARGV`` in a subprocess on ``port`` (its own Ray cluster), started at
     once; ``url()`` waits until it answers /v1/models.  ``interrupt`` + ``stop``: SIGINT, and the
     CLI shuts Serve and its own Ray cluster down.  Its output goes to a file (read when it dies):
     a pipe nobody reads while the other server's test runs could fill and stall it."""
 
-    def __init__(self, log_path, *argv: str):
+    def __init__(self, log_path, port: int, *argv: str):
         import os
         import subprocess
         import sys
         from pathlib import Path
 
-        from tests.serve.conftest import free_port
-
-        self.port = free_port()
+        self.port = port
         repo = Path(__file__).resolve().parents[1]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
                    RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
@@ -138,9 +136,13 @@ def cli_servers(tmp_path_factory):
     hf, tok = tiny_qwen3_folder(folder)
     (root / "gguf").mkdir()
     gguf = tiny_chat_gguf(root / "gguf")
-    servers = {"folder": Serving(root / "folder.log", str(folder), "--device", "cpu", "--tp", "1",
+    from ray_attn.ports import loopback_ports
+
+    ports = loopback_ports(2)  # together: asked one at a time, the second may repeat the first
+    servers = {"folder": Serving(root / "folder.log", ports[0], str(folder), "--device", "cpu", "--tp", "1",
                                  "--max-num-seqs", "4"),
-               "gguf": Serving(root / "gguf.log", str(gguf), "--device", "cpu", "--tp", "2", "--max-num-seqs", "4")}
+               "gguf": Serving(root / "gguf.log", ports[1], str(gguf), "--device", "cpu", "--tp", "2",
+                               "--max-num-seqs", "4")}
     try:
         yield {"folder": (servers["folder"], hf, tok), "gguf": (servers["gguf"], gguf)}
     finally:
