@@ -150,33 +150,33 @@ def profile_prefill(args, spec, cfg, eng, rates: dict, dev: torch.device) -> dic
     rng = np.random.default_rng(1)
     costs = rl.ModelCosts.from_config(m, 1, cfg.cache.kv_cache_dtype)
 
-    def step(rec: dict | None = None) -> float:
-        """One prefill step of fresh prompts; with ``rec``, under the profiler, its table there."""
+    def step(profiled: bool = False) -> tuple[float, str]:
+        """One prefill step of fresh prompts: its wall time, and (``profiled``) its kernel table."""
         ids = [eng.add_request(rng.integers(0, m.vocab_size, L).tolist(), SamplingParams(max_tokens=1))
                for _ in range(n)]
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if rec is None:
-            eng.step()
+        table = ""
+        if profiled:
+            table = kernel_table(rec, eng.step, args.top)
         else:
-            rec["table"] = kernel_table(rec, eng.step, args.top)
+            eng.step()
         if gpu:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         bl.end_requests(eng, ids)
-        return wall
+        return wall, table
 
     rec = dict(preset=spec, prefill_tokens=n * L, prompt_len=L)
-    walls = sorted(step() for _ in range(3))  # the first warms cuBLAS and the allocator
+    walls = sorted(step()[0] for _ in range(3))  # the first warms cuBLAS and the allocator
     rec["step_ms"] = walls[1] * 1e3
     rec["roofline_ms"] = n * rl.prefill_flops(costs, L) / gemm_rate(cfg, rates, dev) * 1e3
     rec["frac_of_roofline"] = rec["roofline_ms"] / rec["step_ms"]
     line = (f"{spec} prefill {n} x {L} tokens: step {rec['step_ms']:.2f} ms; GEMM-rate roofline "
             f"{rec['roofline_ms']:.2f} ms ({rec['frac_of_roofline']:.1%} of it)")
     if gpu:
-        step(rec)
-        line += rec.pop("table")
+        line += step(profiled=True)[1]
     print(line, flush=True)
     return rec
 

@@ -32,17 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 from servebench import roofline as rl  # noqa: E402
 
+from bench_engine_overhead import InstantExecutor  # noqa: E402
+
 from ray_attn.config import MODEL_PRESETS, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from ray_attn.engine import LLMEngine, SamplingParams  # noqa: E402
-from ray_attn.runtime.messages import StepOutput  # noqa: E402
 
 RATES = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "serving_issue39_h100.json"
 
 
-class ShapeRecorder:
-    """An executor that samples token 1 for every row at once and keeps each step's shape."""
-
-    num_sms, kernel_name, compiled = 132, "fa3", False
+class ShapeRecorder(InstantExecutor):
+    """``InstantExecutor`` (token 1 for every row at once) that keeps each step's shape."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -57,10 +56,7 @@ class ShapeRecorder:
         # a prefill row's queries see (k - q + 1) ... k keys: sum over its q positions
         pairs = int((q[~dec] * (2 * k[~dec] - q[~dec] + 1) // 2).sum())
         self.steps.append((int(q.sum()), int(dec.sum()), int(k[dec].sum()), pairs))
-        return StepOutput(token_ids=np.ones(b, np.int32), step_id=step.step_id)
-
-    def shutdown(self):
-        pass
+        return super().step(step)
 
 
 def schedule(m: ModelConfig, seqs: int, tokens: int, num_blocks: int, block_size: int, n: int, inp: int,
@@ -70,10 +66,8 @@ def schedule(m: ModelConfig, seqs: int, tokens: int, num_blocks: int, block_size
     eng = LLMEngine(EngineConfig(model=m, cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
                                  max_num_seqs=seqs, max_num_batched_tokens=tokens, async_scheduling=False), ex)
     rng = np.random.default_rng(0)
-    ids = [eng.add_request(rng.integers(0, m.vocab_size, inp).tolist(), SamplingParams(max_tokens=out, ignore_eos=True))
-           for _ in range(n)]
-    while any(not eng.requests[i].finished for i in ids):
-        eng.step()
+    eng.generate([rng.integers(0, m.vocab_size, inp).tolist() for _ in range(n)],
+                 SamplingParams(max_tokens=out, ignore_eos=True))
     return np.array(ex.steps, np.int64)
 
 
