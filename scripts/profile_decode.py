@@ -231,7 +231,15 @@ def main(argv=None):
     copy_Bps = bl.copy_bandwidth(1 << 30 if gpu else 1 << 24, dev)
     rates = {}
     results = []
+
+    def save() -> None:  # after each preset: a call that runs out of time keeps what finished
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(dict(machine=bl.machine(), copy_Bps=copy_Bps, points=results),
+                                                  indent=1))
+
     for spec in specs:
+        t0 = time.perf_counter()
         cfg = preset_config(spec, gpu, args.block_size, args.scout_layers, args.quantization, args.memory_fraction,
                             args.batch_invariant)
         ex = InProcessExecutor(cfg)
@@ -245,9 +253,8 @@ def main(argv=None):
             del eng, ex
             if gpu:
                 torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(machine=bl.machine(), copy_Bps=copy_Bps, points=results), indent=1))
+        save()
+        print(f"{spec}: done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def profile_points(args, spec, cfg, eng, ex, gpu, copy_Bps) -> list[dict]:
