@@ -69,6 +69,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Folders whose engines may take an earlier engine's rank actors (ray_attn/runtime/rank_pool.py):
+# a rank's process start (torch imported again) was the run's largest wait.  A parked group holds
+# its bundles' CPUs, which Serve apps, clusters and scripts elsewhere need, so the pool is drained
+# as soon as a test of another folder starts.
+WARM_RANK_FOLDERS = {"runtime", "spec", "model", "planner", "backend", "lora"}
+
+
+def pytest_runtest_setup(item):
+    from ray_attn.runtime import rank_pool
+
+    warm = item.path.parent.name in WARM_RANK_FOLDERS and item.path.parent.parent.name == "tests"
+    if not warm:
+        rank_pool.drain()
+    rank_pool.enabled = warm
+
+
 @pytest.fixture(scope="session")
 def shared_ray():
     """The one local Ray cluster of the run (tests/shared_ray.py), started on first use."""

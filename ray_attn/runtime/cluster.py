@@ -18,7 +18,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_attn.config import EngineConfig
-from ray_attn.runtime import messages
+from ray_attn.runtime import messages, rank_pool
 from ray_attn.runtime.messages import StepInput, StepOutput
 from ray_attn.runtime.worker import AttentionWorker
 
@@ -104,7 +104,11 @@ class AttentionCluster:
         self.use_gpu = use_gpu
         self.bundle_offset = bundle_offset
         self.owns_pg = placement_group is None
-        if self.owns_pg:
+        self._remote_cls = ray.remote(self.worker_cls)
+        warm = rank_pool.take(self) if self.owns_pg else None  # a test run's parked ranks (rank_pool.py)
+        if warm is not None:
+            placement_group, self.workers = warm
+        elif self.owns_pg:
             gpus = ray.cluster_resources().get("GPU", 0)
             if self.use_gpu and gpus < self.tp:
                 # Fail now: the placement group would wait PG_TIMEOUT_S for GPUs that do not exist.
@@ -120,9 +124,9 @@ class AttentionCluster:
                 raise RuntimeError(f"could not reserve {self.tp} bundles of {bundle} on one node "
                                    f"within {PG_TIMEOUT_S}s; cluster has {ray.cluster_resources()}") from None
         self.pg = placement_group
-        self._remote_cls = ray.remote(self.worker_cls)
         self._compiled = None
-        self.workers = [self._spawn(r) for r in range(self.tp)]
+        if warm is None:
+            self.workers = [self._spawn(r) for r in range(self.tp)]
         try:
             self._form_group()
             self.infos = self._load()
@@ -256,6 +260,9 @@ class AttentionCluster:
 
     def shutdown(self) -> None:
         self.uncompile()
+        if rank_pool.park(self):  # kept for the next cluster of this shape (off unless a test run asks)
+            self.workers = []
+            return
         for w in self.workers:
             ray.kill(w)
         if self.owns_pg:

@@ -48,7 +48,7 @@ def unnice() -> int:
 
 class AttentionWorker:
     """One rank.  Its public methods are what the driver calls on the actor (``cluster.py``,
-    scripts, tests): ``address``, ``init_distributed``, ``load_model``, ``device_info``,
+    scripts, tests): ``reset``, ``address``, ``init_distributed``, ``load_model``, ``device_info``,
     ``ping``, ``execute_step``, ``profile_step``, ``refs_seen``, ``read_kv``."""
 
     def __init__(self, config: EngineConfig | dict, rank: int = 0):
@@ -98,6 +98,22 @@ class AttentionWorker:
         self.sample_on_thread = True
 
     # -- set-up -----------------------------------------------------------------------------
+    def reset(self, config: EngineConfig | dict, rank: int) -> None:
+        """Become rank ``rank`` of a new engine in this same process (``rank_pool``: a test run's
+        warm ranks): the last engine's model, cache, graphs and sampling thread go, and the
+        rank starts over as a new actor would -- its TP group is formed again by the driver."""
+        try:
+            self._join_tail()
+        except BaseException:  # noqa: BLE001 -- the last engine's failure is not the next one's
+            pass
+        self.__dict__.clear()
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.__init__(config, rank)
+
     def address(self) -> tuple[str, int]:
         """Where rank 0 serves the collective group's rendezvous."""
         return rendezvous.group_address()
