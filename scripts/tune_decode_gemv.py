@@ -13,7 +13,7 @@ cuBLAS (``F.linear``) on the same weights.  ``--write`` stores the fastest confi
 ``kernel_configs.tuned``): above ``gemv.MAX_N`` (gate_up, the LM head) the GEMV then serves a
 shape only where it beat cuBLAS, and the weight-only FP8 GEMV one where it beat the skinny kernel
 (its entry is what makes ``fp8.select_fp8_kernel`` pick it), and the bf16 skinny kernel one only
-where it beat cuBLAS.  The kernels a run tunes replace their own entries; the others stay.  A candidate is kept only if it agrees with the default config
+where it beat cuBLAS.  The (kernel, shape) pairs a run tunes replace their own entries; other shapes and kernels stay.  A candidate is kept only if it agrees with the default config
 to 1% of the output's scale.
 
     python scripts/tune_decode_gemv.py [--presets llama-3-8b,qwen3-30b-a3b,llama-4-scout] [--write]
@@ -157,10 +157,12 @@ def main(argv=None) -> int:
     path = bl.save(a.name, rows, copy_Bps=copy_bps)
     print(f"wrote {path}")
     if a.write and not a.defaults_only:
-        # the kernels of this run replace their own entries; the table's other kernels stay
+        # the (kernel, shape) pairs this run tuned replace their entries, a row count the kernel
+        # lost here included; the shapes of presets it did not tune (other models) stay
         name = torch.cuda.get_device_name(dev)
-        table = {kern: shapes for kern, shapes in kernel_configs.device_table(name).items()
-                 if kern not in a.kernels.split(",")}
+        tuned = {(r["kernel"], kernel_configs.shape_key(r["n"], r["k"])) for r in rows}
+        table = {kern: {s: cfg for s, cfg in shapes.items() if (kern, s) not in tuned}
+                 for kern, shapes in kernel_configs.device_table(name).items()}
         for r in rows:
             if r["kernel"] == "gemv" and r["n"] > G.MAX_N and not r["best_over_cublas"] < 1:
                 continue  # wider than MAX_N the GEMV serves only shapes where it beat cuBLAS here
