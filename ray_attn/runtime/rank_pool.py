@@ -10,9 +10,9 @@ killing them, and the next cluster of the same shape takes them and resets each 
 last engine is.  It re-forms its TP group and loads its model as a new cluster does.
 
 A parked group holds CPUs (or GPUs) that the next engine, a Serve replica or a script beside it
-may need, so at most half the cluster's CPUs are parked, the oldest group goes first, and a
-cluster that would not fit beside the parked groups drains them before reserving its own
-bundles.  A server never turns it on: its ranks end with their engine.
+may need, so at most three quarters of the cluster's CPUs are parked, the oldest group goes
+first, and a cluster that would not fit beside the parked groups drains them before reserving
+its own bundles.  A server never turns it on: its ranks end with their engine.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 enabled = False  # set by the driver that wants it (tests/conftest.py); never read from the environment
 PING_TIMEOUT_S = 30.0  # a parked rank that does not answer within this is killed, not reused
-# At most this share of the cluster's CPUs is parked, and a cluster that would not fit beside
-# what is parked drains the oldest first: Serve replicas and helper actors need the rest.
-MAX_PARKED_SHARE = 0.5
+# At most this share of the cluster's CPUs is parked (a TP=4 and a TP=2 group of the tests' 8), and
+# a cluster that would not fit beside what is parked drains the oldest first: others need the rest.
+MAX_PARKED_SHARE = 0.75
 
 _parked: list[tuple[tuple, object, list, float]] = []  # (key, placement group, workers, CPUs), oldest first
 
