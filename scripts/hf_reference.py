@@ -14,6 +14,8 @@ transformers' ``AttentionInterface``: HF's model code does everything else.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 # family -> (transformers config class, fields for the "gpu" and "cpu" sizes)
@@ -218,8 +220,6 @@ def masked_greedy_generate(model, prompt: list[int], max_tokens: int, new_matche
     forward of the whole history per token took ~40 of the CPU gate row's 55 s); ``new_matcher()``
     gives a fresh ``structured_output.GrammarState`` of the request's grammar."""
     from ray_attn.runtime.logits_processors import apply_token_bitmask
-
-    import inspect
 
     # transformers 5.2x names the cache argument (and output) ``cache``; older ones (the GPU
     # machine's 5.17) ``past_key_values``

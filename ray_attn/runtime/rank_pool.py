@@ -62,17 +62,22 @@ def take(cluster) -> tuple[object, list] | None:
     for i, (pk, pg, workers, _) in enumerate(_parked):
         if pk == k:
             del _parked[i]
+            config = cluster.config.model_dump()
             try:
-                ray.get([w.reset.remote(cluster.config.model_dump(), rank) for rank, w in enumerate(workers)],
-                        timeout=PING_TIMEOUT_S)
+                ray.get([w.reset.remote(config, rank) for rank, w in enumerate(workers)], timeout=PING_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 -- a dead or stuck rank: start afresh
                 log.warning("parked ranks could not be reset (%s); starting new ones", e)
                 _kill(pg, workers)
                 return None
             return pg, workers
+    # Ray's view of free resources catches up with a removed group only later, so what each
+    # drained group gives back is counted here: only as many go as the new bundles need.
     need = _cpus(cluster) + 1  # and a CPU for whatever else the caller starts
-    while _parked and ray.available_resources().get("CPU", 0) < need:
-        _kill(*_parked.pop(0)[1:3])
+    free = ray.available_resources().get("CPU", 0)
+    while _parked and free < need:
+        _, pg, workers, cpus = _parked.pop(0)
+        _kill(pg, workers)
+        free += cpus
     return None
 
 

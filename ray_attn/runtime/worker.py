@@ -14,6 +14,7 @@ the cache's sizing and the graphs' capture (``rank_setup``), a step's host check
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import time
 
@@ -107,8 +108,6 @@ class AttentionWorker:
         except BaseException:  # noqa: BLE001 -- the last engine's failure is not the next one's
             pass
         self.__dict__.clear()
-        import gc
-
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

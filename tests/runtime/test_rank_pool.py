@@ -13,6 +13,7 @@ import ray
 from ray_attn.engine import LLMEngine, SamplingParams
 from ray_attn.runtime import InProcessExecutor, rank_pool
 from tests.runtime.test_engine_tp import config
+from tests.timescale import wait_for
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=8)
@@ -54,37 +55,43 @@ def test_the_next_engine_of_the_shape_runs_on_the_parked_ranks_as_on_fresh_ones(
     assert warm == want
 
 
-def free_cpus(at_least: float | None = None, timeout: float = 30.0) -> float:
-    """The cluster's free CPUs once Ray's view of them has settled (bundles are given back
-    asynchronously), or once they reach ``at_least``."""
-    deadline, last = time.monotonic() + timeout, None
-    while True:
-        now = ray.available_resources().get("CPU", 0)
-        if (at_least is not None and now >= at_least) or (at_least is None and now == last):
-            return now
-        if time.monotonic() > deadline:
-            return now
-        last = now
+def free_cpus() -> float:
+    return ray.available_resources().get("CPU", 0)
+
+
+def settled_free_cpus() -> float:
+    """The cluster's free CPUs once two readings half a second apart agree (bundles are given
+    back asynchronously)."""
+    def same() -> bool:
+        before = free_cpus()
         time.sleep(0.5)
+        return free_cpus() == before
+
+    wait_for(same, 30, every=0)
+    return free_cpus()
 
 
 def test_a_cluster_of_another_shape_starts_its_own_and_drain_frees_the_bundles(pool):
-    cpus = free_cpus()
+    cpus = settled_free_cpus()
     _, ids = tokens(config(2, seed=3))
-    assert free_cpus() == cpus - 2  # parked: its bundles stay reserved
+    assert settled_free_cpus() == cpus - 2  # parked: its bundles stay reserved
     _, other = tokens(config(1, seed=3))
     assert not set(other) & set(ids)
-    assert len(pool._parked) == 2 and free_cpus() == cpus - 3
+    assert len(pool._parked) == 2 and settled_free_cpus() == cpus - 3
     pool.drain()
     assert not pool._parked
-    assert free_cpus(at_least=cpus) == cpus
+    wait_for(lambda: free_cpus() >= cpus, 30)
+    assert free_cpus() == cpus
 
 
 def test_a_cluster_whose_rank_died_is_not_parked(pool):
     eng = LLMEngine(config(2, seed=5))
     try:
         eng.generate(prompts(5), GREEDY)
-        ray.kill(eng.executor.workers[1])
+        dead = eng.executor.workers[1]
+        ray.kill(dead)
+        # the kill lands asynchronously: a ping sent before it does is still answered
+        assert wait_for(lambda: ray._private.state.actors(actor_id=dead._actor_id.hex())["State"] == "DEAD", 30)
     finally:
         eng.shutdown()
     assert not pool._parked
