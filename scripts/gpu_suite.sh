@@ -274,6 +274,27 @@ if [[ $stage == offline ]]; then
     --presets llama-3-8b,llama-3-8b:fp8 --top 14 --json "benchmarks/results/profile_prefill${tag}.json"
   [[ -n ${OUT:-} ]] && cp "benchmarks/results/profile_prefill${tag}.json" "$log" "$OUT"/ 2>/dev/null
 fi
+if [[ $stage == verify ]]; then  # issue 40 on whatever card comes: its decode tables tuned when the checkout has
+  # none for it (TUNE=1 retunes), then k=4 against plain with the tables on and off in turn, PAIRS times
+  # (RAY_ATTN_KERNEL_CONFIGS=0 is off), the last pair with --phases (host against GPU wait)
+  card=$(python3 -c "import torch; from ray_attn.model import kernel_configs as c
+print(c.CONFIG_DIR / c.file_name(torch.cuda.get_device_name(0)))" 2>/dev/null)
+  echo "table: $card"
+  if [[ -n ${TUNE:-} || ! -f $card ]]; then
+    step timeout "${TUNE_TIMEOUT_S:-240}" python3 scripts/tune_decode_gemv.py --presets llama-3-8b \
+      --kernels gemv,skinny --write --name tune_verify
+    [[ -n ${OUT:-} ]] && cp ray_attn/model/configs/*.json benchmarks/results/tune_verify.json "$OUT"/ 2>/dev/null
+  fi
+  for i in $(seq "${PAIRS:-2}"); do
+    phases=""; [[ $i == "${PAIRS:-2}" ]] && phases=--phases
+    for cfg in 1 0; do
+      RAY_ATTN_KERNEL_CONFIGS=$cfg step timeout "${BENCH_TIMEOUT_S:-120}" python3 scripts/bench_spec_verify.py \
+        --k 0 4 --batch 1 --steps 20 --rounds 3 $phases --json "benchmarks/results/bench_spec_verify_k4_t${cfg}_$i.json"
+      [[ -n ${OUT:-} ]] && cp "benchmarks/results/bench_spec_verify_k4_t${cfg}_$i.json" "$OUT"/ 2>/dev/null
+    done
+  done
+  [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null
+fi
 if [[ $stage == decode256 ]]; then  # issue 39: decode 256 x 1k's kernel table, one preset at a time (the JSON
   # is rewritten after each, so a call that runs out of time keeps what finished); PRESETS, STEPS
   step timeout "${PROFILE_TIMEOUT_S:-420}" python3 scripts/profile_decode.py --points 256x1024 \
