@@ -274,23 +274,27 @@ if [[ $stage == offline ]]; then
     --presets llama-3-8b,llama-3-8b:fp8 --top 14 --json "benchmarks/results/profile_prefill${tag}.json"
   [[ -n ${OUT:-} ]] && cp "benchmarks/results/profile_prefill${tag}.json" "$log" "$OUT"/ 2>/dev/null
 fi
-if [[ $stage == verify ]]; then  # issue 40 on whatever card comes: its decode tables tuned when the checkout has
-  # none for it (TUNE=1 retunes), then k=4 against plain with the tables on and off in turn, PAIRS times
-  # (RAY_ATTN_KERNEL_CONFIGS=0 is off), the last pair with --phases (host against GPU wait)
+if [[ $stage == verify ]]; then  # issue 40 on whatever card comes: the decode kernels' GPU tests, the card's
+  # tables tuned when the checkout has none for it (TUNE=1 retunes; MARGIN: tune_decode_gemv's
+  # --skinny-margin), then k=4 against plain, A/B over AB_VAR's values AB_VALUES in turn, PAIRS
+  # times (default: the tables on and off), the last pair with --phases (host against GPU wait)
+  [[ -z ${NO_TESTS:-} ]] && step timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    --tb=short tests/model/test_skinny.py tests/model/test_gemv.py tests/model/test_fusions.py
   card=$(python3 -c "import torch; from ray_attn.model import kernel_configs as c
 print(c.CONFIG_DIR / c.file_name(torch.cuda.get_device_name(0)))" 2>/dev/null)
   echo "table: $card"
   if [[ -n ${TUNE:-} || ! -f $card ]]; then
     step timeout "${TUNE_TIMEOUT_S:-240}" python3 scripts/tune_decode_gemv.py --presets llama-3-8b \
-      --kernels gemv,skinny --write --name tune_verify
-    [[ -n ${OUT:-} ]] && cp ray_attn/model/configs/*.json benchmarks/results/tune_verify.json "$OUT"/ 2>/dev/null
+      --kernels gemv,skinny --write --skinny-margin "${MARGIN:-1.0}" --name tune_verify
+    [[ -n ${OUT:-} ]] && cp "$card" benchmarks/results/tune_verify.json "$OUT"/ 2>/dev/null
   fi
+  ab=${AB_VAR:-RAY_ATTN_KERNEL_CONFIGS}
   for i in $(seq "${PAIRS:-2}"); do
     phases=""; [[ $i == "${PAIRS:-2}" ]] && phases=--phases
-    for cfg in 1 0; do
-      RAY_ATTN_KERNEL_CONFIGS=$cfg step timeout "${BENCH_TIMEOUT_S:-120}" python3 scripts/bench_spec_verify.py \
-        --k 0 4 --batch 1 --steps 20 --rounds 3 $phases --json "benchmarks/results/bench_spec_verify_k4_t${cfg}_$i.json"
-      [[ -n ${OUT:-} ]] && cp "benchmarks/results/bench_spec_verify_k4_t${cfg}_$i.json" "$OUT"/ 2>/dev/null
+    for v in ${AB_VALUES:-1 0}; do
+      echo "--- $ab=$v pair $i"
+      env "$ab=$v" timeout "${BENCH_TIMEOUT_S:-120}" python3 scripts/bench_spec_verify.py --k 0 4 --batch 1 \
+        --steps 20 --rounds 3 $phases --json "benchmarks/results/bench_spec_verify_k4_${v}_$i.json"
     done
   done
   [[ -n ${OUT:-} ]] && cp "$log" "$OUT"/ 2>/dev/null

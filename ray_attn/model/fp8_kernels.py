@@ -119,7 +119,7 @@ if triton is not None:
         converted in registers before each dot) ran 6-10x slower at one row on the H200.
         The tile and its K loop (PEEL included) are ``skinny.skinny_tile``'s, shared with the bf16 kernel."""
         acc, rm, rn, mmask, nmask = skinny_tile(xq_ptr, w_ptr, M, N, K, x_stride, w_stride, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                PEEL, USE_PDL)
+                                                PEEL, USE_PDL, False)
         sx = tl.load(sx_ptr + rm, mask=mmask, other=0.0)
         sw = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]

@@ -39,6 +39,7 @@ ENABLED = os.environ.get("RAY_ATTN_GEMV", "1") != "0"
 FUSE_SILU = os.environ.get("RAY_ATTN_GEMV_SILU", "1") != "0"
 
 if triton is not None:
+    from ray_attn.model.skinny import silu_mul_rounded  # the SiLU-mul rounding both fusions share
 
     @triton.jit
     def _gemv_w(w_ptrs, k, K, nmask, rk, EVEN_K: tl.constexpr):
@@ -57,10 +58,8 @@ if triton is not None:
         if SILU_MUL:
             # x holds gate and up ([M, 2K]): silu(gate) * up made here, rounded where the
             # silu_mul kernel rounds (fused.py), so the product is that kernel's to the bit.
-            u = tl.load(x_ptrs + K, mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0).to(tl.float32)
-            g = x.to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(x_dtype).to(tl.float32)
-            x = (a * u).to(x_dtype)
+            u = tl.load(x_ptrs + K, mask=mmask[:, None] & ((k + rk) < K)[None, :], other=0.0)
+            x = silu_mul_rounded(x, u, x_dtype)
         return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
     @triton.jit
@@ -147,6 +146,17 @@ def silu_mul_input_ok(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
 def use_gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether down_proj's GEMV can take ``gate_up`` [M, 2K] and make silu(gate) * up itself."""
     return silu_mul_input_ok(gate_up, w) and use_gemv(gate_up[:, :w.shape[1]], w)
+
+
+def linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """``linear(silu_mul(gate_up), w)`` for a bf16/fp16 down_proj, the product made inside the
+    linear's own kernel: the GEMV at one row, the skinny kernel at 2-16 rows on a tuned shape
+    (a verifying step at batch 1).  None where neither serves: the caller runs the two apart."""
+    if use_gemv_silu_mul(gate_up, w):
+        return gemv(gate_up, w, silu_mul=True)
+    if silu_mul_input_ok(gate_up, w) and skinny.use_skinny_silu_mul(gate_up, w):
+        return skinny.skinny(gate_up, w, silu_mul=True)
+    return None
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:

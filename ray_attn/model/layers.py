@@ -344,15 +344,15 @@ class RowParallelLinear(Fp8Linear):
         return self.tp.all_reduce(self.lora(fp8.plain(x), lambda: self._linear(x, None)))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """``forward(silu_mul(gate_up))`` with the product made inside the one-row GEMV (bf16
-        weights, or FP8 ones where the dispatch runs them weight-only, ``w8a16``; no adapter: LoRA
-        needs the product itself); None where that kernel does not serve."""
+        """``forward(silu_mul(gate_up))`` with the product made inside the linear's kernel: bf16
+        weights at one row (the GEMV) or 2-16 on a tuned shape (the skinny kernel), FP8 ones where
+        the dispatch runs them weight-only (``w8a16``); no adapter: LoRA needs the product
+        itself.  None where no such kernel serves."""
         if self.lora is not None:
             return None
         if self.scheme is None:
-            if not gemv.use_gemv_silu_mul(gate_up, self.weight):
-                return None
-            return self.tp.all_reduce(gemv.gemv(gate_up, self.weight, silu_mul=True))
+            y = gemv.linear_silu_mul(gate_up, self.weight)
+            return None if y is None else self.tp.all_reduce(y)
         if not (gemv.silu_mul_input_ok(gate_up, self.weight) and self.weight.dtype == fp8.FP8_DTYPE
                 and fp8.select_fp8_kernel(gate_up[:, :self.weight.shape[1]], self.weight, self.scheme) == "w8a16"):
             return None
@@ -444,7 +444,7 @@ class MLP(nn.Module):
         if not self.gated:
             return self.down(self.act(h))
         if self.activation == "silu":
-            y = self.down.forward_silu_mul(h)  # one row, bf16: the product inside down's GEMV
+            y = self.down.forward_silu_mul(h)  # bf16 decode sizes: the product inside down's kernel
             if y is not None:
                 return y
             # One kernel on CUDA, which also quantizes for FP8 weights.

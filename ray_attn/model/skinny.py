@@ -17,6 +17,8 @@ every other shape, a device without a table, CPU and batch-invariant mode keep `
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ray_attn.backend import batch_invariant, pdl
@@ -30,18 +32,40 @@ except Exception:  # pragma: no cover - CPU machines without triton
     triton = None
 
 MIN_ROWS, MAX_ROWS = 2, 16  # one row is the GEMV's; past 16 the tile's rows would double
+# RAY_ATTN_SKINNY_SILU=0 keeps SiLU-mul a kernel of its own before down_proj's skinny kernel
+# (A/B switch, read at import; RAY_ATTN_GEMV_SILU=0 turns off both fusions).
+FUSE_SILU = os.environ.get("RAY_ATTN_SKINNY_SILU", "1") != "0"
 
 if triton is not None:
 
     @triton.jit
+    def silu_mul_rounded(g, u, dtype: tl.constexpr):
+        """silu(g) * u in ``dtype``, rounded where ``fused.silu_mul``'s kernel rounds (silu, then
+        the product), so a linear that makes it from gate and up itself reads that kernel's
+        values to the bit: the GEMV's and the skinny kernel's fused down_proj."""
+        g = g.to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (a * u.to(tl.float32)).to(dtype)
+
+    @triton.jit
+    def _x_tile(x_rows, kk, mask, K, SILU_MUL: tl.constexpr):
+        """x's [BLOCK_M, BLOCK_K] tile at columns ``kk``; SILU_MUL: the rows hold gate then up
+        (2K wide) and the tile is silu(gate) * up."""
+        a = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
+        if SILU_MUL:
+            u = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
+            a = silu_mul_rounded(a, u, x_rows.dtype.element_ty)
+        return a
+
+    @triton.jit
     def skinny_dot(x_rows, w_rows, mmask, nmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr, SILU_MUL: tl.constexpr):
         """The float32 [BLOCK_M, BLOCK_N] product of x's rows (pointers ``x_rows`` [BLOCK_M, 1])
         and W's (``w_rows`` [1, BLOCK_N]) over K, in BLOCK_K steps on tensor cores: this kernel's
         and the FP8 skinny kernel's (``fp8_kernels``) shared loop.  PEEL: the first K step runs
         before the loop, its weight tile loaded before the wait for the kernel before (PDL,
         ``pdl.py``; weights are never written during a step) and x's after it; else the wait
-        comes first."""
+        comes first.  SILU_MUL: x's rows are [gate | up] and the product is made per tile."""
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         start = 0
@@ -50,7 +74,7 @@ if triton is not None:
                         eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
             if USE_PDL:
                 tl.extra.cuda.gdc_wait()
-            a = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+            a = _x_tile(x_rows, rk, mmask[:, None] & (rk < K)[None, :], K, SILU_MUL)
             acc += tl.dot(a, b)
             start = BLOCK_K
         elif USE_PDL:
@@ -58,7 +82,7 @@ if triton is not None:
         for k in range(start, K, BLOCK_K):
             kk = k + rk
             kmask = kk < K
-            a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            a = _x_tile(x_rows, kk, mmask[:, None] & kmask[None, :], K, SILU_MUL)
             b = tl.load(w_rows + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0,
                         eviction_policy="evict_first")
             acc += tl.dot(a, b)
@@ -66,7 +90,7 @@ if triton is not None:
 
     @triton.jit
     def skinny_tile(x_ptr, w_ptr, M, N, K, x_stride, w_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr, SILU_MUL: tl.constexpr):
         """This program's output tile of a skinny kernel: (float32 x . W^T, its rows, its
         columns, their masks), the program ids read as (N tile, M tile)."""
         if USE_PDL:
@@ -76,16 +100,17 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mmask, nmask = rm < M, rn < N
         acc = skinny_dot(x_ptr + rm[:, None] * x_stride, w_ptr + rn[None, :].to(tl.int64) * w_stride, mmask, nmask,
-                         K, BLOCK_M, BLOCK_N, BLOCK_K, PEEL, USE_PDL)
+                         K, BLOCK_M, BLOCK_N, BLOCK_K, PEEL, USE_PDL, SILU_MUL)
         return acc, rm, rn, mmask, nmask
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        """y tile [BLOCK_M, BLOCK_N] = x . W^T (+ bias), float32 accumulation, the first K step peeled."""
+                       BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, SILU_MUL: tl.constexpr):
+        """y tile [BLOCK_M, BLOCK_N] = x . W^T (+ bias), float32 accumulation, the first K step
+        peeled; SILU_MUL: x is [M, 2K], gate then up, and the tiles are silu(gate) * up."""
         acc, rm, rn, mmask, nmask = skinny_tile(x_ptr, w_ptr, M, N, K, x_stride, w_stride, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                True, USE_PDL)
+                                                True, USE_PDL, SILU_MUL)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * y_stride + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -98,18 +123,22 @@ def config(m: int, n: int) -> dict:
     return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
-def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
+def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+           **cfg) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias) on CUDA (or Triton's interpreter) with the skinny kernel;
-    ``cfg`` overrides the config (the tuned table's first).  Shapes and strides are checked here,
-    on the host, and refused by name."""
+    ``cfg`` overrides the config (the tuned table's first).  ``silu_mul``: x is [M, 2K], gate
+    then up, and the kernel makes silu(gate) * up itself (down_proj after a SwiGLU: one kernel,
+    not two, as the one-row GEMV does).  Shapes and strides are checked here, on the host, and
+    refused by name."""
     if triton is None:
         raise RuntimeError("skinny needs triton")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"skinny: x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D, agree on K and have "
-                         "unit stride along it")
+    k_in = 2 * w.shape[1] if silu_mul and w.dim() == 2 else w.shape[-1]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_in or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"skinny: x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D, agree on K"
+                         f"{' (x: gate and up, 2K)' if silu_mul else ''} and have unit stride along it")
     if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"skinny: x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
-    m, k = x.shape
+    m, k = x.shape[0], w.shape[1]
     n = w.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
         raise ValueError(f"skinny: bias must be a contiguous [{n}] {x.dtype} tensor, got {tuple(bias.shape)} "
@@ -120,7 +149,7 @@ def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     c = {**config(m, n), **kernel_configs.tuned("skinny", m, n, k, x.device), **cfg}
     grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(m, c["BLOCK_M"]))
     _skinny_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                         HAS_BIAS=bias is not None, **pdl.launch(x.device), **c)
+                         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, **pdl.launch(x.device), **c)
     return y
 
 
@@ -131,6 +160,12 @@ def half_rows_on_cuda(x: torch.Tensor, w: torch.Tensor, min_rows: int, max_rows:
     return (available() and x.is_cuda and x.dim() == 2 and min_rows <= x.shape[0] <= max_rows
             and not batch_invariant.enabled()
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1)
+
+
+def use_skinny_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether down_proj's skinny kernel can take ``gate_up`` [M, 2K] (checked by the caller,
+    ``gemv.silu_mul_input_ok``) and make silu(gate) * up itself: 2-16 rows on a tuned shape."""
+    return FUSE_SILU and use_skinny(gate_up[:, :w.shape[1]], w)
 
 
 def use_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -41,6 +41,34 @@ def test_kernel_fp16_matches_float64(m, n, k, bias):
     assert ((y.double() - ref(x, w, b)).abs() <= bound(x, w, b, 2 ** -10)).all()
 
 
+def gate_up_inputs(m, n, k, dtype, device, seed=0):
+    """[m, 2k] gate then up (scaled so SiLU leaves its linear part) and a down_proj [n, k]."""
+    g = torch.Generator().manual_seed(seed + 11 * m + n + k)
+    gu = (torch.randn(m, 2 * k, generator=g) * 2.0).to(dtype=dtype, device=device)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype=dtype, device=device)
+    return gu, w
+
+
+@kernels
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("n,k", [(37, 1000), (130, 264)])
+def test_silu_mul_in_the_kernel_equals_the_two_kernels_apart(m, n, k):
+    """down(silu(gate) * up) in one skinny kernel (down_proj of a step verifying drafts): the
+    product rounded where ``fused.silu_mul`` rounds, then the same tiles and K loop, so equal to
+    the bit to the two kernels apart; and gate and up in their places, held to float64 (a swap, or
+    up read from the gate's half, is off by far more than the roundings)."""
+    from ray_attn.model import fused
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    gu, w = gate_up_inputs(m, n, k, dtype, DEVICE)
+    y = S.skinny(gu, w, silu_mul=True, BLOCK_K=256)
+    assert torch.equal(y, S.skinny(fused.silu_mul_launch(gu), w, BLOCK_K=256))
+    g, u = gu.double().chunk(2, dim=-1)
+    want = (g * torch.sigmoid(g) * u) @ w.double().T
+    scale = ((g * torch.sigmoid(g) * u).abs() @ w.double().abs().T)
+    assert ((y.double() - want).abs() <= 2 ** -7 * scale + 1e-3).all()
+
+
 def test_bad_inputs_are_refused_by_name():
     x, w, _ = inputs(5, 32, 64, torch.float16, "cpu", False)
     with pytest.raises(ValueError, match="agree on K"):
@@ -49,6 +77,8 @@ def test_bad_inputs_are_refused_by_name():
         S.skinny(x.float(), w.float())
     with pytest.raises(ValueError, match="bias must be"):
         S.skinny(x, w, torch.zeros(31, dtype=torch.float16))
+    with pytest.raises(ValueError, match="gate and up"):
+        S.skinny(torch.cat([x, x], 1)[:, :-2], w, silu_mul=True)
 
 
 def test_cpu_and_untuned_shapes_stay_on_f_linear():
@@ -85,3 +115,22 @@ def test_gpu_dispatch_follows_the_table(monkeypatch):
     assert ((G.linear(xs, w, b).double() - ref(xs, w, b)).abs() <= bound(xs, w, b, 2 ** -8)).all()
     x17 = torch.randn(17, 4096, device="cuda", dtype=torch.bfloat16)
     assert not S.use_skinny(x17, w) and torch.equal(G.linear(x17, w), F.linear(x17, w))
+
+
+@pytest.mark.gpu
+def test_gpu_down_proj_makes_silu_mul_in_the_skinny_kernel(monkeypatch):
+    """At 2-16 rows on a tuned down_proj shape, the MLP's down_proj takes gate and up whole and the
+    skinny kernel makes the product (one kernel, not two), to the bit what the two apart give;
+    one row stays the GEMV's fusion, and an untuned shape runs the two apart (None)."""
+    from ray_attn.model import fused
+
+    real = kernel_configs.tuned
+    monkeypatch.setattr(kernel_configs, "tuned", lambda kern, m, n, k, dev: (
+        {"BLOCK_N": 32} if kern == "skinny" and (n, k) == (4096, 14336) and m <= 16 else real(kern, m, n, k, dev)))
+    gu, w = gate_up_inputs(16, 4096, 14336, torch.bfloat16, "cuda")
+    for m in (2, 5, 16):
+        y = G.linear_silu_mul(gu[:m], w)
+        assert y is not None and torch.equal(y, S.skinny(fused.silu_mul_launch(gu[:m]), w))
+    assert torch.equal(G.linear_silu_mul(gu[:1], w), G.gemv(gu[:1], w, silu_mul=True))
+    gu2, w2 = gate_up_inputs(5, 4096, 1000, torch.bfloat16, "cuda")
+    assert G.linear_silu_mul(gu2, w2) is None
