@@ -41,7 +41,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.benchlib import stretched  # noqa: E402
+from scripts.stretch import stretched  # noqa: E402
 from scripts.load_test import percentile  # noqa: E402
 from ray_attn.ports import loopback_port as free_port  # noqa: E402
 

@@ -14,17 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+try:  # the scripts import it from here too; as ``scripts.benchlib`` the folder is not on sys.path
+    from stretch import stretched  # noqa: F401
+except ImportError:
+    from scripts.stretch import stretched  # noqa: F401
+
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-
-
-def stretched(seconds: float) -> float:
-    """``seconds`` times the test suite's time scale (``RAY_ATTN_TEST_TIME_SCALE``, which
-    tests/timescale.py exports to the scripts it runs): a script's own deadlines, written for an
-    idle machine, grow on a loaded one as the tests' do.  Run by hand, the factor is 1."""
-    try:
-        return seconds * max(1.0, float(os.environ.get("RAY_ATTN_TEST_TIME_SCALE", "1")))
-    except ValueError:
-        return seconds
 
 
 def device() -> torch.device:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib import stretched
+from stretch import stretched
 
 REPO = Path(__file__).resolve().parents[1]
 REPLICA_RESOURCE = "ray_attn_replica"

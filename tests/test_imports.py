@@ -146,3 +146,21 @@ def test_no_import_cycles():
 def test_cycle_finder_finds_a_circle_through_a_package():
     graph = {"a": {"a.b"}, "a.b": {"a.c"}, "a.c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "a.b", "a.c"]]
+
+
+def test_the_http_side_starts_without_torch():
+    """Serve's proxy callback (loaded by every node's proxy), the HTTP front, the app module a
+    deploying driver imports and the config import no torch: each such process would pay torch's
+    import (~1.6 s on two cores) for nothing.  A replica imports it with the engine, when it
+    builds one.  Measured in a fresh interpreter, where nothing imported it yet."""
+    import subprocess
+    import sys
+
+    mods = ["ray_attn.serve.proxy_auth", "ray_attn.serve.ingress", "ray_attn.serve.app", "ray_attn.config",
+            "ray_attn.lora"]
+    code = (f"import sys\nfor m in {mods!r}:\n    __import__(m)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=PACKAGE.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout

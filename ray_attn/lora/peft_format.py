@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ray_attn.lora.config import TARGET_MODULES
+from ray_attn.lora.config import TARGET_MODULES, LoRAAdapterError  # noqa: F401 (its home is config)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -29,10 +29,6 @@ _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weigh
 _MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<name>\w+)$")
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-class LoRAAdapterError(ValueError):
-    """An adapter that cannot be served; the message names the adapter and what is wrong."""
 
 
 @dataclass

@@ -24,7 +24,6 @@ import threading
 from typing import Optional
 
 from ray_attn.lora import LoRAAdapterError, LoRARequest
-from ray_attn.lora.peft_format import check_adapter
 from ray_attn.serve.auth import resolve_under
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.loop import current_lora
@@ -56,6 +55,8 @@ class ServedAdapters:
         try:
             # checked here, off the engine thread; the engine's own check of the same files is
             # then a stat each (check_adapter remembers), and the ranks read their own shards
+            from ray_attn.lora.peft_format import check_adapter  # torch: only a replica that loads adapters
+
             check_adapter(path, name, self.model, self.lora_config.max_lora_rank)
         except LoRAAdapterError as e:
             raise HTTPError(400, [(field, f"{field}: {e}")]) from None
