@@ -46,8 +46,12 @@ def suite(tmp_path_factory, shared_ray):
     # Every count at its floor (--scale 0.005: 2 prompts a workload, 5 at rate inf, 10 prefix
     # repetitions); kv_capacity at 2 x (496 + 16) tokens instead of 2 x (3967 + 128): its figures
     # are tested on their own below, here it must run and land in the JSON and the mirror.  The
-    # .png is drawn once, at the end, not after each workload.
+    # .png is drawn once, at the end, not after each workload.  The engine's rank runs in this
+    # process (--executor in_process): what is tested here is the script's records, and a Ray
+    # rank's per-step round trip made the 13 workloads ~2x slower on two cores (Ray ranks are
+    # the runtime tests' subject).
     run("scripts/gpu_serving.py", "--preset", "tiny", "--device", "cpu", "--scale", "0.005", "--num-blocks", 2048,
+        "--executor", "in_process",
         "--budget-sweep", "2048,4096", "--capacity-input-len", 496, "--capacity-output-len", 16, "--final-plot-only",
         "--kv-dtypes", "auto", "--result-dir", out, "--mirror-dir", mirror)
     return out, mirror, json.loads((out / "serving_h200_cpu.json").read_text())
