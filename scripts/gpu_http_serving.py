@@ -49,7 +49,7 @@ def app_args(a, queue: int) -> dict:
                        max_num_seqs=256, max_num_batched_tokens=8192)
     # The admission bounds sized for the largest workload (1,000 prompts at once): the front
     # would answer the surplus 503, which measures the front, not the engine.
-    return dict(engine=cfg.model_dump(mode="json"), executor="ray", served_model_name=a.preset,
+    return dict(engine=cfg.model_dump(mode="json"), executor=a.executor, served_model_name=a.preset,
                 use_gpu=a.device == "cuda", max_prompt_tokens=8192, max_tokens_limit=2048,
                 max_queue_depth=queue, max_connections=queue + 512,
                 max_requests_per_client=queue + 512, max_queued_requests=queue,
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="model preset (default: llama-3-8b on GPU, tiny on CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--executor", choices=["ray", "in_process"], default="ray",
+                   help="the replica's ranks as Ray actors (the default, as served) or in the replica (TP=1)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--num-blocks", type=int, default=None, help="fix the KV cache (default: sized from memory)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every prompt count")

@@ -30,7 +30,9 @@ def http_run(tmp_path_factory, shared_ray):
     # The script's main on the run's Ray, which it leaves up (a subprocess starts a Ray first: ~10 s)
     import gpu_http_serving
 
+    # The replica's rank in the replica (--executor in_process): the HTTP path is the subject here.
     assert gpu_http_serving.main(["--preset", "tiny", "--device", "cpu", "--scale", "0.01", "--num-blocks", "2048",
+                                  "--executor", "in_process",
                                   "--only", ",".join(WORKLOADS), "--warmup-prompts", "1", "--port", str(free_port()),
                                   "--result-dir", str(out)]) == 0
     return out, json.loads((out / "serving_h200_http_cpu.json").read_text())
