@@ -20,6 +20,7 @@ planner exactly as it was.
 
 from __future__ import annotations
 
+from itertools import chain
 from operator import attrgetter, getitem
 from typing import Hashable, Sequence
 
@@ -28,7 +29,7 @@ import numpy as np
 from .cascade import CascadeChoice, CascadeConfig, decide_cascade
 from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
 from .invariant import check_grid, grid_cascade
-from .kv_cache import KVCacheManager
+from .kv_cache import KVCacheManager, _get_drafts
 from .plan import ScheduledRequest, StepPlan
 from .step_prefix import StepPrefixIndex
 from .tiers import KVTiers
@@ -58,6 +59,22 @@ def _positive(name, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise PlannerConfigError(f"{name} must be a positive int, got {v!r}")
     return int(v)
+
+
+def verify_queries(scheduled, raw_new) -> np.ndarray | None:
+    """int32 query lengths of a step whose every row is one token and its drafts (speculative
+    decoding's verifying step: ``num_new_tokens == 1 + num_draft_tokens``, at least one draft),
+    else None: a prefill chunk, a new row or an automatic length takes the general path."""
+    if None in raw_new:
+        return None
+    drafts = np.fromiter(map(_get_drafts, scheduled), np.int32, len(scheduled))
+    try:
+        q = np.fromiter(raw_new, np.int32, len(raw_new))
+    except (TypeError, ValueError, OverflowError):
+        return None  # the general path names what is wrong
+    if not drafts.any() or (q != drafts + 1).any() or (drafts < 0).any():
+        return None
+    return q
 
 
 class Planner:
@@ -320,8 +337,12 @@ class Planner:
         raw_new = list(map(_get_new, scheduled))
         if slots is None:
             slots = self._same_ids(ids)
-        if slots is not None and ids and raw_new.count(1) == len(ids):
-            return self._plan_decode(scheduled, ids, toks, slots)
+        if slots is not None and ids:
+            if raw_new.count(1) == len(ids):
+                return self._plan_decode(scheduled, ids, toks, slots)
+            q = verify_queries(scheduled, raw_new)
+            if q is not None:
+                return self._plan_decode(scheduled, ids, toks, slots, q)
         b = self.kv.prepare(scheduled, gather=True, columns=(ids, toks, raw_new, slots))
         if self.cascade_grid is not None:
             check_grid(self.cascade_grid, b.ids, b.computed, b.num_new)
@@ -357,29 +378,58 @@ class Planner:
         return None
 
     # ------------------------------------------------------------------------------------ decode
-    def _plan_decode(self, scheduled, ids, toks, slots) -> StepPlan:
-        """Steady state: the previous batch again, one new token each."""
+    def _plan_decode(self, scheduled, ids, toks, slots, q=None) -> StepPlan:
+        """Steady state: the previous batch again, one new token each -- or, with ``q``, each row's
+        one token and its drafts (a verifying step: ``verify_queries``).  Such a step admits no
+        request and fills no prefill block, so it skips ``prepare``'s general path: its blocks
+        are indexed for the prefix cache when the request is freed, as a decode step's are."""
         B, T = len(ids), self.table
         computed = T.num_computed[slots]
-        try:  # token_ids[computed] is both the input and the length check
-            input_ids = np.fromiter(map(getitem, toks, computed.tolist()), np.int64, B)
-        except IndexError:
-            lens = np.fromiter(map(len, toks), np.int64, B)
-            i = int(np.flatnonzero(lens <= computed)[0])
-            self.kv.bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidRequestError(f"token ids must be ints: {e}") from None
+        if q is None:
+            try:  # token_ids[computed] is both the input and the length check
+                input_ids = np.fromiter(map(getitem, toks, computed.tolist()), np.int64, B)
+            except IndexError:
+                lens = np.fromiter(map(len, toks), np.int64, B)
+                i = int(np.flatnonzero(lens <= computed)[0])
+                self.kv.bad_len(ids[i], 1, int(computed[i]), int(lens[i]))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise InvalidRequestError(f"token ids must be ints: {e}") from None
+            if len(self._ones) != B:  # the query lengths, kept: the fast path sees the same B again
+                self._ones = np.ones(B, dtype=np.int32)
+            q = self._ones
+        else:
+            input_ids = self._verify_inputs(ids, toks, computed, q)
+        seq = computed + q
         max_len = self.kv.max_model_len
-        if max_len is not None and int(computed.max()) >= max_len:
-            i = int(computed.argmax())
-            self.kv.bad_len(ids[i], 1, int(computed[i]), int(computed[i]) + 1)
+        if max_len is not None and int(seq.max()) > max_len:
+            i = int(seq.argmax())
+            self.kv.bad_len(ids[i], int(q[i]), int(computed[i]), int(seq[i]))
+        if self.cascade_grid is not None and q is not self._ones:
+            check_grid(self.cascade_grid, ids, computed, q)
         nblocks = T.num_blocks[slots]
-        num_new_blocks = self.kv.allocate_decode_blocks(slots, computed, nblocks)
-        if len(self._ones) != B:  # the query lengths, kept: the fast path sees the same B again
-            self._ones = np.ones(B, dtype=np.int32)
-        plan = self._assemble(scheduled, ids, slots, computed, self._ones, nblocks, input_ids)
+        num_new_blocks = self.kv.allocate_decode_blocks(slots, seq, nblocks)
+        plan = self._assemble(scheduled, ids, slots, computed, q, nblocks, input_ids)
         plan.num_new_blocks = num_new_blocks
         return plan
+
+    def _verify_inputs(self, ids, toks, computed, q) -> np.ndarray:
+        """A verifying step's input tokens, each row's ``token_ids[computed:computed + q]``; a row
+        whose tokens end before that is refused by name."""
+        B = len(ids)
+        seq = computed + q
+        try:
+            lens = np.fromiter(map(len, toks), np.int64, B)
+        except TypeError as e:
+            raise InvalidRequestError(f"token_ids must be sequences of ints: {e}") from None
+        short = np.flatnonzero(lens < seq)
+        if len(short):
+            i = int(short[0])
+            self.kv.bad_len(ids[i], int(q[i]), int(computed[i]), int(lens[i]))
+        spans = map(getitem, toks, map(slice, computed.tolist(), seq.tolist()))
+        try:
+            return np.fromiter(chain.from_iterable(spans), np.int64, int(q.sum()))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"token ids must be ints: {e}") from None
 
     # ------------------------------------------------------------------------------------ the plan
     def _assemble(self, scheduled, ids, slots, computed, q, nblocks, input_ids) -> StepPlan:

@@ -281,22 +281,30 @@ class KVCacheManager:
         self.tiers.claim([(kind, src) for _, _, kind, src, _ in flat], fresh.tolist(), hashes)
         self.pool.cache_blocks(fresh.tolist(), hashes)
 
-    def allocate_decode_blocks(self, slots: np.ndarray, computed: np.ndarray, nblocks: np.ndarray) -> int:
-        """The decode fast path's allocation: a block for each request whose last block is full
-        (``nblocks`` is updated in place).  Returns how many; the caller checked the lengths."""
+    def allocate_decode_blocks(self, slots: np.ndarray, seq: np.ndarray, nblocks: np.ndarray) -> int:
+        """The decode fast path's allocation: the blocks each request needs to hold ``seq``
+        tokens -- one for a decode row whose last block is full, up to 1 + k / block_size more
+        for a row verifying k drafts (``nblocks`` is updated in place).  Returns how many; the
+        caller checked the lengths."""
         T = self.table
-        grow = (computed == nblocks * self.block_size).nonzero()[0]
+        need = -(-seq // self.block_size) - nblocks
+        grow = (need > 0).nonzero()[0]
         if len(grow):
-            if len(grow) > self.pool.num_free_blocks:
-                raise OutOfBlocksError(len(grow), self.pool.num_free_blocks, f"{len(slots)} decode requests")
-            new = self.pool.allocate(len(grow))
+            need = need[grow]
+            total = int(need.sum())
+            if total > self.pool.num_free_blocks:
+                raise OutOfBlocksError(total, self.pool.num_free_blocks, f"{len(slots)} decode requests")
+            new = self.pool.allocate(total)
             gslots = slots[grow]
-            cols = nblocks[grow]
-            nblocks[grow] = cols + 1
+            start = nblocks[grow]
+            nblocks[grow] = start + need
             T.ensure_width(int(nblocks.max()))
-            T.flat[gslots * T.width + cols] = new
-            T.num_blocks[gslots] = cols + 1
-        return len(grow)
+            # row r's blocks take columns start[r] .. start[r] + need[r] - 1, in allocation order
+            cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(total)
+            T.flat[np.repeat(gslots, need) * T.width + cols] = new
+            T.num_blocks[gslots] = start + need
+            return total
+        return 0
 
     def index_filled_blocks(self, b: PreparedBatch) -> None:
         """Index the blocks this (general-path) step fills, so that requests arriving next step

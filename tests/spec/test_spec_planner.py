@@ -90,3 +90,86 @@ def test_rollback_is_bounded_by_the_indexed_blocks_and_the_computed_tokens():
         p.rollback("a", 15)  # block 0 (tokens 0 .. 15) is indexed: its KV must stay
     p.rollback("a", 36)
     assert p.num_computed_tokens("a") == 36
+
+
+def _plan_arrays(plan) -> dict:
+    a = plan.attn
+    return dict(ids=list(plan.req_ids), input=plan.input_token_ids.tolist(), pos=plan.positions.tolist(),
+                logits=plan.logits_indices.tolist(), computed=plan.num_computed_tokens.tolist(),
+                slots=a.slot_mapping.tolist(), qsl=a.query_start_loc.tolist(), seq=a.seq_lens.tolist(),
+                table=a.block_table.tolist(), new_blocks=plan.num_new_blocks, cascade=plan.num_cascade_groups)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verifying_steps_fast_path_plans_what_the_general_path_plans(seed, monkeypatch):
+    """A step of the previous batch where every row is its token and its drafts skips the general
+    path (``Planner._plan_decode`` with ``verify_queries``).  Against a planner held to the general
+    path, over random drafts (0-9 a row, blocks of 4: a row needs up to three new blocks) and
+    random acceptance: the same plans, block for block, and the same prefix cache once freed
+    (the general path indexes full blocks in the step, the fast one when the request is freed)."""
+    import random
+
+    from ray_attn.planner import builder
+
+    rnd = random.Random(seed)
+    bs = 4
+
+    def make():
+        return Planner(num_blocks=256, block_size=bs, num_query_heads=4, num_kv_heads=2)
+
+    fast, ref = make(), make()
+    took = []
+    real = Planner._verify_inputs
+    monkeypatch.setattr(Planner, "_verify_inputs", lambda self, *a: took.append(1) or real(self, *a))
+    reqs = {}
+    for name in (fast, ref):
+        reqs[id(name)] = [ScheduledRequest(f"r{i}", [rnd.randrange(1000) for _ in range(n)])
+                          for i, n in enumerate((5, 13, 16))]
+    # both planners see the same tokens: copy the first's prompts into the second
+    for a, b in zip(reqs[id(fast)], reqs[id(ref)]):
+        b.token_ids[:] = a.token_ids
+    for p in (fast, ref):
+        p.plan(reqs[id(p)])
+    for _ in range(12):
+        drafts = [[rnd.randrange(1000) for _ in range(rnd.randrange(10))] for _ in range(3)]
+        last = [rnd.randrange(1000) for _ in range(3)]
+        keep = [rnd.randrange(len(d) + 1) for d in drafts]
+        plans = []
+        for p in (fast, ref):
+            rs = reqs[id(p)]
+            for r, t, d in zip(rs, last, drafts):
+                r.token_ids += [t] + d
+                r.num_new_tokens, r.num_draft_tokens = 1 + len(d), len(d)
+            with monkeypatch.context() as m:
+                if p is ref:
+                    m.setattr(builder, "verify_queries", lambda *a: None)
+                plans.append(_plan_arrays(p.plan(rs)))
+            for r, d, k in zip(rs, drafts, keep):  # the first k drafts accepted, then the target's token
+                n = len(r.token_ids) - len(d) + k
+                p.rollback(r.req_id, n)
+                del r.token_ids[n:]
+                r.num_draft_tokens = 0
+        assert plans[0] == plans[1]
+    assert took, "the verifying steps never took the fast path"
+    for p in (fast, ref):
+        for r in reqs[id(p)]:
+            r.token_ids.append(1)
+            p.free(r.req_id)
+    for a in reqs[id(fast)]:
+        full = (len(a.token_ids) - 1) // bs
+        assert indexed_bs(fast, a.token_ids, full, bs) == indexed_bs(ref, a.token_ids, full, bs)
+
+
+def indexed_bs(p: Planner, tokens: list[int], n_blocks: int, bs: int) -> list[bool]:
+    return [b is not None for b in p.pool.cached_blocks(prompt_hashes(tokens, n_blocks, bs).tolist())]
+
+
+def test_a_verifying_row_whose_tokens_end_early_is_refused_by_name():
+    p = planner()
+    a = ScheduledRequest("a", list(range(20)))
+    p.plan([a])
+    a.token_ids += [1, 2, 3]
+    a.num_new_tokens, a.num_draft_tokens = 5, 4  # asks for 5 tokens, the list has 3 past computed
+    with pytest.raises(InvalidRequestError, match="'a'"):
+        p.plan([a])
+    assert p.num_computed_tokens("a") == 20  # nothing changed
