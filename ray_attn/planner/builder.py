@@ -20,7 +20,6 @@ planner exactly as it was.
 
 from __future__ import annotations
 
-from itertools import chain
 from operator import attrgetter, getitem
 from typing import Hashable, Sequence
 
@@ -29,7 +28,7 @@ import numpy as np
 from .cascade import CascadeChoice, CascadeConfig, decide_cascade
 from .errors import InvalidRequestError, OutOfBlocksError, PlannerConfigError
 from .invariant import check_grid, grid_cascade
-from .kv_cache import KVCacheManager, _get_drafts
+from .kv_cache import KVCacheManager
 from .plan import ScheduledRequest, StepPlan
 from .step_prefix import StepPrefixIndex
 from .tiers import KVTiers
@@ -46,6 +45,8 @@ from .step import (
     pad_to_bucket,
     permuted_list,
     token_positions_and_slots,
+    verify_inputs,
+    verify_queries,
 )
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; workers report the real count (``set_num_sms``)
@@ -59,22 +60,6 @@ def _positive(name, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise PlannerConfigError(f"{name} must be a positive int, got {v!r}")
     return int(v)
-
-
-def verify_queries(scheduled, raw_new) -> np.ndarray | None:
-    """int32 query lengths of a step whose every row is one token and its drafts (speculative
-    decoding's verifying step: ``num_new_tokens == 1 + num_draft_tokens``, at least one draft),
-    else None: a prefill chunk, a new row or an automatic length takes the general path."""
-    if None in raw_new:
-        return None
-    drafts = np.fromiter(map(_get_drafts, scheduled), np.int32, len(scheduled))
-    try:
-        q = np.fromiter(raw_new, np.int32, len(raw_new))
-    except (TypeError, ValueError, OverflowError):
-        return None  # the general path names what is wrong
-    if not drafts.any() or (q != drafts + 1).any() or (drafts < 0).any():
-        return None
-    return q
 
 
 class Planner:
@@ -398,7 +383,7 @@ class Planner:
                 self._ones = np.ones(B, dtype=np.int32)
             q = self._ones
         else:
-            input_ids = self._verify_inputs(ids, toks, computed, q)
+            input_ids = verify_inputs(self.kv, ids, toks, computed, q)
         seq = computed + q
         max_len = self.kv.max_model_len
         if max_len is not None and int(seq.max()) > max_len:
@@ -411,25 +396,6 @@ class Planner:
         plan = self._assemble(scheduled, ids, slots, computed, q, nblocks, input_ids)
         plan.num_new_blocks = num_new_blocks
         return plan
-
-    def _verify_inputs(self, ids, toks, computed, q) -> np.ndarray:
-        """A verifying step's input tokens, each row's ``token_ids[computed:computed + q]``; a row
-        whose tokens end before that is refused by name."""
-        B = len(ids)
-        seq = computed + q
-        try:
-            lens = np.fromiter(map(len, toks), np.int64, B)
-        except TypeError as e:
-            raise InvalidRequestError(f"token_ids must be sequences of ints: {e}") from None
-        short = np.flatnonzero(lens < seq)
-        if len(short):
-            i = int(short[0])
-            self.kv.bad_len(ids[i], int(q[i]), int(computed[i]), int(lens[i]))
-        spans = map(getitem, toks, map(slice, computed.tolist(), seq.tolist()))
-        try:
-            return np.fromiter(chain.from_iterable(spans), np.int64, int(q.sum()))
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidRequestError(f"token ids must be ints: {e}") from None
 
     # ------------------------------------------------------------------------------------ the plan
     def _assemble(self, scheduled, ids, slots, computed, q, nblocks, input_ids) -> StepPlan:

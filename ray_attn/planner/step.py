@@ -11,13 +11,16 @@ block table columns, slots) are drawn in plan.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import chain
+from operator import getitem, itemgetter
 
 import numpy as np
 
 from ray_attn.metadata import FlashAttentionMetadata, LocalAttentionMetadata
 
 from .cascade import CascadeChoice, fill_cascade_metadata
+from .errors import InvalidRequestError
+from .kv_cache import _get_drafts
 from .local import make_local_attention_virtual_batches
 from .plan import StepPlan
 from .slots import RequestTable
@@ -230,3 +233,40 @@ def cascade_memos(batch: StepBatch, choice: CascadeChoice, perm, planned: StepBa
     if perm is None:
         return (kept,)
     return (kept, CascadeMemo(planned.slots, planned_choice, None, planned_choice, prefix_part))
+
+
+# --------------------------------------------------------------------------------- verifying steps
+def verify_queries(scheduled, raw_new) -> np.ndarray | None:
+    """int32 query lengths of a step whose every row is one token and its drafts (speculative
+    decoding's verifying step: ``num_new_tokens == 1 + num_draft_tokens``, at least one draft),
+    else None: a prefill chunk, a new row or an automatic length takes the general path."""
+    if None in raw_new:
+        return None
+    drafts = np.fromiter(map(_get_drafts, scheduled), np.int32, len(scheduled))
+    try:
+        q = np.fromiter(raw_new, np.int32, len(raw_new))
+    except (TypeError, ValueError, OverflowError):
+        return None  # the general path names what is wrong
+    if not drafts.any() or (q != drafts + 1).any() or (drafts < 0).any():
+        return None
+    return q
+
+
+def verify_inputs(kv, ids, toks, computed, q) -> np.ndarray:
+    """A verifying step's input tokens, each row's ``token_ids[computed:computed + q]``; a row
+    whose tokens end before that is refused by name (``kv.bad_len``)."""
+    B = len(ids)
+    seq = computed + q
+    try:
+        lens = np.fromiter(map(len, toks), np.int64, B)
+    except TypeError as e:
+        raise InvalidRequestError(f"token_ids must be sequences of ints: {e}") from None
+    short = np.flatnonzero(lens < seq)
+    if len(short):
+        i = int(short[0])
+        kv.bad_len(ids[i], int(q[i]), int(computed[i]), int(lens[i]))
+    spans = map(getitem, toks, map(slice, computed.tolist(), seq.tolist()))
+    try:
+        return np.fromiter(chain.from_iterable(spans), np.int64, int(q.sum()))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidRequestError(f"token ids must be ints: {e}") from None
