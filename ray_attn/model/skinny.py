@@ -147,6 +147,8 @@ def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     if m == 0 or n == 0:
         return y
     c = {**config(m, n), **kernel_configs.tuned("skinny", m, n, k, x.device), **cfg}
+    if silu_mul:
+        c["num_stages"] = fit_stages(c, x.element_size(), 2, x.device)
     grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(m, c["BLOCK_M"]))
     _skinny_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                          HAS_BIAS=bias is not None, SILU_MUL=silu_mul, **pdl.launch(x.device), **c)
@@ -160,6 +162,25 @@ def half_rows_on_cuda(x: torch.Tensor, w: torch.Tensor, min_rows: int, max_rows:
     return (available() and x.is_cuda and x.dim() == 2 and min_rows <= x.shape[0] <= max_rows
             and not batch_invariant.enabled()
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.stride(1) == 1)
+
+
+def fit_stages(c: dict, elem: int, x_tiles: int, device: torch.device) -> int:
+    """``c``'s pipeline depth, cut to what this GPU's shared memory holds when a K step loads
+    ``x_tiles`` tiles of x (gate and up: 2) beside W's.  Triton buffers num_stages - 1 K steps
+    of both operands: the down_proj shape's tuned (BLOCK_N 32, BLOCK_K 512, 5 stages) needs
+    4 x 64 KB with two x tiles, over an H100's 227 KB, where one x tile's 4 x 48 KB fit."""
+    per_step = c["BLOCK_K"] * (x_tiles * c["BLOCK_M"] + c["BLOCK_N"]) * elem
+    limit = _smem_limit(device)
+    if limit is None:
+        return c["num_stages"]
+    return max(1, min(c["num_stages"], 1 + limit // per_step))
+
+
+def _smem_limit(device: torch.device) -> int | None:
+    """Shared memory a block may opt into on ``device`` (None off CUDA: the interpreter has none)."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
 
 
 def use_skinny_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:

@@ -69,6 +69,18 @@ def test_silu_mul_in_the_kernel_equals_the_two_kernels_apart(m, n, k):
     assert ((y.double() - want).abs() <= 2 ** -7 * scale + 1e-3).all()
 
 
+def test_stages_fit_the_shared_memory_with_gate_and_up(monkeypatch):
+    """Triton buffers num_stages - 1 K steps of x and W: with two x tiles (gate and up) the H100
+    table's down_proj entry (5 stages, 227 KB a block) is cut to 4; one x tile keeps 5; off CUDA
+    (the interpreter) nothing is cut."""
+    monkeypatch.setattr(S, "_smem_limit", lambda dev: 232448 if dev.type == "cuda" else None)
+    c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_stages=5)
+    cuda = torch.device("cuda")
+    assert S.fit_stages(c, 2, 2, cuda) == 4 and S.fit_stages(c, 2, 1, cuda) == 5
+    assert S.fit_stages(dict(c, BLOCK_K=4096), 2, 2, cuda) == 1
+    assert S.fit_stages(c, 2, 2, torch.device("cpu")) == 5
+
+
 def test_bad_inputs_are_refused_by_name():
     x, w, _ = inputs(5, 32, 64, torch.float16, "cpu", False)
     with pytest.raises(ValueError, match="agree on K"):
@@ -125,8 +137,11 @@ def test_gpu_down_proj_makes_silu_mul_in_the_skinny_kernel(monkeypatch):
     from ray_attn.model import fused
 
     real = kernel_configs.tuned
+    # the H100 table's down_proj entry: five stages of one x tile fit, of two (gate, up) they do
+    # not (fit_stages cuts them)
+    down = {"BLOCK_N": 32, "BLOCK_K": 512, "num_stages": 5}
     monkeypatch.setattr(kernel_configs, "tuned", lambda kern, m, n, k, dev: (
-        {"BLOCK_N": 32} if kern == "skinny" and (n, k) == (4096, 14336) and m <= 16 else real(kern, m, n, k, dev)))
+        down if kern == "skinny" and (n, k) == (4096, 14336) and m <= 16 else real(kern, m, n, k, dev)))
     gu, w = gate_up_inputs(16, 4096, 14336, torch.bfloat16, "cuda")
     for m in (2, 5, 16):
         y = G.linear_silu_mul(gu[:m], w)
