@@ -34,7 +34,7 @@ except Exception:  # pragma: no cover - CPU machines without triton
 MIN_ROWS, MAX_ROWS = 2, 16  # one row is the GEMV's; past 16 the tile's rows would double
 # RAY_ATTN_SKINNY_SILU=0 keeps SiLU-mul a kernel of its own before down_proj's skinny kernel
 # (A/B switch, read at import; RAY_ATTN_GEMV_SILU=0 turns off both fusions).
-FUSE_SILU = os.environ.get("RAY_ATTN_SKINNY_SILU", "1") != "0"
+FUSE_SILU = os.environ.get("RAY_ATTN_SKINNY_SILU", "0") == "1"
 
 if triton is not None:
 
