@@ -150,8 +150,9 @@ def use_gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
 
 def linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """``linear(silu_mul(gate_up), w)`` for a bf16/fp16 down_proj, the product made inside the
-    linear's own kernel: the GEMV at one row, the skinny kernel at 2-16 rows on a tuned shape
-    (a verifying step at batch 1).  None where neither serves: the caller runs the two apart."""
+    linear's own kernel: the GEMV at one row, and, opted in (``skinny.FUSE_SILU``), the skinny
+    kernel at 2-16 rows on a tuned shape.  None where neither serves: the caller runs the two
+    apart."""
     if use_gemv_silu_mul(gate_up, w):
         return gemv(gate_up, w, silu_mul=True)
     if silu_mul_input_ok(gate_up, w) and skinny.use_skinny_silu_mul(gate_up, w):

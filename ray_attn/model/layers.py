@@ -345,7 +345,7 @@ class RowParallelLinear(Fp8Linear):
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """``forward(silu_mul(gate_up))`` with the product made inside the linear's kernel: bf16
-        weights at one row (the GEMV) or 2-16 on a tuned shape (the skinny kernel), FP8 ones where
+        weights at one row (the GEMV; 2-16 rows in the skinny kernel when opted in), FP8 ones where
         the dispatch runs them weight-only (``w8a16``); no adapter: LoRA needs the product
         itself.  None where no such kernel serves."""
         if self.lora is not None:
@@ -444,7 +444,7 @@ class MLP(nn.Module):
         if not self.gated:
             return self.down(self.act(h))
         if self.activation == "silu":
-            y = self.down.forward_silu_mul(h)  # bf16 decode sizes: the product inside down's kernel
+            y = self.down.forward_silu_mul(h)  # one row, bf16: the product inside down's GEMV
             if y is not None:
                 return y
             # One kernel on CUDA, which also quantizes for FP8 weights.

@@ -32,8 +32,11 @@ except Exception:  # pragma: no cover - CPU machines without triton
     triton = None
 
 MIN_ROWS, MAX_ROWS = 2, 16  # one row is the GEMV's; past 16 the tile's rows would double
-# RAY_ATTN_SKINNY_SILU=0 keeps SiLU-mul a kernel of its own before down_proj's skinny kernel
-# (A/B switch, read at import; RAY_ATTN_GEMV_SILU=0 turns off both fusions).
+# RAY_ATTN_SKINNY_SILU=1 has down_proj's skinny kernel make SiLU-mul itself (read at import).  Off
+# by default: on an H200 (2026-12-07, bench_spec_verify.py --k 0 4) it made the verifying step
+# 3.1x a plain one against 1.12x with SiLU-mul apart -- its gate and up tiles, made in registers
+# before the dot, run the K loop ~10x slower than the plain kernel's.  Kept, opt-in, for a tile
+# that suits it; RAY_ATTN_GEMV_SILU=0 turns off the one-row GEMV's fusion as well.
 FUSE_SILU = os.environ.get("RAY_ATTN_SKINNY_SILU", "0") == "1"
 
 if triton is not None:

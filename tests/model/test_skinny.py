@@ -131,11 +131,16 @@ def test_gpu_dispatch_follows_the_table(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_down_proj_makes_silu_mul_in_the_skinny_kernel(monkeypatch):
-    """At 2-16 rows on a tuned down_proj shape, the MLP's down_proj takes gate and up whole and the
-    skinny kernel makes the product (one kernel, not two), to the bit what the two apart give;
-    one row stays the GEMV's fusion, and an untuned shape runs the two apart (None)."""
+    """Opted in (RAY_ATTN_SKINNY_SILU=1; off by default: on an H200 it made the verifying step
+    3.1x a plain one), at 2-16 rows on a tuned down_proj shape, the MLP's down_proj takes gate and
+    up whole and the skinny kernel makes the product, to the bit what the two apart give; one row
+    stays the GEMV's fusion, and an untuned shape runs the two apart (None)."""
     from ray_attn.model import fused
 
+    monkeypatch.setattr(S, "FUSE_SILU", False)
+    gu, w = gate_up_inputs(5, 4096, 14336, torch.bfloat16, "cuda")
+    assert G.linear_silu_mul(gu, w) is None  # the default: SiLU-mul apart at 2-16 rows
+    monkeypatch.setattr(S, "FUSE_SILU", True)
     real = kernel_configs.tuned
     # the H100 table's down_proj entry: five stages of one x tile fit, of two (gate, up) they do
     # not (fit_stages cuts them)
