@@ -135,7 +135,7 @@ def skinny(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, s
     refused by name."""
     if triton is None:
         raise RuntimeError("skinny needs triton")
-    k_in = 2 * w.shape[1] if silu_mul and w.dim() == 2 else w.shape[-1]
+    k_in = (2 if silu_mul else 1) * w.shape[1] if w.dim() == 2 else -1  # x's width (-1: w is refused)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_in or w.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"skinny: x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D, agree on K"
                          f"{' (x: gate and up, 2K)' if silu_mul else ''} and have unit stride along it")
