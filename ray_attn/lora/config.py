@@ -23,10 +23,10 @@ from ray_attn.model_config import _Strict
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-
 class LoRAAdapterError(ValueError):
     """An adapter that cannot be served; the message names the adapter and what is wrong.
     (Here, not in peft_format, which imports torch: the HTTP side catches it without torch.)"""
+
 
 class LoRAConfig(_Strict):
     max_loras: int = Field(1, gt=0, description=(

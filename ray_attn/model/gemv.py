@@ -153,9 +153,12 @@ def linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor | No
     linear's own kernel: the GEMV at one row, and, opted in (``skinny.FUSE_SILU``), the skinny
     kernel at 2-16 rows on a tuned shape.  None where neither serves: the caller runs the two
     apart."""
-    if use_gemv_silu_mul(gate_up, w):
+    if not silu_mul_input_ok(gate_up, w):
+        return None
+    gate = gate_up[:, :w.shape[1]]
+    if use_gemv(gate, w):
         return gemv(gate_up, w, silu_mul=True)
-    if silu_mul_input_ok(gate_up, w) and skinny.use_skinny_silu_mul(gate_up, w):
+    if skinny.FUSE_SILU and skinny.use_skinny(gate, w):
         return skinny.skinny(gate_up, w, silu_mul=True)
     return None
 

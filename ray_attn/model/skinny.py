@@ -186,12 +186,6 @@ def _smem_limit(device: torch.device) -> int | None:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
 
 
-def use_skinny_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether down_proj's skinny kernel can take ``gate_up`` [M, 2K] (checked by the caller,
-    ``gemv.silu_mul_input_ok``) and make silu(gate) * up itself: 2-16 rows on a tuned shape."""
-    return FUSE_SILU and use_skinny(gate_up[:, :w.shape[1]], w)
-
-
 def use_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
     """2-16 rows on CUDA in bf16/fp16, on a weight shape this GPU's tuned table holds for that
     many rows (the tune writes one only where the kernel beat cuBLAS there)."""

@@ -255,14 +255,8 @@ class KVCacheManager:
             self.prefix_cache_hits += int(n_hit.sum()) * self.block_size
         if b.num_new_blocks:
             rows = b.need.nonzero()[0]
-            need = b.need[rows]
             slots = b.slots[rows]
-            blocks = self.pool.allocate(b.num_new_blocks)
-            start = T.num_blocks[slots]
-            T.ensure_width(int((start + need).max()))
-            cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(len(blocks))
-            T.block_table[np.repeat(slots, need), cols] = blocks
-            T.num_blocks[slots] += need.astype(np.int32)
+            self._append_blocks(slots, T.num_blocks[slots], b.need[rows], self.pool.allocate(b.num_new_blocks))
         if b.step_hits:  # the blocks an earlier row of this step computes, allocated by now
             row, col, src, src_col = np.array(b.step_hits, dtype=np.int64).T
             shared = T.block_table[b.slots[src], src_col]
@@ -286,7 +280,6 @@ class KVCacheManager:
         tokens -- one for a decode row whose last block is full, up to 1 + k / block_size more
         for a row verifying k drafts (``nblocks`` is updated in place).  Returns how many; the
         caller checked the lengths."""
-        T = self.table
         need = -(-seq // self.block_size) - nblocks
         grow = (need > 0).nonzero()[0]
         if len(grow):
@@ -294,17 +287,20 @@ class KVCacheManager:
             total = int(need.sum())
             if total > self.pool.num_free_blocks:
                 raise OutOfBlocksError(total, self.pool.num_free_blocks, f"{len(slots)} decode requests")
-            new = self.pool.allocate(total)
-            gslots = slots[grow]
             start = nblocks[grow]
+            self._append_blocks(slots[grow], start, need, self.pool.allocate(total))
             nblocks[grow] = start + need
-            T.ensure_width(int(nblocks.max()))
-            # row r's blocks take columns start[r] .. start[r] + need[r] - 1, in allocation order
-            cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(total)
-            T.flat[np.repeat(gslots, need) * T.width + cols] = new
-            T.num_blocks[gslots] = start + need
             return total
         return 0
+
+    def _append_blocks(self, slots: np.ndarray, start: np.ndarray, need: np.ndarray, blocks: np.ndarray) -> None:
+        """Rows ``slots``, holding ``start`` blocks each, take ``need`` more each from ``blocks``
+        (in order: row r's at columns start[r] .. start[r] + need[r] - 1)."""
+        T = self.table
+        T.ensure_width(int((start + need).max()))
+        cols = np.repeat(start - (np.cumsum(need) - need), need) + np.arange(len(blocks))
+        T.flat[np.repeat(slots, need) * T.width + cols] = blocks
+        T.num_blocks[slots] = start + need
 
     def index_filled_blocks(self, b: PreparedBatch) -> None:
         """Index the blocks this (general-path) step fills, so that requests arriving next step
