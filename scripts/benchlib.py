@@ -149,8 +149,18 @@ def start_decoding(engine, prompts, params) -> list:
     """Add the requests and step the engine until each one has its first token: what follows
     is decode.  Returns their ids."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    budget = engine.config.max_num_batched_tokens
+    # Prefill chunks, plus slack: a batch the KV cache cannot hold preempts and recomputes for ever
+    # (a 256 x 1k point at half of an 80 GB card's memory), which a bound turns into an error.
+    limit = 2 * sum(len(p) for p in prompts) // max(budget, 1) + 2 * len(ids) + 16
+    steps = 0
     while any(not engine.requests[i].num_output_tokens for i in ids):
         engine.step()
+        steps += 1
+        if steps > limit:
+            raise RuntimeError(f"{len(ids)} requests of up to {max(map(len, prompts))} tokens did not all start "
+                               f"decoding in {limit} steps: the KV cache holds fewer (raise the memory fraction "
+                               f"or lower the batch)")
     return ids
 
 

@@ -43,7 +43,8 @@
 # (ACCURACY_ROWS=a,b adds gate rows). offline (issue 39): the offline workload, bf16 and FP8 weights, at
 # max_num_seqs 256 and at OFFLINE_SEQS (default 512, graphs to 512: vLLM's scale on this class of
 # GPU; sim_offline_schedule.py predicts it), then one 8192-token prefill step profiled by kernel kind.
-# decode256 (issue 39): decode 256 x 1k's kernel table (PRESETS, default llama-3-8b; one preset ~5 min).
+# decode256 (issue 39): decode 256 x 1k's kernel table (PRESETS, default llama-3-8b; MEMORY_FRACTION, default
+# 0.9: 256 x 1k of an 8B's KV is 34 GB, which half of an 80 GB card does not hold).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -302,7 +303,8 @@ fi
 if [[ $stage == decode256 ]]; then  # issue 39: decode 256 x 1k's kernel table, one preset at a time (the JSON
   # is rewritten after each, so a call that runs out of time keeps what finished); PRESETS, STEPS
   step timeout "${PROFILE_TIMEOUT_S:-420}" python3 scripts/profile_decode.py --points 256x1024 \
-    --presets "${PRESETS:-llama-3-8b}" --steps "${STEPS:-10}" --top 16 --json "benchmarks/results/profile_decode_256${SUFFIX:-}.json"
+    --presets "${PRESETS:-llama-3-8b}" --steps "${STEPS:-10}" --top 16 \
+    --memory-fraction "${MEMORY_FRACTION:-0.9}" --json "benchmarks/results/profile_decode_256${SUFFIX:-}.json"
   [[ -n ${OUT:-} ]] && cp "benchmarks/results/profile_decode_256${SUFFIX:-}.json" "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
