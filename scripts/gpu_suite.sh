@@ -43,6 +43,7 @@
 # (ACCURACY_ROWS=a,b adds gate rows). offline (issue 39): the offline workload, bf16 and FP8 weights, at
 # max_num_seqs 256 and at OFFLINE_SEQS (default 512, graphs to 512: vLLM's scale on this class of
 # GPU; sim_offline_schedule.py predicts it), then one 8192-token prefill step profiled by kernel kind.
+# tunableop (issue 39): decode's GEMMs with cuBLAS's algorithms picked by TunableOp's timing against its heuristic.
 # decode256 (issue 39): decode 256 x 1k's kernel table (PRESETS, default llama-3-8b; MEMORY_FRACTION, default
 # 0.9: 256 x 1k of an 8B's KV is 34 GB, which half of an 80 GB card does not hold).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
@@ -306,6 +307,19 @@ if [[ $stage == decode256 ]]; then  # issue 39: decode 256 x 1k's kernel table, 
     --presets "${PRESETS:-llama-3-8b}" --steps "${STEPS:-10}" --top 16 \
     --memory-fraction "${MEMORY_FRACTION:-0.9}" --json "benchmarks/results/profile_decode_256${SUFFIX:-}.json"
   [[ -n ${OUT:-} ]] && cp "benchmarks/results/profile_decode_256${SUFFIX:-}.json" "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == tunableop ]]; then  # issue 39: decode 256 x 1k's GEMMs with cuBLAS's algorithm picked by timing
+  # (torch's TunableOp) against its heuristic: the kernel table without, then with tuning (each GEMM
+  # shape timed over every algorithm for TUNE_MS, before the graphs are captured); the CSV to $OUT
+  tune_csv=benchmarks/results/tunableop_results.csv
+  for tuned in 0 1; do
+    step env PYTORCH_TUNABLEOP_ENABLED=$tuned PYTORCH_TUNABLEOP_TUNING=$tuned PYTORCH_TUNABLEOP_FILENAME="$tune_csv" \
+      PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS="${TUNE_MS:-30}" timeout "${PROFILE_TIMEOUT_S:-200}" \
+      python3 scripts/profile_decode.py --points "${POINTS:-64x1024,256x1024}" --presets "${PRESETS:-llama-3-8b}" \
+      --steps 10 --top 8 --memory-fraction 0.9 --json "benchmarks/results/profile_decode_tunableop$tuned.json"
+  done
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/profile_decode_tunableop*.json benchmarks/results/tunableop_results*.csv \
+    "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
