@@ -8,6 +8,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
 from tests.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +84,31 @@ def test_timing_helpers_on_cpu():
     assert benchlib.graph_timeit(lambda: calls.append(1)) is None  # nothing to capture on CPU
     assert calls == [] and benchlib.host_timeit(lambda: calls.append(1), burst=3, reps=2) >= 0
     assert len(calls) == 1 + 3 * 2
+
+
+def test_start_decoding_starts_a_batch_that_fits_and_names_one_the_cache_cannot_hold_at_once():
+    """A decode point whose batch the KV cache cannot hold all at once used to step until the
+    first requests ended, or for ever (profile_decode's 256 x 1k at half an 80 GB card); now
+    ``start_decoding`` raises and names the batch."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchlib
+    from ray_attn.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from ray_attn.engine import LLMEngine, SamplingParams
+    from ray_attn.runtime import InProcessExecutor
+
+    # 8 blocks of 16 tokens: one request of 100 + 20 tokens at a time (it takes them all)
+    cfg = EngineConfig(model=ModelConfig.from_name("tiny"), cache=CacheConfig(num_blocks=8, block_size=16),
+                       parallel=ParallelConfig(device="cpu"), max_num_seqs=4, max_num_batched_tokens=128)
+    eng = LLMEngine(cfg, InProcessExecutor(cfg))
+    try:
+        ids = benchlib.start_decoding(eng, [[1] * 20, [2] * 20], [SamplingParams(max_tokens=100)] * 2)
+        assert all(eng.requests[i].num_output_tokens for i in ids)
+        benchlib.end_requests(eng, ids)
+        with pytest.raises(RuntimeError, match="4 requests of up to 100 tokens did not all start"):
+            benchlib.start_decoding(eng, [[3 + i] * 100 for i in range(4)],  # distinct: no prefix shared
+                                    [SamplingParams(max_tokens=20, ignore_eos=True)] * 4)
+    finally:
+        eng.shutdown()
 
 
 def test_moe_benchmark_cpu_path(tmp_path, monkeypatch):
