@@ -43,6 +43,7 @@
 # (ACCURACY_ROWS=a,b adds gate rows). offline (issue 39): the offline workload, bf16 and FP8 weights, at
 # max_num_seqs 256 and at OFFLINE_SEQS (default 512, graphs to 512: vLLM's scale on this class of
 # GPU; sim_offline_schedule.py predicts it), then one 8192-token prefill step profiled by kernel kind.
+# kvfit (issue 39): the KV tier's working-set-fits ratio, FIT_REPEATS runs of each setting in one call.
 # tunableop (issue 39): decode's GEMMs with cuBLAS's algorithms picked by TunableOp's timing against its heuristic.
 # decode256 (issue 39): decode 256 x 1k's kernel table (PRESETS, default llama-3-8b; MEMORY_FRACTION, default
 # 0.9: 256 x 1k of an 8B's KV is 34 GB, which half of an 80 GB card does not hold).
@@ -320,6 +321,13 @@ if [[ $stage == tunableop ]]; then  # issue 39: decode 256 x 1k's GEMMs with cuB
   done
   [[ -n ${OUT:-} ]] && cp benchmarks/results/profile_decode_tunableop*.json benchmarks/results/tunableop_results*.csv \
     "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == kvfit ]]; then  # issue 39's last item: the KV tier where the working set fits, tier on / off
+  # >= 0.98, with FIT_REPEATS (default 5) runs of each setting in one call (the host part of bench_kv_tiers)
+  step timeout "${KVFIT_TIMEOUT_S:-540}" python3 scripts/bench_kv_tiers.py --device cuda --part host --users 32 \
+    --turns 6 --concurrency 10 --fit-users 8 --fit-repeats "${FIT_REPEATS:-5}" \
+    --output benchmarks/results/bench_kv_tiers_fit.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_kv_tiers_fit.* "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
