@@ -321,7 +321,8 @@ if [[ $stage == tunableop ]]; then  # issue 39: decode's GEMMs with cuBLAS's alg
     step env PYTORCH_TUNABLEOP_ENABLED=$on PYTORCH_TUNABLEOP_TUNING=$tuning PYTORCH_TUNABLEOP_FILENAME="$tune_csv" \
       PYTORCH_TUNABLEOP_MAX_TUNING_DURATION_MS="${TUNE_MS:-30}" timeout "${PROFILE_TIMEOUT_S:-200}" \
       python3 scripts/profile_decode.py --points "${POINTS:-64x1024,256x1024}" --presets "${PRESETS:-llama-3-8b}" \
-      --steps 10 --top 8 --memory-fraction 0.9 --json "benchmarks/results/profile_decode_tunableop_$mode.json"
+      --steps "${STEPS:-10}" --top 8 --memory-fraction "${MEMORY_FRACTION:-0.9}" \
+      --json "benchmarks/results/profile_decode_tunableop_$mode.json"
   done
   [[ -n ${OUT:-} ]] && cp benchmarks/results/profile_decode_tunableop_*.json benchmarks/results/tunableop_results*.csv \
     "$log" "$OUT"/ 2>/dev/null
