@@ -45,6 +45,9 @@
 # GPU; sim_offline_schedule.py predicts it), then one 8192-token prefill step profiled by kernel kind.
 # kvfit (issue 39): the KV tier's working-set-fits ratio, FIT_REPEATS runs of each setting in one call.
 # tunableop (issue 39): decode's GEMMs with cuBLAS's algorithms picked by TunableOp's timing against its heuristic.
+# hostile (issue 42, a machine with cores to spare): the CPU app of deploy/serve_config.yaml under `serve run` with
+# an API key and the proxy's refusal on, then HOSTILE_RUNS (default 3) runs of hostile_burst.py with the key: an
+# unkeyed flood of 1,000 requests from 50 addresses against a keyed client's p99 (needs scripts/device/stage_serve.sh).
 # decode256 (issue 39): decode 256 x 1k's kernel table (PRESETS, default llama-3-8b; MEMORY_FRACTION, default
 # 0.9: 256 x 1k of an 8B's KV is 34 GB, which half of an 80 GB card does not hold).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
@@ -333,6 +336,32 @@ if [[ $stage == kvfit ]]; then  # issue 39's last item: the KV tier where the wo
     --turns 6 --concurrency 10 --fit-users 8 --fit-repeats "${FIT_REPEATS:-5}" \
     --output benchmarks/results/bench_kv_tiers_fit.json
   [[ -n ${OUT:-} ]] && cp benchmarks/results/bench_kv_tiers_fit.* "$log" "$OUT"/ 2>/dev/null
+fi
+if [[ $stage == hostile ]]; then  # issue 42's flood where the server and the flood's client have cores of their own
+  [[ -f .device/serve_env.sh ]] || { echo "run bash scripts/device/stage_serve.sh on the host first"; exit 1; }
+  source .device/serve_env.sh || exit 1
+  key=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))")
+  nproc
+  RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=ray_attn.serve.proxy_auth:proxy_middlewares RAY_ATTN_API_KEY=$key \
+    setsid python3 -m ray.serve.scripts run -a local deploy/serve_config.yaml > benchmarks/results/hostile_serve.log 2>&1 &
+  serve_pid=$!
+  up=0
+  for _ in $(seq 240); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=2).status_code != 200)" \
+      2>/dev/null && { up=1; break; }
+    sleep 1
+  done
+  if [[ $up == 1 ]]; then
+    for i in $(seq "${HOSTILE_RUNS:-3}"); do
+      step timeout 150 python3 scripts/hostile_burst.py --api-key "$key" --requests 1000 --addresses 50 \
+        --idle-s "${IDLE_S:-15}" --check --output "benchmarks/results/hostile_burst_keyed_device_$i.json"
+    done
+  else
+    echo "the app did not come up"; tail -40 benchmarks/results/hostile_serve.log
+  fi
+  kill -INT -- -"$serve_pid" 2>/dev/null; sleep 5; kill -KILL -- -"$serve_pid" 2>/dev/null
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/hostile_burst_keyed_device_*.json benchmarks/results/hostile_serve.log \
+    "$log" "$OUT"/ 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and
