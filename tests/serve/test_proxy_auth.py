@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from ray_attn.serve import proxy_auth as pa
-from ray_attn.serve.auth import Auth, KeyRing
+from ray_attn.serve.auth import Auth, KeyRing, unauthorized
 from tests.serve.app_harness import ADMIN_KEY, API_KEY, OTHER_KEY
 
 WRONG = "sk-proxy-wrong-9f1c"
@@ -121,6 +121,9 @@ def test_a_keyed_apps_v1_routes_refuse_a_bad_key_in_the_proxy(proxy, how):
     assert status == 401 and headers["www-authenticate"] == "Bearer" and headers["x-request-id"] == "rid-7"
     err = json.loads(body)
     assert err["field"] == "authorization" and {"error", "detail"} <= err.keys()
+    # byte for byte the app's own refusal of that credential (the proxy builds its two once)
+    app_says = unauthorized("API", None if how in ("none", "basic", "1 MB") else b"given").response()
+    assert body == app_says.body and headers["content-length"] == str(len(app_says.body))
     assert proxy.inner.seen == []  # nothing reached the replica
     for k in (API_KEY, OTHER_KEY, ADMIN_KEY, WRONG):
         assert k.encode() not in body and k not in json.dumps(headers)
