@@ -131,7 +131,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr,
-                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                               STORE_VALUE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
         """One program per row (the scale needs the row's max), the whole row in registers:
         BLOCK >= N.  A two-pass loop over 1024-wide pieces ran 15.8 us a row at N = 14336 on the
         H200 (the unfused pair: ~4.5 us), each piece's loads waiting on the last."""
@@ -142,7 +142,8 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < N
         y = _silu_mul_value(x_ptr + t * x_stride, offs, mask, N, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t * N + offs, y, mask=mask)
+        if STORE_VALUE:  # else only the codes are read: the product is never written (out_ptr: its dtype)
+            tl.store(out_ptr + t * N + offs, y, mask=mask)
         _store_codes(y.to(tl.float32), q_ptr + t * N + offs, s_ptr + t, mask, INTERPRET)
 
     @triton.jit
@@ -266,23 +267,47 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, quant: bool = False):
+def silu_mul(gate_up: torch.Tensor, quant: bool = False, value: bool = True):
     """``silu(gate) * up`` for ``gate_up = cat(gate, up)`` along the last dim (``quant``: as a
-    ``QuantizedActivation``, codes from the same kernel)."""
+    ``QuantizedActivation``, codes from the same kernel; ``value=False``: the caller reads only
+    the codes, and the kernel does not write the product -- see ``silu_mul_launch``)."""
     if quant and gate_up.shape[-1] // 2 > QUANT_MAX_N and _use_triton(gate_up):
         return silu_mul_launch(gate_up)  # too wide to quantize here: the linear's quantizer will
     if not _use_triton(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         y = F.silu(gate) * up
         return _quantized(y) if quant else y
-    return silu_mul_launch(gate_up, quant)
+    return silu_mul_launch(gate_up, quant, value)
 
 
-def silu_mul_launch(gate_up: torch.Tensor, quant: bool = False):
-    """The Triton path of ``silu_mul`` (also what the interpreter tests call on CPU tensors)."""
+_NAN: dict = {}
+
+
+def _absent(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A stand-in of ``shape`` for a product that was not written: one NaN seen through stride-0
+    views (the FP8 linear takes only its shape and dtype), so that a reader it was not meant for
+    gets NaNs, not stale memory.  One element per dtype and device, made before any graph capture
+    that reuses it."""
+    key = (dtype, device)
+    one = _NAN.get(key)
+    if one is None:
+        one = torch.full((1,), float("nan"), dtype=dtype, device=device)
+        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):  # a capture runs no fill
+            _NAN[key] = one
+    return one.view(*([1] * len(shape))).expand(*shape)
+
+
+def silu_mul_launch(gate_up: torch.Tensor, quant: bool = False, value: bool = True):
+    """The Triton path of ``silu_mul`` (also what the interpreter tests call on CPU tensors).
+    With ``quant`` and not ``value``, the product is not stored: at 8,192 rows of the 8B's
+    14,336 columns that write is 235 MB of the kernel's 822 MB, a quarter of its time in an FP8
+    prefill step (README, issue 39)."""
     N = gate_up.shape[-1] // 2
     x2 = _rows(gate_up)
-    out = torch.empty(*gate_up.shape[:-1], N, dtype=gate_up.dtype, device=gate_up.device)
+    store = value or not quant
+    out_shape = (*gate_up.shape[:-1], N)
+    out = (torch.empty(out_shape, dtype=gate_up.dtype, device=gate_up.device) if store
+           else _absent(out_shape, gate_up.dtype, gate_up.device))
     q = torch.empty(x2.shape[0], N, dtype=FP8_DTYPE, device=gate_up.device) if quant else None
     scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=gate_up.device) if quant else None
     if x2.shape[0] and N:
@@ -290,7 +315,7 @@ def silu_mul_launch(gate_up: torch.Tensor, quant: bool = False):
         if quant:
             full = triton.next_power_of_2(N)
             _silu_mul_quant_kernel[(x2.shape[0],)](x2, out, q, scale, x2.stride(0), N=N, BLOCK=full,
-                                                   INTERPRET=INTERPRET, num_warps=_num_warps(full),
+                                                   STORE_VALUE=store, INTERPRET=INTERPRET, num_warps=_num_warps(full),
                                                    **pdl.launch(x2.device))
         else:
             _silu_mul_kernel[(x2.shape[0], triton.cdiv(N, BLOCK))](x2, out, x2.stride(0), N=N, BLOCK=BLOCK,

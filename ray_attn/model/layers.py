@@ -447,8 +447,10 @@ class MLP(nn.Module):
             y = self.down.forward_silu_mul(h)  # one row, bf16: the product inside down's GEMV
             if y is not None:
                 return y
-            # One kernel on CUDA, which also quantizes for FP8 weights.
-            return self.down(silu_mul(h, quant=self.down.wants_fp8_input(h[..., :h.shape[-1] // 2])))
+            # One kernel on CUDA, which also quantizes for FP8 weights; down reads only the codes
+            # then, and the product itself only for an adapter (LoRA takes the plain activation).
+            return self.down(silu_mul(h, quant=self.down.wants_fp8_input(h[..., :h.shape[-1] // 2]),
+                                      value=self.down.lora is not None))
         gate, up = h.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 

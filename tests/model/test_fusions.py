@@ -96,6 +96,11 @@ def test_silu_mul_quant_kernel(T, n, dtype, rng):
     else:
         ulp_close(qa.x, ref_silu_mul(gu), ulps=2)
     assert_codes(qa, qa.x)
+    # codes only (what down_proj reads without an adapter): the same codes and scales, and the
+    # product, never written, stands in as NaNs of its shape and dtype
+    qc = fused.silu_mul_launch(gu, quant=True, value=False)
+    assert torch.equal(qc.xq.float(), qa.xq.float()) and torch.equal(qc.xs, qa.xs)
+    assert qc.x.shape == qa.x.shape and qc.x.dtype == dtype and torch.isnan(qc.x).all()
 
 
 def ref_qk_norm_rope(qk, qw, kw, cos, sin, nq):
@@ -233,6 +238,26 @@ def test_layers_hand_the_quantized_input_to_the_fp8_linears(monkeypatch):
     n = 3 * cfg.num_hidden_layers * len(SCHEDULE)
     assert got == {("LlamaForCausalLM", False): 0, ("LlamaForCausalLM", True): n,
                    ("Qwen3ForCausalLM", False): 0, ("Qwen3ForCausalLM", True): n}, got
+
+
+def test_the_mlp_asks_silu_mul_for_the_product_only_for_an_adapter(monkeypatch):
+    """down_proj with FP8 weights reads only the codes of the quantized SiLU-mul, so the kernel
+    skips writing the product -- unless down has a LoRA adapter, which takes the product."""
+    from ray_attn.model import layers as L
+    from ray_attn.model.tp import TPGroup
+
+    asked = []
+    real = L.silu_mul
+    monkeypatch.setattr(L, "silu_mul", lambda h, quant=False, value=True: asked.append((quant, value)) or real(h, quant))
+    monkeypatch.setattr(F8, "wants_quantized_input", lambda x, w, s: True)  # as FP8 weights on a GPU would
+    mlp = L.MLP(64, 128, TPGroup(0, 1, group=None), dtype=torch.float32, device="cpu")
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(3, 64)
+    y = mlp(x)
+    mlp.down.lora = lambda xp, base: base() + 0 * xp.sum()  # an adapter: it reads the product
+    assert torch.equal(mlp(x), y)
+    assert asked == [(True, False), (True, True)], asked
 
 
 def test_a_quantized_input_is_refused_by_a_static_scheme():
