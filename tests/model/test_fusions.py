@@ -17,7 +17,7 @@ import torch
 
 from ray_attn.model import fp8 as F8
 from ray_attn.model import fused
-from tests.interpreter import interpreter_test, kernels_mark
+from tests.interpreter import INTERPRETED, interpreter_test, kernels_mark
 from tests.model.test_fused import EPS, cos_sin, qk_view, rand, ref_rms_norm, ref_rope, ref_silu_mul, ulp_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,6 +101,31 @@ def test_silu_mul_quant_kernel(T, n, dtype, rng):
     qc = fused.silu_mul_launch(gu, quant=True, value=False)
     assert torch.equal(qc.xq.float(), qa.xq.float()) and torch.equal(qc.xs, qa.xs)
     assert qc.x.shape == qa.x.shape and qc.x.dtype == dtype and torch.isnan(qc.x).all()
+
+
+@pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED or fused.triton is None,
+                    reason="a CPU check of the compiled kernel; on a GPU the kernel tests run it")
+def test_the_codes_only_kernel_compiles_for_hopper_without_the_products_stores():
+    """Triton compiles ``_silu_mul_quant_kernel`` for sm_90 here too (its wheel ships ptxas): both
+    variants build, and the codes-only one (``STORE_VALUE=False``) has none of the product's
+    stores left -- the bytes it exists to save (the 8B's 14,336 columns at 16 warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride": "i64",
+           **{n: "constexpr" for n in ("N", "BLOCK", "STORE_VALUE", "INTERPRET", "USE_PDL")}}
+    stores = {}
+    for store in (True, False):
+        const = {"N": 14336, "BLOCK": 16384, "STORE_VALUE": store, "INTERPRET": False, "USE_PDL": True}
+        src = ASTSource(fn=fused._silu_mul_quant_kernel, signature=sig,
+                        constexprs={(list(sig).index(n),): v for n, v in const.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16}).asm["ptx"]
+        stores[store] = [line for line in ptx.splitlines() if "st.global" in line]
+    # (compiled without the launch's pointer alignment, so one store an element: b16 the bf16
+    # product, b8 the e4m3 codes, b32 the scale) the codes and the scale stay, the product goes
+    width = {store: {line.split("st.global.")[1].split()[0] for line in lines} for store, lines in stores.items()}
+    assert width == {True: {"b16", "b8", "b32"}, False: {"b8", "b32"}}, width
 
 
 def ref_qk_norm_rope(qk, qw, kw, cos, sin, nq):
