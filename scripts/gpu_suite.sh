@@ -20,6 +20,7 @@
 # serving suite's concurrency-1, offline, chunked-prefill and decode workloads.
 # spec (issue 40): bench_spec_verify, the verify cost of k drafts against a plain step; draft: the
 # draft model's GPU tests, its accuracy rows and its step cost (8B target, 1B draft).
+# fp8_codes (issue 39): the codes-only FP8 SiLU-mul's GPU tests, FP8 rows and the FP8 prefill step's kernels.
 # fusion (issue 39): the fused kernels' GPU tests, the decode kernel table of four presets, Inductor
 # against our kernels (bench_fusion), the verify cost of drafts; fusion_rows: the bf16/FP8
 # concurrency-1 ITL (NO_SERVING=1 skips it) and accuracy rows (ACCURACY_ROWS, result
@@ -109,6 +110,18 @@ if [[ $stage == fp8 ]]; then  # FP8 weights: the GPU tests, the accuracy rows, e
     --rows fp8_weights_online,fp8_weights_compressed_tensors,fp8_weights_block,fp8_weights_fp8_kv
   [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_fp8_weights.json "$OUT"/
   bench scripts/bench_fp8.py --parts ${FP8_PARTS:-error,kernels} --rows ${FP8_ROWS:-1,2,4,8,16,32,64,128,256,1024,4096}
+fi
+if [[ $stage == fp8_codes ]]; then  # session 66's codes-only FP8 SiLU-mul: its GPU tests, the FP8 rows that run it
+  # (online quantization) and the one-row path beside it, then the FP8 prefill step's kernels (compare
+  # `_silu_mul_quant_kernel` and the step with profile_prefill_h100.json: 347 us a layer, 126 ms, before)
+  step timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/model/test_fusions.py \
+    tests/model/test_fp8_weights.py
+  step timeout "${ROWS_TIMEOUT_S:-200}" python3 scripts/gpu_accuracy.py --suffix _fp8_codes \
+    --rows "${ACCURACY_ROWS:-fp8_weights_online,fp8_weights_fp8_kv,fp8_weights_w8a16}"
+  step timeout "${PROFILE_TIMEOUT_S:-130}" python3 scripts/profile_decode.py --points "" --prefill 8192 \
+    --presets llama-3-8b:fp8 --top 14 --json benchmarks/results/profile_prefill_fp8_codes.json
+  [[ -n ${OUT:-} ]] && cp benchmarks/results/gpu_accuracy_fp8_codes.json benchmarks/results/profile_prefill_fp8_codes.json \
+    "$log" "$OUT"/ 2>/dev/null
 fi
 if [[ $stage == fusion ]]; then
   step timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_fusions.py tests/model/test_fused.py \
