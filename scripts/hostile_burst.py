@@ -102,8 +102,9 @@ async def one_request(client: httpx.AsyncClient, url: str, stream: bool, max_tok
 
 
 def poll_health(url: str, every: float, ready, stop, timeout: float, results, key: str = "",
-                max_tokens: int = 4, generate: bool = False) -> None:
-    """GET ``url`` every ``every`` s on a fresh connection until ``stop`` is set; put
+                max_tokens: int = 4, generate: bool = False, keepalive: bool = False) -> None:
+    """GET ``url`` every ``every`` s on a fresh connection (``keepalive``: on one kept-alive
+    connection, as a pooled client such as the openai SDK's holds one) until ``stop`` is set; put
     ``(polls, failures)`` on ``results``, a poll being (wall time sent, latency) of a 200.  It
     runs in a process of its own: in the burst's event loop it would wait behind 400 coroutines,
     and what it timed would be this client's loop, not the server (a 2-core CI box saw 2 asks in
@@ -111,13 +112,18 @@ def poll_health(url: str, every: float, ready, stop, timeout: float, results, ke
     ``generate`` each ask is a ``max_tokens`` generation POSTed to ``url`` instead of a GET."""
     polls, failures = [], 0
     body = {"prompt_token_ids": [1, 2, 3, 4], "max_tokens": max_tokens, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    kept = httpx.Client(timeout=timeout) if keepalive else None
     ready.set()
     while not stop.is_set():
         sent, t0 = time.time(), time.perf_counter()
         try:
-            with httpx.Client(timeout=timeout) as c:  # a fresh connection each time
-                auth = {"Authorization": f"Bearer {key}"} if key else {}
+            c = kept or httpx.Client(timeout=timeout)  # else a fresh connection each time
+            try:
                 r = c.post(url, json=body, headers=auth) if generate else c.get(url, headers=auth)
+            finally:
+                if kept is None:
+                    c.close()
             if r.status_code == 200:
                 polls.append((sent, time.perf_counter() - t0))
             else:
@@ -125,6 +131,8 @@ def poll_health(url: str, every: float, ready, stop, timeout: float, results, ke
         except httpx.HTTPError:
             failures += 1
         stop.wait(every)
+    if kept is not None:
+        kept.close()
     results.put((polls, failures))
 
 
@@ -172,12 +180,12 @@ def proxy_health_url(url: str) -> str:
     return str(u.copy_with(path="/-/healthz", query=None))
 
 
-def keyed_alone(url: str, key: str, seconds: float, max_tokens: int, timeout: float) -> list:
+def keyed_alone(url: str, key: str, seconds: float, max_tokens: int, timeout: float, keepalive: bool = False) -> list:
     """The authenticated client's asks over ``seconds`` with no burst: its idle latencies."""
     ctx = multiprocessing.get_context("spawn")
     stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=poll_health, args=(url + "/v1/generate", 0.0, ready, stop, timeout, results, key,
-                                                 max_tokens, True), daemon=True)
+                                                 max_tokens, True, keepalive), daemon=True)
     proc.start()
     if not ready.wait(timeout):
         raise RuntimeError(f"the keyed client did not start within {timeout} s")
@@ -190,7 +198,7 @@ def keyed_alone(url: str, key: str, seconds: float, max_tokens: int, timeout: fl
 
 def burst_with_health(url: str, requests: int, addresses: int, first_address: int, stream_share: float,
                       max_tokens: int, timeout: float, health_every: float,
-                      control_path: str = "", key: str = "", burst_nice: int = 0
+                      control_path: str = "", key: str = "", burst_nice: int = 0, keyed_keepalive: bool = False
                       ) -> tuple[Outcome, float, float, tuple, tuple, tuple]:
     """The burst, with pollers in spawned processes from before the first request until after
     the last answer: the app's ``/health``, Serve's proxy's ``/-/healthz`` and, with
@@ -207,7 +215,7 @@ def burst_with_health(url: str, requests: int, addresses: int, first_address: in
     for target, k, gen in targets:
         ready, results = ctx.Event(), ctx.Queue()
         proc = ctx.Process(target=poll_health, args=(target, 0.0 if gen else health_every, ready, stop, timeout,
-                                                     results, k, max_tokens, gen), daemon=True)
+                                                     results, k, max_tokens, gen, gen and keyed_keepalive), daemon=True)
         proc.start()
         pollers.append((proc, ready, results))
     try:
@@ -253,14 +261,17 @@ def main(argv=None) -> int:
         "lower the burst's own CPU priority by this much (os.nice), so that its client takes little of "
         "the cores the server runs on, as a flood from other machines would: 19 for that; 0 (default): "
         "the flood's client competes with the server for this machine's cores"))
+    ap.add_argument("--keyed-keepalive", action="store_true", help=(
+        "the keyed client keeps one connection alive for all its asks (as the openai SDK's pool does), "
+        "alone and through the burst; by default each ask opens a fresh one"))
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     if not 1 <= a.addresses <= 250 - a.first_address + 1:
         ap.error("--addresses: the source addresses must stay within 127.0.0.1-250")
-    idle = keyed_alone(a.url, a.api_key, a.idle_s, a.max_tokens, a.timeout) if a.api_key else []
+    idle = keyed_alone(a.url, a.api_key, a.idle_s, a.max_tokens, a.timeout, a.keyed_keepalive) if a.api_key else []
     out, wall, began, (proxy_polls, proxy_failures), (control_polls, control_failures), (keyed_polls, keyed_failures) = \
         burst_with_health(a.url, a.requests, a.addresses, a.first_address, a.stream_share, a.max_tokens, a.timeout,
-                          a.health_every, a.control_path, a.api_key, a.burst_nice)
+                          a.health_every, a.control_path, a.api_key, a.burst_nice, a.keyed_keepalive)
     keyed = {}
     if a.api_key:
         alone = latency_summary(idle, 0.0, math.inf, a.timeout)
@@ -270,7 +281,7 @@ def main(argv=None) -> int:
                      keyed_p99_ratio=None if ratio is None else round(ratio, 3), keyed_p99_ratio_goal=a.keyed_p99_ratio)
     worst = max(out.health_s, default=None)
     proxy_s = [lat for _, lat in proxy_polls]
-    report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share, burst_nice=a.burst_nice,
+    report = dict(requests=a.requests, addresses=a.addresses, stream_share=a.stream_share, burst_nice=a.burst_nice, keyed_keepalive=a.keyed_keepalive,
                   wall_s=round(wall, 2), **dict(sorted(out.counts.items())), foreign=out.num_foreign,
                   health_checks=len(out.health_s), health_failures=out.health_failures,
                   health_max_s=None if worst is None else round(worst, 3),
