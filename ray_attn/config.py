@@ -232,7 +232,7 @@ def check_runnable(model: ModelConfig, cache: CacheConfig, parallel: ParallelCon
         if width is not None and width % tp:  # each rank holds a slice of every MLP's / expert's width
             raise ValueError(f"tensor_parallel_size={tp} must divide {name}={width}")
     if isinstance(model.quantization, dict) and model.quantization.get("quant_method") == "fp8":
-        from ray_attn.model.layers import check_fp8_tp_slices  # block-wise FP8: TP slices on 128-blocks
+        from ray_attn.model.parallel_linear import check_fp8_tp_slices  # block-wise FP8: TP slices on 128-blocks
 
         check_fp8_tp_slices(model, tp)
     if model.attention_chunk_size and model.attention_chunk_size % cache.block_size:

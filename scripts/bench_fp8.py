@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 from ray_attn.model import fp8 as F8  # noqa: E402
-from ray_attn.model.layers import linear  # noqa: E402
+from ray_attn.model.gemv import linear  # noqa: E402
 from ray_attn.model.quantization import parse_quantization  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

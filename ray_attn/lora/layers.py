@@ -29,7 +29,7 @@ from ray_attn.lora import punica
 from ray_attn.lora.config import TARGET_MODULES, LoRAConfig
 from ray_attn.lora.peft_format import LoRAAdapterError
 from ray_attn.lora.reader import ImageSpec, LinearSpec, ModuleSpec, ReaderProcess, fill_images
-from ray_attn.model.layers import ColumnParallelLinear, RowParallelLinear
+from ray_attn.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 _WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(?P<proj>\w+)\.weight$")
 

@@ -15,7 +15,8 @@ from torch import nn
 from ray_attn.backend.flash_attn import AttentionLayer, FlashAttentionImpl
 from ray_attn.config import ModelConfig
 from ray_attn.model.fused import qk_norm_rope
-from ray_attn.model.layers import RMSNorm, RotaryEmbedding, RowParallelLinear, alibi_slopes, qkv_parallel
+from ray_attn.model.layers import RMSNorm, RotaryEmbedding, alibi_slopes
+from ray_attn.model.parallel_linear import RowParallelLinear, qkv_parallel
 from ray_attn.model.tp import TPGroup
 
 

@@ -28,7 +28,8 @@ from ray_attn.model import gguf_weights, weights
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.fused import add_rms_norm
 from ray_attn.model.gemv import linear
-from ray_attn.model.layers import Fp8Linear, RMSNorm, RotaryEmbedding, Shard, new_param, replicated
+from ray_attn.model.layers import RMSNorm, RotaryEmbedding, Shard, new_param, replicated
+from ray_attn.model.parallel_linear import Fp8Linear
 from ray_attn.model.quantization import GGUF, check_model, parse_quantization
 from ray_attn.model.tp import TPGroup
 

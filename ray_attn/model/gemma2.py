@@ -15,7 +15,8 @@ from torch import nn
 from ray_attn.config import ModelConfig
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.base import CausalLM
-from ray_attn.model.layers import MLP, GemmaRMSNorm
+from ray_attn.model.layers import GemmaRMSNorm
+from ray_attn.model.mlp import MLP
 from ray_attn.model.tp import TPGroup
 
 

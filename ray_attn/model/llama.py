@@ -15,7 +15,8 @@ from ray_attn.config import ModelConfig
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.base import CausalLM
 from ray_attn.model.fused import add_rms_norm, rms_norm
-from ray_attn.model.layers import MLP, RMSNorm
+from ray_attn.model.layers import RMSNorm
+from ray_attn.model.mlp import MLP
 from ray_attn.model.tp import TPGroup
 
 

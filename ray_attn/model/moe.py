@@ -34,7 +34,8 @@ from torch import nn
 
 from ray_attn.model.fused import silu_mul
 from ray_attn.model.gemv import linear
-from ray_attn.model.layers import MLP, FusedShard, Shard, new_param, replicated
+from ray_attn.model.layers import FusedShard, Shard, new_param, replicated
+from ray_attn.model.mlp import MLP
 from ray_attn.model.moe_route import fused_select_experts, use_fused_route
 from ray_attn.model.moe_small import fused_moe_small, use_small
 from ray_attn.model.tp import TPGroup

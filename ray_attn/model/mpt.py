@@ -16,7 +16,8 @@ from torch import nn
 from ray_attn.config import ModelConfig
 from ray_attn.model.attention import ParallelAttention
 from ray_attn.model.base import CausalLM
-from ray_attn.model.layers import MLP, LayerNorm
+from ray_attn.model.layers import LayerNorm
+from ray_attn.model.mlp import MLP
 from ray_attn.model.tp import TPGroup
 
 

@@ -42,7 +42,7 @@ class Fp8Config:
     """One FP8 scheme, in vLLM's terms.
 
     ``weight_strategy``: ``channel`` (one scale per output row), ``tensor`` (one per checkpoint
-    tensor; held per output row once loaded, see ``layers.ColumnParallelLinear``) or ``block``
+    tensor; held per output row once loaded, see ``parallel_linear.ColumnParallelLinear``) or ``block``
     (one per 128 x 128 block).  ``activation_scheme`` ``dynamic`` computes the input's scales
     every call, per token (``token``) or per token and group of 128 features (``group``);
     ``static`` divides by the checkpoint's ``input_scale`` (``tensor``)."""

@@ -177,7 +177,7 @@ class Quantizer:
 def our_codes(model, tokens) -> tuple[list[torch.Tensor], dict]:
     """Our logits and, per linear layer (by our module name) and sequence, the e4m3 codes our
     model gave its inputs (rows in position order)."""
-    from ray_attn.model.layers import Fp8Linear
+    from ray_attn.model.parallel_linear import Fp8Linear
 
     seen: dict[str, list] = {}
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: seen.setdefault(n, []).append(a[0].detach().clone()))
@@ -396,7 +396,7 @@ def tp_model(case: str, folder: str, **tp):
 
 
 def fp8_state(model) -> dict:
-    from ray_attn.model.layers import ColumnParallelLinear, Fp8Linear
+    from ray_attn.model.parallel_linear import ColumnParallelLinear, Fp8Linear
 
     return {n: dict(weight=m.weight.float(), scale=m.weight_scale.clone(), input_scale=getattr(m, "input_scale", None),
                     parts=m.parts if isinstance(m, ColumnParallelLinear) else None, start=getattr(m, "start", None))
@@ -749,7 +749,7 @@ def test_gpu_weight_only_picked_from_the_table_and_silu_mul_fused_into_down(tmp_
     row (and only there), the norm not quantize for it, and the MLP's down_proj take gate_up and
     make SiLU-mul itself: equal to the bit to SiLU-mul apart, then the same GEMV."""
     from ray_attn.model import fused
-    from ray_attn.model.layers import MLP
+    from ray_attn.model.mlp import MLP
 
     mlp = _online_mlp(hidden=256, inter=512)
     down = mlp.down
@@ -795,7 +795,7 @@ def test_gpu_model_matches_cpu_float32(kind, tmp_path):
       then (bf16 moves a value by 2^-9, an e4m3 step is 2^-4), and each such code moves by a whole
       step, so the two models differ by part of what the quantization itself moves (measured
       against the same model unquantized): less than it, on average and at the worst."""
-    from ray_attn.model.layers import Fp8Linear
+    from ray_attn.model.parallel_linear import Fp8Linear
 
     folder = write("unquantized" if kind == "online" else "block", "llama", tmp_path)
     extra = dict(quantization="fp8") if kind == "online" else {}

@@ -235,7 +235,7 @@ def test_layers_hand_the_quantized_input_to_the_fp8_linears(monkeypatch):
     the very tensor it would have quantized itself (a norm or SiLU-mul that quantized the wrong
     tensor -- the pre-norm residual, the gate half -- fails it)."""
     from ray_attn.config import ModelConfig
-    from ray_attn.model.layers import Fp8Linear
+    from ray_attn.model.parallel_linear import Fp8Linear
     from ray_attn.model.registry import build_model
     from tests.model.steps import SCHEDULE, random_tokens, run_schedule
 
@@ -268,7 +268,7 @@ def test_layers_hand_the_quantized_input_to_the_fp8_linears(monkeypatch):
 def test_the_mlp_asks_silu_mul_for_the_product_only_for_an_adapter(monkeypatch):
     """down_proj with FP8 weights reads only the codes of the quantized SiLU-mul, so the kernel
     skips writing the product -- unless down has a LoRA adapter, which takes the product."""
-    from ray_attn.model import layers as L
+    from ray_attn.model import mlp as L
     from ray_attn.model.tp import TPGroup
 
     asked = []
