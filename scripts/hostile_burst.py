@@ -40,6 +40,7 @@ import os
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,12 +119,9 @@ def poll_health(url: str, every: float, ready, stop, timeout: float, results, ke
     while not stop.is_set():
         sent, t0 = time.time(), time.perf_counter()
         try:
-            c = kept or httpx.Client(timeout=timeout)  # else a fresh connection each time
-            try:
+            # the kept client stays open; else a fresh one (a fresh connection) each time
+            with nullcontext(kept) if kept is not None else httpx.Client(timeout=timeout) as c:
                 r = c.post(url, json=body, headers=auth) if generate else c.get(url, headers=auth)
-            finally:
-                if kept is None:
-                    c.close()
             if r.status_code == 200:
                 polls.append((sent, time.perf_counter() - t0))
             else:
