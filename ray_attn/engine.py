@@ -6,7 +6,8 @@ the next chunk of a long prompt), then waiting ones -- and the planner turns tha
 its blocks are freed and it is recomputed later from its token history, so nothing is dropped.
 
 The parts live apart, as in nano-vllm: what a request is (``request.py``), who runs in a step
-(``scheduler.py``), when a cascade pays (``planner/cascade.py``).  This module is what is left
+(``scheduler.py``), when a cascade pays (``planner/cascade.py``), what a step sends and what its
+answer does (``engine_inputs.py``, ``engine_outputs.py``).  This module is what is left
 to drive them: it owns the steps in flight to the ranks and their tokens, recovers from ranks
 that die, and offers the batch API.  The names that moved stay importable from here.
 """
@@ -16,8 +17,6 @@ from __future__ import annotations
 import itertools
 import time
 from typing import Iterable, Sequence
-
-import numpy as np
 
 from ray_attn.config import EngineConfig
 from ray_attn.engine_stats import EngineDeadError, EngineStats, SubmittedStep
@@ -33,9 +32,9 @@ from ray_attn.request import PLACEHOLDER, Request, RequestOutput, SamplingParams
 from ray_attn.runtime.cluster import WorkerFailure
 from ray_attn.runtime.kv_tiers import planner_tiers
 from ray_attn.runtime.messages import StepInput
+from ray_attn.engine_inputs import build_step_input
 from ray_attn.engine_outputs import apply_step_output
 from ray_attn.lora.manager import LoRAManager
-from ray_attn.sampling_inputs import build_sampling_inputs, prompt_logprobs_inputs
 from ray_attn.scheduler import Scheduler
 from ray_attn.spec.decoder import SpecDecoder
 from ray_attn.structured_output import GrammarSync
@@ -304,49 +303,8 @@ class LLMEngine:
         self.async_scheduling = on
 
     def _submit(self, plan, defer: bool) -> tuple[SubmittedStep, StepInput]:
-        """The step's message; each row that samples gets a placeholder token until its output
-        is applied (with async scheduling the next plan reads it as that row's input)."""
-        reqs = [self.requests[i] for i in plan.req_ids]
-        samples = plan.completes_prompt(np.array([len(r.token_ids) for r in reqs])).tolist()
-        prev_index = prev_rows = None
-        waiting_for = np.flatnonzero(plan.input_token_ids[: plan.attn.num_actual_tokens] < 0)
-        if len(waiting_for):
-            if self._submitted is None:
-                raise RuntimeError("the plan reads tokens of a step that is not in flight")
-            rows = np.searchsorted(plan.attn.query_start_loc[1:], waiting_for, side="right")
-            prev_index = waiting_for.astype(np.int32)
-            prev_rows = np.fromiter((reqs[i].sampled_row for i in rows.tolist()), np.int32, len(rows))
-        # the index of the token drawn now, counting those still out (and not the drafts)
-        sample_index = np.array([len(r.token_ids) - r.num_prompt_tokens - r.num_drafts for r in reqs], np.int32)
-        temps = np.array([r.params.temperature for r in reqs], np.float32)
-        seeds = np.array([-1 if r.params.seed is None else r.params.seed for r in reqs], np.int64)
-        vocab, spec = self.config.model.vocab_size, None
-        if self.spec is not None:  # with drafts: all per logits row (spec/decoder.py)
-            spec = self.spec.step_inputs(self._step_id, plan, reqs, samples, temps, seeds, sample_index,
-                                         self._eos, vocab, self.grammar_sync)
-        if spec is None:
-            # before this step's placeholders are appended (see build_sampling_inputs)
-            sampling = build_sampling_inputs(reqs, samples, sample_index, self._eos, vocab, self.grammar_sync)
-        else:
-            temps, seeds, sample_index, sampling, spec = spec
-        step_in = StepInput(plan=plan, temperatures=temps, seeds=seeds, sample_index=sample_index,
-                            step_id=self._step_id, defer=defer,
-                            prev_token_index=prev_index, prev_token_rows=prev_rows, sampling=sampling, spec=spec,
-                            lora_loads=self.lora.take_loads() if self.lora is not None else None,
-                            lora_prefetch=self.lora.take_prefetches() if self.lora is not None else None)
-        if self.spec is not None:  # a draft model's work in the step (spec/draft_inputs.py)
-            step_in.draft = self.spec.draft_inputs(plan, reqs, spec)
-        step_in.prompt_logprobs, spans = prompt_logprobs_inputs(plan, reqs)
-        self._step_id += 1
-        for row, (r, smp) in enumerate(zip(reqs, samples)):
-            if smp:
-                r.token_ids.append(PLACEHOLDER)
-                r.pending += 1
-                r.sampled_row = row
-        a = plan.attn
-        return SubmittedStep(step_in.step_id, reqs, samples, a.num_actual_tokens,
-                          a.local_attn_metadata is not None,
-                          plan.num_cascade_groups if a.use_cascade else 0, spans), step_in
+        """The step's message (``engine_inputs.py``)."""
+        return build_step_input(self, plan, defer)
 
     def _apply(self, done: SubmittedStep, out) -> list[RequestOutput]:
         """Write a step's sampled tokens over their placeholders and finish what is done."""
