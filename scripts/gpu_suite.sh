@@ -48,7 +48,8 @@
 # tunableop (issue 39): decode's GEMMs with cuBLAS's algorithms picked by TunableOp's timing against its heuristic.
 # hostile (issue 42, a machine with cores to spare): the CPU app of deploy/serve_config.yaml under `serve run` with
 # an API key and the proxy's refusal on, then HOSTILE_RUNS (default 3) runs of hostile_burst.py with the key: an
-# unkeyed flood of 1,000 requests from 50 addresses against a keyed client's p99 (needs scripts/device/stage_serve.sh).
+# unkeyed flood of 1,000 requests from 50 addresses against a keyed client's p99 (needs scripts/device/stage_serve.sh);
+# once for each api_server_count in API_SERVERS (default "1"; e.g. "1 2 4").
 # decode256 (issue 39): decode 256 x 1k's kernel table (PRESETS, default llama-3-8b; MEMORY_FRACTION, default
 # 0.9: 256 x 1k of an 8B's KV is 34 GB, which half of an 80 GB card does not hold).
 # Results land in benchmarks/results/ and, on the device tool, are copied to $OUT.
@@ -355,26 +356,41 @@ if [[ $stage == hostile ]]; then  # issue 42's flood where the server and the fl
   source .device/serve_env.sh || exit 1
   key=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))")
   nproc
-  RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=ray_attn.serve.proxy_auth:proxy_middlewares RAY_ATTN_API_KEY=$key \
-    setsid python3 -m ray.serve.scripts run -a local deploy/serve_config.yaml > benchmarks/results/hostile_serve.log 2>&1 &
-  serve_pid=$!
-  up=0
-  for _ in $(seq 240); do
-    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=2).status_code != 200)" \
-      2>/dev/null && { up=1; break; }
-    sleep 1
-  done
-  if [[ $up == 1 ]]; then
-    for i in $(seq "${HOSTILE_RUNS:-3}"); do
-      step timeout 150 python3 scripts/hostile_burst.py --api-key "$key" --requests 1000 --addresses 50 \
-        --idle-s "${IDLE_S:-15}" --check --output "benchmarks/results/hostile_burst_keyed_device_$i.json"
+  for n in ${API_SERVERS:-1}; do  # HTTP proxies on the port: Serve's and n - 1 more (api_server_count)
+    cfg=benchmarks/results/hostile_serve_config_$n.yaml
+    python3 -c "import sys, yaml; c = yaml.safe_load(open('deploy/serve_config.yaml'))
+c['applications'][0]['args']['api_server_count'] = int(sys.argv[2]); yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$n"
+    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=ray_attn.serve.proxy_auth:proxy_middlewares RAY_ATTN_API_KEY=$key \
+      setsid python3 -m ray.serve.scripts run -a local "$cfg" > "benchmarks/results/hostile_serve_$n.log" 2>&1 &
+    serve_pid=$!
+    up=0
+    for _ in $(seq 240); do
+      python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=2).status_code != 200)" \
+        2>/dev/null && { up=1; break; }
+      sleep 1
     done
-  else
-    echo "the app did not come up"; tail -40 benchmarks/results/hostile_serve.log
-  fi
-  kill -INT -- -"$serve_pid" 2>/dev/null; sleep 5; kill -KILL -- -"$serve_pid" 2>/dev/null
-  [[ -n ${OUT:-} ]] && cp benchmarks/results/hostile_burst_keyed_device_*.json benchmarks/results/hostile_serve.log \
-    "$log" "$OUT"/ 2>/dev/null
+    if [[ $up == 1 ]]; then
+      sleep $(( n > 1 ? 15 : 0 ))  # the replica's keeper starts the extra proxies after the app is up
+      for i in $(seq "${HOSTILE_RUNS:-3}"); do
+        step timeout 150 python3 scripts/hostile_burst.py --api-key "$key" --requests 1000 --addresses 50 \
+          --idle-s "${IDLE_S:-15}" --check --output "benchmarks/results/hostile_burst_keyed_device_s${n}_$i.json"
+      done
+      grep -c "by=proxy" /tmp/ray/session_latest/logs/serve/proxy_*.log 2>/dev/null
+      ls /tmp/ray/session_latest/logs/ | grep -c ApiServer
+    else
+      echo "the app did not come up"; tail -40 "benchmarks/results/hostile_serve_$n.log"
+    fi
+    kill -INT -- -"$serve_pid" 2>/dev/null; sleep 5; kill -KILL -- -"$serve_pid" 2>/dev/null; sleep 2
+  done
+  python3 - <<'PY'
+import glob, json
+for f in sorted(glob.glob("benchmarks/results/hostile_burst_keyed_device_s*.json")):
+    d = json.load(open(f))
+    print(f.rsplit("/", 1)[1], "burst", d["wall_s"], "s; keyed p99 ratio", d["keyed_p99_ratio"], "p50 alone/burst",
+          d["keyed_alone"]["p50_s"], d["keyed_during_burst"]["p50_s"], "proxy health p99", d["proxy_health_during_burst"]["p99_s"])
+PY
+  [[ -n ${OUT:-} ]] && tar czf "$OUT/hostile.tgz" benchmarks/results/hostile_burst_keyed_device_s*.json \
+    benchmarks/results/hostile_serve_*.log "$log" 2>/dev/null
 fi
 echo "=== done ($(date +%T))"
 if [[ $stage == rest ]]; then  # what the defects call left (issue 37), the sampling path spec decode touched, and

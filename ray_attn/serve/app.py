@@ -43,6 +43,7 @@ from ray import serve
 
 from ray_attn.serve.admission import Admission, AdmissionMiddleware
 from ray_attn.serve.auth import Auth, AuthMiddleware
+from ray_attn.serve.api_servers import keep_from_replica
 from ray_attn.serve.proxy_auth import publish_from_replica
 from ray_attn.serve.generate import generate
 from ray_attn.serve.health import ReplicaHealth
@@ -192,6 +193,7 @@ class LLMServer:
         # digests, renewed so that a re-read key file reaches it.  Last: a replica that failed
         # to start publishes nothing.
         self.proxy_auth = publish_from_replica(lambda: self.auth)
+        self.api_servers = keep_from_replica(self.cfg.api_server_count)  # more proxies (api_servers.py)
         log.info("ray_attn replica %s ready: TP=%d, %d KV blocks, kernel %s, capacity %d requests",
                  replica, engine_cfg.parallel.tensor_parallel_size, self.executor.num_blocks,
                  getattr(self.executor, "kernel_name", "?"), self.cfg.max_in_flight)
@@ -236,6 +238,8 @@ class LLMServer:
     def __del__(self):
         if getattr(self, "proxy_auth", None) is not None:
             self.proxy_auth.close()
+        if getattr(self, "api_servers", None) is not None:  # the extras leave once no replica renews them
+            self.api_servers.close()
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()

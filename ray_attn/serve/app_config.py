@@ -252,6 +252,10 @@ class ServeAppConfig(BaseModel):
     public_metrics: bool = Field(
         False, description="With API keys: answer /metrics and /stats without a key (a scraper on a "
                            "private network). Default: they need a key like every route but /health.")
+    api_server_count: int = Field(
+        1, ge=1, le=64, description="HTTP proxies on each node's Serve port (vLLM's --api-server-count): "
+        "Serve's own and api_server_count - 1 more (serve/api_servers.py), which share new connections "
+        "through SO_REUSEPORT, so that a flood of connections is parsed and refused on several cores.")
     log_requests: Literal["off", "summary", "full"] = Field(
         "summary", description="One log line per request: id, client address, status, tokens in and "
                                "out, time ('summary'); also the prompt and the output ('full'); none "

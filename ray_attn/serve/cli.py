@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-log-requests", action="store_true", help="as vLLM's: --log-requests off")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="OpenTelemetry spans per request to this OTLP/HTTP endpoint (http://host:4318)")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="HTTP proxies on each node's port, Serve's own included (as vLLM's): more "
+                        "event loops parse and refuse a flood of connections")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
@@ -147,8 +150,9 @@ def serve_config(args):
                        ("admin_api_keys", getattr(args, "admin_api_key", None)),
                        ("admin_api_key_file", getattr(args, "admin_api_key_file", None)),
                        ("public_metrics", getattr(args, "public_metrics", None)), ("log_requests", log_requests),
-                       ("otlp_traces_endpoint", getattr(args, "otlp_traces_endpoint", None))):
-        if value:
+                       ("otlp_traces_endpoint", getattr(args, "otlp_traces_endpoint", None)),
+                       ("api_server_count", getattr(args, "api_server_count", None))):
+        if value is not None:  # a flag not given; 0 given is checked by the config
             app[key] = value
     return ServeAppConfig.model_validate(app)
 

@@ -40,6 +40,7 @@ from starlette.responses import Response
 
 from ray_attn.planner.block_pool import ROOT_HASH, prompt_hashes
 from ray_attn.serve.auth import Auth
+from ray_attn.serve.api_servers import keep_from_replica
 from ray_attn.serve.proxy_auth import publish_from_replica
 from ray_attn.serve.http import HTTPError
 from ray_attn.serve.request_log import RequestLog, request_id_of, with_request_id
@@ -211,6 +212,7 @@ class PrefixRoutingIngress:
         cfg = ServeAppConfig.model_validate(app_config or {})
         self.auth = Auth.from_config(cfg)  # the replicas' keys, read in this process
         self.proxy_auth = publish_from_replica(lambda: self.auth)  # for Serve's proxy (proxy_auth.py)
+        self.api_servers = keep_from_replica(cfg.api_server_count)  # more proxies (api_servers.py)
         # the lines of the requests it answers itself; Serve's proxy sends their X-Request-ID
         self.requests = RequestLog.from_config(cfg, proxy_echoes_id=True)
         self.traced = cfg.otlp_traces_endpoint is not None
@@ -233,6 +235,8 @@ class PrefixRoutingIngress:
         # not when its stamp goes stale (proxy_auth.py), as LLMServer's does.
         if getattr(self, "proxy_auth", None) is not None:
             self.proxy_auth.close()
+        if getattr(self, "api_servers", None) is not None:  # the extras leave once no replica renews them
+            self.api_servers.close()
 
     async def __call__(self, request: Request) -> Response:
         refusal = self.auth.check(request.scope)

@@ -277,6 +277,8 @@ class ProxyAuthMiddleware:
     async def _refuse(self, scope, receive, send, credential):
         from ray_attn.serve.request_log import REQUEST_ID_HEADER, RequestLog, log_line
 
+        global _refused_here
+        _refused_here += 1
         if self.refused is not None:
             self.refused.inc()
         rec, _ = RequestLog().start(scope)  # the request's id (the client's, or a new one) and client
@@ -286,6 +288,13 @@ class ProxyAuthMiddleware:
         await send({"type": "http.response.body", "body": body})
         rec.status, rec.ended_ns = 401, time.time_ns()
         log_line(rec, " by=proxy")
+
+
+_refused_here = 0  # by this process's proxy: each proxy on a port counts its own share (api_servers.py)
+
+
+def refused_here() -> int:
+    return _refused_here
 
 
 def _refusal(error) -> tuple[list, bytes]:

@@ -339,9 +339,12 @@ def test_cli_flags_as_vllms(tmp_path):
     yaml = str(REPO / "deploy" / "serve_config.yaml")  # its random engine: no model to load
     cfg = serve_config(p.parse_args(["--config", yaml, "--api-key", API_KEY, "--api-key", OTHER_KEY, "--admin-api-key", ADMIN_KEY,
                                      "--disable-log-requests", "--public-metrics",
-                                     "--otlp-traces-endpoint", "http://127.0.0.1:4318"]))
+                                     "--otlp-traces-endpoint", "http://127.0.0.1:4318", "--api-server-count", "4"]))
     assert [k.get_secret_value() for k in cfg.api_keys] == [API_KEY, OTHER_KEY] and keyed(cfg)
+    assert cfg.api_server_count == 4
     assert cfg.admin_api_keys[0].get_secret_value() == ADMIN_KEY and cfg.public_metrics
     assert cfg.log_requests == "off" and cfg.otlp_traces_endpoint == "http://127.0.0.1:4318"
     plain = serve_config(p.parse_args(["--config", yaml, "--log-requests", "full"]))
-    assert plain.log_requests == "full" and plain.api_keys == []
+    assert plain.log_requests == "full" and plain.api_keys == [] and plain.api_server_count == 1
+    with pytest.raises(ValueError, match="api_server_count"):
+        serve_config(p.parse_args(["--config", yaml, "--api-server-count", "0"]))

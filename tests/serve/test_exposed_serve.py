@@ -1,16 +1,19 @@
 """A keyed app on the real Serve, behind the front (``resume_requests``): what the in-process
 tests (test_auth.py, test_request_ids.py) cannot see -- Serve's HTTP proxy (its parser, its own
-``X-Request-ID``), the front's key check before it reads a body, and Ray's and Serve's log files.
+``X-Request-ID``), the front's key check before it reads a body, Ray's and Serve's log files, and
+a second proxy on Serve's port (``api_server_count=2``, serve/api_servers.py).
 
 One app (``/keyed``: the front and one in-process TP=1 replica) on the package's Serve instance.
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
 import socket
+import time
 
 import httpx
 import pytest
@@ -33,7 +36,7 @@ def keyed(served):
 
     args = dict(executor="in_process", replica_num_cpus=0.5, served_model_name="keyed", resume_requests=True,
                 api_keys=[API_KEY, OTHER_KEY], admin_api_keys=[ADMIN_KEY], api_key_env=None, admin_api_key_env=None,
-                prefix_router={"ingress_num_cpus": 0.1}, health_check_timeout_s=scaled(10.0),
+                prefix_router={"ingress_num_cpus": 0.1}, health_check_timeout_s=scaled(10.0), api_server_count=2,
                 engine=engine_config(tp=1, max_num_seqs=4, num_blocks=64, eos=True).model_dump(mode="json"))
     serve.run(build_app(args), name="keyed", route_prefix="/keyed", blocking=False)
     url = f"{served.url}/keyed"
@@ -179,3 +182,103 @@ def test_a_burst_without_keys_is_all_401_and_the_keyed_client_is_served_through_
                    for p in glob.glob(os.path.join(logs, "serve", "proxy_*.log")))
 
     assert wait_for(lambda: by_proxy() >= 150, 30), by_proxy()
+
+
+def _alive(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace="serve")
+        return True
+    except ValueError:
+        return False
+
+
+def _refused_by(handle) -> int:
+    import ray
+
+    from ray_attn.serve.proxy_auth import refused_here
+
+    return ray.get(handle.__ray_call__.remote(lambda self: refused_here()), timeout=scaled(30))
+
+
+def test_a_second_api_server_shares_the_port_and_refuses_as_serves_proxy_does(keyed):
+    """api_server_count=2: one extra proxy on this node, beside Serve's, on the same port.  New
+    connections are split between the two by the kernel: of 120 unkeyed requests on fresh
+    connections each proxy refuses some itself (proxy_auth.py), every answer our 401; keyed
+    requests through both are served."""
+    import ray
+
+    from ray_attn.serve.api_servers import _serve_proxy_name, api_server_name
+
+    node = ray.get_runtime_context().get_node_id()
+    name = api_server_name(node, 1)
+    assert wait_for(lambda: _alive(name), 60), f"{name} was not started"
+    extra = ray.get_actor(name, namespace="serve")
+    ray.get(extra.ready.remote(), timeout=scaled(60))
+    serves = ray.get_actor(_serve_proxy_name(node), namespace="serve")
+    unkeyed = {"Authorization": f"Bearer {WRONG}"}
+    for _ in range(6):  # each proxy reads the keys' table on its first request
+        httpx.post(f"{keyed}/v1/completions", json=BODY, headers=unkeyed, timeout=scaled(30))
+    time.sleep(1.5)  # their reads (REFRESH_EVERY_S) land; a request before that goes on to the front
+    before = [_refused_by(serves), _refused_by(extra)]
+    for _ in range(120):  # a fresh connection each: the kernel picks a listener per connection
+        r = httpx.post(f"{keyed}/v1/completions", json=BODY, headers=unkeyed, timeout=scaled(30))
+        assert r.status_code == 401 and r.json()["field"] == "authorization", r.text[:200]
+    share = [_refused_by(serves) - before[0], _refused_by(extra) - before[1]]
+    assert all(n > 0 for n in share) and sum(share) <= 120, share
+    for _ in range(8):
+        r = httpx.post(f"{keyed}/v1/completions", json=BODY, headers={"Authorization": f"Bearer {API_KEY}"},
+                       timeout=scaled(60))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text[:200]
+    assert ray.get(extra.leaving.remote(), timeout=scaled(30)) is None
+
+
+def _api_server(name: str, port: int, **kw):
+    """An ``ApiServer`` by hand, on ``port`` of this node, with the package Serve's options."""
+    import ray
+
+    from ray_attn.serve.api_servers import api_server_class
+
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    from ray.serve.schema import LoggingConfig
+
+    http = copy.deepcopy(ray.get(controller.get_http_config.remote(), timeout=scaled(30)))
+    http.port = port
+
+    return api_server_class().options(name=name, namespace="serve", num_cpus=0, max_concurrency=1000).remote(
+        http, node_id=ray.get_runtime_context().get_node_id(), node_ip_address="127.0.0.1",
+        logging_config=LoggingConfig(), watch_every_s=0.2, **kw)
+
+
+def test_an_api_server_leaves_when_serves_proxy_is_gone_or_it_cannot_listen(served):
+    """The watchdog's other two ways out: no Serve proxy of the name it watches (serve.shutdown),
+    and a port it cannot share (taken without SO_REUSEPORT): each extra ends by itself."""
+    import ray
+
+    from tests.serve.conftest import free_port
+
+    orphan = _api_server("RAY_ATTN_TEST_ORPHAN", free_port(), serve_proxy_name="SERVE_PROXY_ACTOR-no-such-node")
+    ray.get(orphan.ready.remote(), timeout=scaled(60))  # it listened, then found no Serve proxy
+    assert wait_for(lambda: not _alive("RAY_ATTN_TEST_ORPHAN"), scaled(30))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        blocked = _api_server("RAY_ATTN_TEST_BLOCKED", taken.getsockname()[1])
+        with pytest.raises(Exception, match="Failed to bind"):
+            ray.get(blocked.ready.remote(), timeout=scaled(60))
+        assert wait_for(lambda: not _alive("RAY_ATTN_TEST_BLOCKED"), scaled(30))
+
+
+def test_the_extra_api_servers_leave_with_the_app(keyed):
+    """Last in the file: the app deleted, no replica renews the extra's lease (api_servers.LEASE_S),
+    and it stops listening and exits by itself."""
+    import ray
+    from ray import serve
+
+    from ray_attn.serve.api_servers import LEASE_S, api_server_name
+
+    name = api_server_name(ray.get_runtime_context().get_node_id(), 1)
+    assert _alive(name)
+    serve.delete("keyed")
+    assert wait_for(lambda: not _alive(name), scaled(LEASE_S + 30)), f"{name} outlived its app"
