@@ -356,6 +356,17 @@ if [[ $stage == hostile ]]; then  # issue 42's flood where the server and the fl
   source .device/serve_env.sh || exit 1
   key=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))")
   nproc
+  # A `serve run` that outlived an earlier call (one cut by a timeout) keeps a proxy on port 8000 with its own
+  # key: the new app's proxies would share the port with it (SO_REUSEPORT) and the keyed client would fail.
+  if python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', 8000)) != 0)"; then
+    echo "something already listens on port 8000 (an earlier call's serve run?): not measuring"; exit 1
+  fi
+  stop_serve() {  # SIGINT lets serve run shut Serve and its local cluster down; KILL only what is left after
+    kill -INT -- -"$1" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -"$1" 2>/dev/null
+    for _ in $(seq 30); do python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', 8000)) == 0)" && break; sleep 1; done
+  }
   for n in ${API_SERVERS:-1}; do  # HTTP proxies on the port: Serve's and n - 1 more (api_server_count)
     cfg=benchmarks/results/hostile_serve_config_$n.yaml
     python3 -c "import sys, yaml; c = yaml.safe_load(open('deploy/serve_config.yaml'))
@@ -363,10 +374,11 @@ c['applications'][0]['args']['api_server_count'] = int(sys.argv[2]); yaml.safe_d
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=ray_attn.serve.proxy_auth:proxy_middlewares RAY_ATTN_API_KEY=$key \
       setsid python3 -m ray.serve.scripts run -a local "$cfg" > "benchmarks/results/hostile_serve_$n.log" 2>&1 &
     serve_pid=$!
+    trap 'stop_serve "$serve_pid"' EXIT  # a timeout's TERM still stops it
     up=0
-    for _ in $(seq 240); do
-      python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/health', timeout=2).status_code != 200)" \
-        2>/dev/null && { up=1; break; }
+    for _ in $(seq 240); do  # up: this app, which takes this call's key
+      python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8000/v1/models', timeout=2,
+        headers={'Authorization': 'Bearer $key'}).status_code != 200)" 2>/dev/null && { up=1; break; }
       sleep 1
     done
     if [[ $up == 1 ]]; then
@@ -380,7 +392,7 @@ c['applications'][0]['args']['api_server_count'] = int(sys.argv[2]); yaml.safe_d
     else
       echo "the app did not come up"; tail -40 "benchmarks/results/hostile_serve_$n.log"
     fi
-    kill -INT -- -"$serve_pid" 2>/dev/null; sleep 5; kill -KILL -- -"$serve_pid" 2>/dev/null; sleep 2
+    stop_serve "$serve_pid"; trap - EXIT
   done
   python3 - <<'PY'
 import glob, json
