@@ -371,8 +371,11 @@ if [[ $stage == hostile ]]; then  # issue 42's flood where the server and the fl
     cfg=benchmarks/results/hostile_serve_config_$n.yaml
     python3 -c "import sys, yaml; c = yaml.safe_load(open('deploy/serve_config.yaml'))
 c['applications'][0]['args']['api_server_count'] = int(sys.argv[2]); yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$n"
+    # A background job of a script starts with SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt: serve run would sleep through stop_serve's SIGINT.  Restored before the exec.
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=ray_attn.serve.proxy_auth:proxy_middlewares RAY_ATTN_API_KEY=$key \
-      setsid python3 -m ray.serve.scripts run -a local "$cfg" > "benchmarks/results/hostile_serve_$n.log" 2>&1 &
+      setsid python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+      python3 -m ray.serve.scripts run -a local "$cfg" > "benchmarks/results/hostile_serve_$n.log" 2>&1 &
     serve_pid=$!
     trap 'stop_serve "$serve_pid"' EXIT  # a timeout's TERM still stops it
     up=0
@@ -387,8 +390,8 @@ c['applications'][0]['args']['api_server_count'] = int(sys.argv[2]); yaml.safe_d
         step timeout 150 python3 scripts/hostile_burst.py --api-key "$key" --requests 1000 --addresses 50 \
           --idle-s "${IDLE_S:-15}" --check --output "benchmarks/results/hostile_burst_keyed_device_s${n}_$i.json"
       done
-      grep -c "by=proxy" /tmp/ray/session_latest/logs/serve/proxy_*.log 2>/dev/null
-      ls /tmp/ray/session_latest/logs/ | grep -c ApiServer
+      cat /tmp/ray/session_latest/logs/serve/*.log 2>/dev/null | grep -c "by=proxy"  # refused in a proxy
+      grep -h "api_server_count: started" /tmp/ray/session_latest/logs/serve/*.log 2>/dev/null | cut -c1-160
     else
       echo "the app did not come up"; tail -40 "benchmarks/results/hostile_serve_$n.log"
     fi
