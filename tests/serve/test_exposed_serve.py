@@ -270,6 +270,60 @@ def test_an_api_server_leaves_when_serves_proxy_is_gone_or_it_cannot_listen(serv
         assert wait_for(lambda: not _alive("RAY_ATTN_TEST_BLOCKED"), scaled(30))
 
 
+def _refuses(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_leaving_api_server_stops_listening_and_finishes_the_stream_it_holds(served):
+    """Nothing lost when an extra leaves: the actor it watches as its node's Serve proxy is killed
+    while it streams a 128-token completion; it stops taking connections before the stream ends,
+    the stream still arrives whole, and the extra exits after it."""
+    import ray
+
+    from tests.serve.conftest import MODEL_ID, free_port
+
+    @ray.remote(num_cpus=0)
+    class Watched:
+        def ping(self):
+            return True
+
+    watched = Watched.options(name="RAY_ATTN_TEST_WATCHED", namespace="serve").remote()
+    ray.get(watched.ping.remote(), timeout=scaled(60))
+    port = free_port()
+    extra = _api_server("RAY_ATTN_TEST_DRAINING", port, serve_proxy_name="RAY_ATTN_TEST_WATCHED")
+    ray.get(extra.ready.remote(), timeout=scaled(60))
+
+    def routed():  # the route table reaches it by long poll, after ready
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=scaled(10)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_for(routed, scaled(30))
+    body = {"model": MODEL_ID, "prompt": [3, 4, 5], "max_tokens": 128, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    refused_before_end, usage, done = False, None, False
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=scaled(120)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            if usage is None and chunk.get("choices"):  # the first token: the extra starts leaving
+                usage = {}
+                ray.kill(watched)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            refused_before_end = refused_before_end or _refuses(port)
+    assert refused_before_end, "the leaving extra still took connections when the stream ended"
+    assert done and usage["completion_tokens"] == 128, usage
+    assert wait_for(lambda: not _alive("RAY_ATTN_TEST_DRAINING"), scaled(30))
+
+
 def test_the_extra_api_servers_leave_with_the_app(keyed):
     """Last in the file: the app deleted, no replica renews the extra's lease (api_servers.LEASE_S),
     and it stops listening and exits by itself."""
