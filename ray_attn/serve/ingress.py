@@ -26,7 +26,6 @@ without a ``traceparent`` one, so that their spans join one trace.
 """
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
