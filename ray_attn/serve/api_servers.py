@@ -256,4 +256,12 @@ def keep_from_replica(count: int) -> Optional[ApiServerKeeper]:
         log.warning("api_server_count=%d: SERVE_SOCKET_REUSE_PORT_ENABLED is off, so no second "
                     "proxy can listen on Serve's port; Serve's proxy serves alone", count)
         return None
+    try:  # Serve's proxy class, as this module extends it (a private API: another Ray may move it)
+        api_server_class()
+        if not hasattr(proxy.ProxyActor.__ray_metadata__.modified_class, "ready"):
+            raise AttributeError("ProxyActor.ready")
+    except Exception as e:  # noqa: BLE001 -- said once; the app runs on Serve's proxy alone
+        log.warning("api_server_count=%d: this Ray's Serve proxy cannot be extended (%s: %s); Serve's "
+                    "proxy serves alone", count, type(e).__name__, e)
+        return None
     return ApiServerKeeper(count)

@@ -348,3 +348,15 @@ def test_cli_flags_as_vllms(tmp_path):
     assert plain.log_requests == "full" and plain.api_keys == [] and plain.api_server_count == 1
     with pytest.raises(ValueError, match="api_server_count"):
         serve_config(p.parse_args(["--config", yaml, "--api-server-count", "0"]))
+
+
+def test_api_server_count_outside_a_replica_starts_nothing():
+    """The keeper of extra proxies (serve/api_servers.py) runs only in a Serve replica that asks
+    for more than one: a test's app or a script gets None, and starts no thread."""
+    import threading
+
+    from ray_attn.serve.api_servers import keep_from_replica
+
+    before = threading.active_count()
+    assert keep_from_replica(1) is None and keep_from_replica(4) is None
+    assert threading.active_count() == before
