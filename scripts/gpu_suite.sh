@@ -358,14 +358,15 @@ if [[ $stage == hostile ]]; then  # issue 42's flood where the server and the fl
   nproc
   # A `serve run` that outlived an earlier call (one cut by a timeout) keeps a proxy on port 8000 with its own
   # key: the new app's proxies would share the port with it (SO_REUSEPORT) and the keyed client would fail.
-  if python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', 8000)) != 0)"; then
+  port_taken() { python3 -c "import socket,sys; sys.exit(socket.socket().connect_ex(('127.0.0.1', 8000)) != 0)"; }
+  if port_taken; then
     echo "something already listens on port 8000 (an earlier call's serve run?): not measuring"; exit 1
   fi
   stop_serve() {  # SIGINT lets serve run shut Serve and its local cluster down; KILL only what is left after
     kill -INT -- -"$1" 2>/dev/null
     for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
     kill -KILL -- -"$1" 2>/dev/null
-    for _ in $(seq 30); do python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', 8000)) == 0)" && break; sleep 1; done
+    for _ in $(seq 30); do port_taken || break; sleep 1; done
   }
   for n in ${API_SERVERS:-1}; do  # HTTP proxies on the port: Serve's and n - 1 more (api_server_count)
     cfg=benchmarks/results/hostile_serve_config_$n.yaml

@@ -40,7 +40,6 @@ KEEP_EVERY_S = 2.0
 LEASE_S = 10.0  # five missed renewals: the keepers are gone
 WATCH_EVERY_S = 1.0
 DRAIN_S = 30.0  # what a leaving extra gives the requests it holds
-MAX_API_SERVERS = 64
 
 
 def api_server_name(node_id: str, i: int) -> str:
@@ -170,8 +169,8 @@ class ApiServerKeeper:
             if self._stop.wait(self.every_s):
                 return
 
-    def keep(self) -> list[str]:
-        """One round: get or create every extra, renew its lease; the names kept."""
+    def keep(self) -> None:
+        """One round: get or create every extra, renew its lease."""
         import ray
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
@@ -180,13 +179,9 @@ class ApiServerKeeper:
         if self._http is None:
             self._http = ray.get(controller.get_http_config.remote(), timeout=30)
         self._report_failed_starts()
-        kept = []
         for node_id in sorted(nodes):
             for i in range(1, self.count):
-                name = api_server_name(node_id, i)
-                self._get_or_create(name, node_id).renew.remote(self.lease_s)
-                kept.append(name)
-        return kept
+                self._get_or_create(api_server_name(node_id, i), node_id).renew.remote(self.lease_s)
 
     def _get_or_create(self, name: str, node_id: str):
         import ray

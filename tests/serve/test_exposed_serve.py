@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from ray_attn.serve.api_servers import _named_actor_alive as _alive
 from tests.serve.app_harness import ADMIN_KEY, API_KEY, OTHER_KEY, raw_request
 from tests.serve.helpers import engine_config
 from tests.timescale import scaled, wait_for
@@ -184,16 +185,6 @@ def test_a_burst_without_keys_is_all_401_and_the_keyed_client_is_served_through_
     assert wait_for(lambda: by_proxy() >= 150, 30), by_proxy()
 
 
-def _alive(name: str) -> bool:
-    import ray
-
-    try:
-        ray.get_actor(name, namespace="serve")
-        return True
-    except ValueError:
-        return False
-
-
 def _refused_by(handle) -> int:
     import ray
 
@@ -237,12 +228,11 @@ def test_a_second_api_server_shares_the_port_and_refuses_as_serves_proxy_does(ke
 def _api_server(name: str, port: int, **kw):
     """An ``ApiServer`` by hand, on ``port`` of this node, with the package Serve's options."""
     import ray
+    from ray.serve.schema import LoggingConfig
 
     from ray_attn.serve.api_servers import api_server_class
 
     controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
-    from ray.serve.schema import LoggingConfig
-
     http = copy.deepcopy(ray.get(controller.get_http_config.remote(), timeout=scaled(30)))
     http.port = port
 
