@@ -181,9 +181,14 @@ class ApiServerKeeper:
         self._report_failed_starts()
         for node_id in sorted(nodes):
             for i in range(1, self.count):
-                self._get_or_create(api_server_name(node_id, i), node_id).renew.remote(self.lease_s)
+                extra = self._get_or_create(api_server_name(node_id, i), node_id)
+                if extra is not None:
+                    extra.renew.remote(self.lease_s)
 
     def _get_or_create(self, name: str, node_id: str):
+        """The extra by name; made if missing while Serve's proxy on its node lives, else None.
+        The controller may still list a proxy that is gone (its node lost, ``serve.shutdown``
+        under way): an extra made then would only find no proxy beside it and leave."""
         import ray
         from ray.serve._private.constants import SERVE_NAMESPACE
         from ray.serve.schema import LoggingConfig
@@ -194,6 +199,8 @@ class ApiServerKeeper:
             return ray.get_actor(name, namespace=SERVE_NAMESPACE)
         except ValueError:
             pass
+        if not _named_actor_alive(_serve_proxy_name(node_id)):
+            return None
         callback = os.environ.get(CALLBACK_ENV) or CALLBACK
         handle = api_server_class().options(
             name=name, namespace=SERVE_NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,

@@ -258,6 +258,16 @@ def test_an_api_server_leaves_when_serves_proxy_is_gone_or_it_cannot_listen(serv
         with pytest.raises(Exception, match="Failed to bind"):
             ray.get(blocked.ready.remote(), timeout=scaled(60))
         assert wait_for(lambda: not _alive("RAY_ATTN_TEST_BLOCKED"), scaled(30))
+    # Nor does a keeper make one where the controller still lists a proxy that is gone (a lost
+    # node, serve.shutdown under way): a node id with no Serve proxy gets nothing.
+    from ray_attn.serve.api_servers import ApiServerKeeper
+
+    keeper = ApiServerKeeper(1)  # its own rounds make nothing (count 1); the one call below is the test
+    try:
+        assert keeper._get_or_create("RAY_ATTN_TEST_NO_PROXY", "ab" * 28) is None
+        assert not _alive("RAY_ATTN_TEST_NO_PROXY")
+    finally:
+        keeper.close()
 
 
 def _refuses(port: int) -> bool:
