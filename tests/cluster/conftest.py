@@ -17,7 +17,7 @@ from simcluster import (  # noqa: E402
     wait_replicas)
 
 __all__ = ["FRONT_RESOURCE", "REPLICA_RESOURCE", "SimCluster", "replica_actors", "replica_nodes", "start_cluster",
-           "stop_cluster", "wait_replicas", "REPLICA_CPUS", "FRONT_CPUS"]
+           "stop_cluster", "wait_replicas", "REPLICA_CPUS", "FRONT_CPUS", "start_serve"]
 
 # Each worker node's CPUs: one TP=2 Serve replica (its bundle + 0.5 per rank), or one batch
 # engine replica of 1 CPU.  The replica resource (one unit per node) keeps it to one replica.
@@ -61,6 +61,19 @@ class SharedSim:
         if self.sim is not None:
             sim, self.sim = self.sim, None
             stop_cluster(sim)
+
+
+def start_serve(proxy_location: str = "HeadOnly") -> int:
+    """Serve on the cluster, its proxies on loopback at a free port (returned): the head's alone
+    (``HeadOnly``) or on every node with a replica (``EveryNode``; the simulated nodes all listen
+    on 127.0.0.1 and share the port)."""
+    from ray import serve
+
+    from tests.serve.conftest import free_port
+
+    port = free_port()
+    serve.start(proxy_location=proxy_location, http_options={"host": "127.0.0.1", "port": port})
+    return port
 
 
 @pytest.fixture(scope="package")

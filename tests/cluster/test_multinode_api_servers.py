@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from ray_attn.serve.api_servers import PREFIX, api_server_name
-from tests.cluster.conftest import REPLICA_RESOURCE, replica_nodes, wait_replicas
+from tests.cluster.conftest import REPLICA_RESOURCE, replica_nodes, start_serve, wait_replicas
 from tests.serve.helpers import engine_config
 from tests.timescale import scaled, wait_for
 
@@ -32,12 +32,10 @@ def app(sim_cluster):
     from ray import serve
 
     from ray_attn.serve.app import build_app
-    from tests.serve.conftest import free_port
 
     sim = sim_cluster.get(workers=2)
     try:
-        port = free_port()
-        serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve("EveryNode")
         args = dict(engine=engine_config(tp=1, max_num_seqs=4).model_dump(mode="json"), executor="in_process",
                     replica_num_cpus=1.0, num_replicas=2, replica_resource=REPLICA_RESOURCE, api_server_count=2,
                     max_tokens_limit=64, health_check_period_s=1.0, health_check_timeout_s=scaled(10.0))

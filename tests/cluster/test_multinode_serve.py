@@ -33,7 +33,7 @@ import pytest
 from ray_attn.serve import progress_store
 from ray_attn.serve.sse_client import faults, stream
 from tests.cluster.conftest import (
-    FRONT_CPUS, REPLICA_CPUS, REPLICA_RESOURCE, replica_actors, replica_nodes, wait_replicas)
+    REPLICA_CPUS, REPLICA_RESOURCE, replica_actors, replica_nodes, start_serve, wait_replicas)
 from tests.serve.helpers import engine_config, tokens_of
 from tests.timescale import scaled
 
@@ -51,12 +51,10 @@ def app(sim_cluster):
     from ray import serve
 
     from ray_attn.serve.app import build_app
-    from tests.serve.conftest import free_port
 
     sim = sim_cluster.get(workers=2)
     try:
-        port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve("HeadOnly")
         # a small step budget: the long prompt's prefill takes many chunks (the node is lost in it)
         eng = engine_config(tp=TP, max_num_seqs=12).model_copy(update={"max_num_batched_tokens": 32})
         args = dict(engine=eng.model_dump(mode="json"), executor="ray", replica_num_cpus=1.0,

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from ray_attn.serve.sse_client import faults, stream
-from tests.cluster.conftest import REPLICA_RESOURCE, replica_actors, wait_replicas
+from tests.cluster.conftest import REPLICA_RESOURCE, replica_actors, start_serve, wait_replicas
 from tests.serve.helpers import engine_config, tokens_of
 from tests.timescale import scaled
 
@@ -46,12 +46,10 @@ def served(sim_cluster, tmp_path_factory):
     from ray import serve
 
     from ray_attn.serve.app import build_app
-    from tests.serve.conftest import free_port
 
     sim = sim_cluster.get(workers=1, gcs_storage_path=str(tmp_path_factory.mktemp("gcs_storage")))
-    port = free_port()
     try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve("HeadOnly")
         eng = engine_config(tp=1, max_num_seqs=8)
         args = dict(engine=eng.model_dump(mode="json"), executor="in_process", replica_num_cpus=1.0,
                     num_replicas=1, replica_resource=REPLICA_RESOURCE, max_tokens_limit=256,
