@@ -146,10 +146,16 @@ def replica_nodes(app: str, deployment: str = "LLMServer") -> dict[str, str]:
 
 def replica_actors(app: str, deployment: str = "LLMServer") -> dict[str, dict]:
     """Each alive replica of ``app``'s ``deployment``: unique id -> its actor table entry (node, pid)."""
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return {name[len(prefix):]: a for name, a in alive_named_actors(prefix).items()}
+
+
+def alive_named_actors(prefix: str) -> dict[str, dict]:
+    """Each alive actor whose name starts with ``prefix``: its name -> its entry in the GCS's
+    actor table (node, pid)."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return {a["Name"][len(prefix):]: a for a in ray._private.state.actors().values()
+    return {a["Name"]: a for a in ray._private.state.actors().values()
             if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)}
 
 

@@ -64,6 +64,22 @@ def _named_actor_alive(name: str) -> bool:
         return False
 
 
+def serve_proxy_nodes(controller=None) -> set[str]:
+    """The nodes Serve runs an HTTP proxy on, as its controller lists them: the nodes a keeper
+    gives extras to."""
+    import ray
+
+    controller = controller or _serve_controller()
+    return set(ray.get(controller.get_proxies.remote(), timeout=30))
+
+
+def _serve_controller():
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+
+
 _API_SERVER = None
 
 
@@ -172,10 +188,9 @@ class ApiServerKeeper:
     def keep(self) -> None:
         """One round: get or create every extra, renew its lease."""
         import ray
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        nodes = ray.get(controller.get_proxies.remote(), timeout=30)
+        controller = _serve_controller()
+        nodes = serve_proxy_nodes(controller)
         if self._http is None:
             self._http = ray.get(controller.get_http_config.remote(), timeout=30)
         self._report_failed_starts()

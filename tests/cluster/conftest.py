@@ -13,10 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from simcluster import (  # noqa: E402
-    FRONT_RESOURCE, REPLICA_RESOURCE, SimCluster, replica_actors, replica_nodes, start_cluster, stop_cluster,
+    FRONT_RESOURCE, alive_named_actors, REPLICA_RESOURCE, SimCluster, replica_actors, replica_nodes, start_cluster, stop_cluster,
     wait_replicas)
 
-__all__ = ["FRONT_RESOURCE", "REPLICA_RESOURCE", "SimCluster", "replica_actors", "replica_nodes", "start_cluster",
+__all__ = ["FRONT_RESOURCE", "alive_named_actors", "REPLICA_RESOURCE", "SimCluster", "replica_actors", "replica_nodes", "start_cluster",
            "stop_cluster", "wait_replicas", "REPLICA_CPUS", "FRONT_CPUS", "start_serve"]
 
 # Each worker node's CPUs: one TP=2 Serve replica (its bundle + 0.5 per rank), or one batch

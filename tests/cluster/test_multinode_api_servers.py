@@ -18,8 +18,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ray_attn.serve.api_servers import PREFIX, api_server_name
-from tests.cluster.conftest import REPLICA_RESOURCE, replica_nodes, start_serve, wait_replicas
+from ray_attn.serve.api_servers import PREFIX, api_server_name, serve_proxy_nodes
+from tests.cluster.conftest import REPLICA_RESOURCE, alive_named_actors, replica_nodes, start_serve, wait_replicas
 from tests.serve.helpers import engine_config
 from tests.timescale import scaled, wait_for
 
@@ -49,26 +49,25 @@ def app(sim_cluster):
             sim_cluster.discard()
 
 
-def proxy_nodes() -> set[str]:
-    """The nodes Serve runs a proxy on (its controller's view, which the keepers read)."""
-    import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    return set(ray.get(controller.get_proxies.remote(), timeout=30))
-
-
 def extras() -> dict[str, str]:
-    """Each live extra proxy: its name -> the node it runs on (the GCS's actor table)."""
-    import ray
-
-    return {a["Name"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
-            if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(PREFIX)}
+    """Each live extra proxy: its name -> the node it runs on."""
+    return {name: a["Address"]["NodeID"] for name, a in alive_named_actors(PREFIX).items()}
 
 
-def one_extra_per_proxy_node() -> bool:
-    nodes = proxy_nodes()
-    return extras() == {api_server_name(n, 1): n for n in nodes}
+def settled_proxy_nodes() -> set[str]:
+    """The nodes Serve runs a proxy on (as the keepers read them) once each has its one extra
+    beside it and no other node has one; empty until then."""
+    nodes = serve_proxy_nodes()
+    return nodes if extras() == {api_server_name(n, 1): n for n in nodes} else set()
+
+
+def wait_settled(ok=lambda nodes: True) -> set[str]:
+    """``settled_proxy_nodes()`` once they satisfy ``ok`` (polled for up to 60 s, scaled); empty if never."""
+    def poll():
+        nodes = settled_proxy_nodes()
+        return nodes if nodes and ok(nodes) else set()
+
+    return wait_for(poll, 60, every=0.5)
 
 
 def served_on_fresh_connections(url: str, n: int = 12) -> list[int]:
@@ -85,22 +84,19 @@ def test_each_proxy_node_gets_its_extra_and_a_lost_or_joining_node_is_followed(a
     sim, url = app
     nodes = set(replica_nodes(APP).values())
     assert len(nodes) == 2  # one replica on each worker node
-    assert wait_for(one_extra_per_proxy_node, 60, every=0.5), (proxy_nodes(), extras())
-    assert nodes < proxy_nodes()  # the head's proxy too
+    assert nodes < wait_settled(), (serve_proxy_nodes(), extras())  # the head's proxy too
     assert served_on_fresh_connections(url) == [200] * 12
 
     # A worker node lost with its replica, its proxy and its extra.
     victim = sim.node_of(next(iter(nodes)))
     sim.remove(victim)
-    assert wait_for(lambda: victim.node_id not in proxy_nodes() and one_extra_per_proxy_node(), 60, every=0.5), \
-        (proxy_nodes(), extras())
+    assert wait_settled(lambda p: victim.node_id not in p), (serve_proxy_nodes(), extras())
     assert not any(victim.node_id in name for name in extras())
     assert served_on_fresh_connections(url) == [200] * 12
 
     # A node joins: Serve puts the replica back there, then its proxy; the keepers its extra.
     joined = sim.add_replica_node()
     wait_replicas(APP, 2)
-    assert wait_for(lambda: joined.node_id in proxy_nodes() and one_extra_per_proxy_node(), 60, every=0.5), \
-        (proxy_nodes(), extras())
+    assert wait_settled(lambda p: joined.node_id in p), (serve_proxy_nodes(), extras())
     assert len(extras()) == 3
     assert served_on_fresh_connections(url) == [200] * 12
