@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.interpreter import SHARD_ENV
 from tests.timescale import TIME_SCALE, busy_cpus, scaled
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -61,6 +62,12 @@ def pytest_collection_modifyitems(config, items):
     from tests.interpreter import note_collected
 
     note_collected(items)  # the kernel modules whose interpreted runs share one subprocess
+    shard = os.environ.get(SHARD_ENV)
+    if shard:  # one of tests/interpreter.py's concurrent runs: every n-th test, from the i-th
+        i, n = (int(x) for x in shard.split("/"))
+        keep = [item for j, item in enumerate(items) if j % n == i]
+        config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i])
+        items[:] = keep
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
