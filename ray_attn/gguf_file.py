@@ -7,15 +7,18 @@ A checkpoint path names a GGUF when it is a file, or a folder without config.jso
 ``gguf`` cannot dequantize, a file that is not a GGUF -- is refused here, by name, when the
 driver validates the config: before any actor starts.
 
-Reading a GGUF's metadata is slow (``GGUFReader`` walks every token of the vocabulary: ~2 s for
-SmolLM2's 49k), so a process reads each file once (``reader``, ``gguf_fields``), and the config
-comes from that reader (``transformers_config``), not from a second one inside transformers.
+Reading a GGUF's metadata is slow (gguf's ``GGUFReader`` walks every token of the vocabulary:
+3.3 s for SmolLM2's 49k on the AMD VM), so files are opened through ``gguf_reader``'s faster one
+(0.25 s), a process reads each file once (``reader``, ``gguf_fields``), and the config comes from
+that reader (``transformers_config``), not from a second one inside transformers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 from ray_attn import hf_config
 
@@ -57,10 +60,10 @@ def reader(path: str):
 
 @functools.lru_cache(maxsize=4)
 def _reader(path: str, size: int, mtime: int):
-    from gguf import GGUFReader
+    from ray_attn.gguf_reader import FastGGUFReader
 
     try:
-        return GGUFReader(path)
+        return FastGGUFReader(path)
     except Exception as e:  # bad magic (ValueError), truncated (IndexError, struct / mmap errors)
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
@@ -178,7 +181,8 @@ def load_tokenizer(path: str):
         except Exception:  # a damaged entry: rebuilt from the file below
             pass
     folder, name = os.path.split(os.path.abspath(path))
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
+    with _transformers_reading():
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
     if cached is not None:
         _save_tokenizer(tok, cached)
     return tok
@@ -186,36 +190,49 @@ def load_tokenizer(path: str):
 
 def hf_causal_lm(path: str, dtype=None):
     """HF transformers' own model from the GGUF (``AutoModelForCausalLM`` with ``gguf_file``), the
-    reference the demo, the tests and the scripts compare against, in ``dtype`` (float32 unset).
-
-    transformers parses the file's header twice (for the config, then for the weights) and
-    rebuilds gguf's tensor-name map once for each of the model's modules: ~9 of ~18 s for
-    SmolLM2 on two cores.  Within this call both are cached; what transformers computes from
-    them is unchanged (it only reads the reader and the map)."""
-    import functools
-
-    import gguf
+    reference the demo, the tests and the scripts compare against, in ``dtype`` (float32 unset)."""
     import torch
     import transformers
 
     folder, name = os.path.split(os.path.abspath(path))
-    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _transformers_reading():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                  dtype=dtype or torch.float32)
+    return model.eval()
+
+
+_SWAP_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _transformers_reading():
+    """While transformers reads a GGUF: its ``GGUFReader`` is ours, one per file, and gguf's
+    tensor-name map is cached.
+
+    transformers parses the file's header twice for a model (config, then weights) and once more
+    for a tokenizer, with the stock reader (3.3 s for SmolLM2 on the AMD VM; ``gguf_reader``'s
+    0.25), and rebuilds the name map once for each of the model's modules.  It only reads the
+    reader and the map, so what it computes is unchanged.  gguf's module attributes are swapped
+    for the call (transformers imports both from the package inside its loader, at each call)."""
+    import gguf
+
+    from ray_attn.gguf_reader import FastGGUFReader
+
     readers = {}
 
     def reader(file, *args, **kwargs):
         key = (os.path.abspath(str(file)), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = reader_cls(file, *args, **kwargs)
+            readers[key] = FastGGUFReader(file, *args, **kwargs)
         return readers[key]
 
-    # transformers imports both from the gguf package inside its loader, at each call
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                                  dtype=dtype or torch.float32)
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
-    return model.eval()
+    with _SWAP_LOCK:  # two threads swapping at once would leave the other's reader in place
+        stock_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = stock_reader, name_map
 
 
 _COMPLETE = "ray_attn_complete"  # written last: a folder without it is a save that did not finish

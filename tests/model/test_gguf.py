@@ -113,7 +113,7 @@ def test_engine_greedy_tokens_equal_hf_on_the_same_gguf(tmp_path, model_type, qt
 def test_hf_causal_lm_is_transformers_own_reading_with_the_header_read_once(tmp_path, monkeypatch):
     """``gguf_file.hf_causal_lm`` (the reference of the demo, lm-eval tests and scripts): the same
     config and weights as transformers' plain load, the file's header parsed once instead of
-    twice, and gguf's names back as they were afterwards."""
+    twice (by ``gguf_reader``'s reader), and gguf's names back as they were afterwards."""
     import gguf
 
     from ray_attn.gguf_file import hf_causal_lm
@@ -121,12 +121,15 @@ def test_hf_causal_lm_is_transformers_own_reading_with_the_header_read_once(tmp_
     _, path = write(tmp_path, "llama", "Q4_1", seed=3)
     plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                               dtype=torch.float32)
+    from ray_attn import gguf_reader
+
     reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     opened = []
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or reader_cls(*a, **k))
+    fast = gguf_reader.FastGGUFReader
+    monkeypatch.setattr(gguf_reader, "FastGGUFReader", lambda *a, **k: opened.append(a) or fast(*a, **k))
     ours = hf_causal_lm(str(path))
-    assert len(opened) == 1 and not ours.training
-    assert gguf.get_tensor_name_map is name_map and gguf.GGUFReader is not reader_cls  # the test's own
+    assert len(opened) == 1 and not ours.training  # through our reader, once
+    assert gguf.get_tensor_name_map is name_map and gguf.GGUFReader is reader_cls
     assert ours.config.to_dict() == plain.config.to_dict()
     want = plain.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in ours.state_dict().items()) and ours.state_dict().keys() == want.keys()
