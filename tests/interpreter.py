@@ -80,7 +80,7 @@ def _run_interpreted(files: list[str]) -> None:
             passed += re.findall(rf"^PASSED ({re.escape(rel)}::\S+)", stdout, re.M)
             failed += re.findall(rf"^(?:FAILED|ERROR) ({re.escape(rel)}(?:::\S+)?)", stdout, re.M)
             # no report at all (exit 5, nothing collected, is a shard with none of its tests): the run failed
-            if rc not in (0, 1, 5) and not re.search(rf"^(?:FAILED|ERROR) ", stdout, re.M):
+            if rc not in (0, 1, 5) and not re.search(r"^(?:FAILED|ERROR) ", stdout, re.M):
                 failed.append(f"{rel} (pytest exited {rc})")
         _RESULTS[f] = (passed, failed)
 
