@@ -82,6 +82,9 @@ def _run_interpreted(files: list[str]) -> None:
             # no report at all (exit 5, nothing collected, is a shard with none of its tests): the run failed
             if rc not in (0, 1, 5) and not re.search(r"^(?:FAILED|ERROR) ", stdout, re.M):
                 failed.append(f"{rel} (pytest exited {rc})")
+        twice = sorted({t for t in passed if passed.count(t) > 1})
+        if twice:  # the shards must split the tests, not repeat them
+            failed.append(f"{rel}: {len(twice)} tests ran in more than one shard, e.g. {twice[0]}")
         _RESULTS[f] = (passed, failed)
 
 
