@@ -39,20 +39,23 @@ def measure() -> float:
     return min(MAX_SCALE, max(1.0, load, speed))
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """``/proc/stat``'s ticks since boot, summed over the cores: (all, idle + iowait).  Raises
+    OSError where there is no ``/proc/stat``."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
+
+
 def busy_cpus(window_s: float = 0.3) -> float:
     """How many CPUs other processes keep busy now (this one sleeps while it samples): the
     non-idle share of ``/proc/stat``'s ticks over ``window_s``, times the CPU count; 0 where
     there is no ``/proc/stat``.  A load average lags by a minute: a hog started with the run is
     seen here at once."""
-    def ticks():
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # all, idle + iowait
-
     try:
-        total0, idle0 = ticks()
+        total0, idle0 = cpu_ticks()
         time.sleep(window_s)
-        total1, idle1 = ticks()
+        total1, idle1 = cpu_ticks()
     except (OSError, ValueError, IndexError):
         return 0.0
     if total1 <= total0:

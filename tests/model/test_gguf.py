@@ -116,13 +116,12 @@ def test_hf_causal_lm_is_transformers_own_reading_with_the_header_read_once(tmp_
     twice (by ``gguf_reader``'s reader), and gguf's names back as they were afterwards."""
     import gguf
 
+    from ray_attn import gguf_reader
     from ray_attn.gguf_file import hf_causal_lm
 
     _, path = write(tmp_path, "llama", "Q4_1", seed=3)
     plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                               dtype=torch.float32)
-    from ray_attn import gguf_reader
-
     reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     opened = []
     fast = gguf_reader.FastGGUFReader
